@@ -1,0 +1,28 @@
+# Set-up and the two everyday jobs. `make demo` and `make test` each create .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# On a CUDA machine: make CONSTRAINTS= TORCH=torch==<version> ...
+CONSTRAINTS ?= constraints-cpu.txt
+TORCH ?= torch==2.13.0+cpu
+PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+
+.PHONY: install demo test lint
+
+install: $(VENV)/.folio-installed
+
+$(VENV)/.folio-installed: pyproject.toml $(CONSTRAINTS)
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(PIP_C) "$(TORCH)"
+	$(BIN)/python -m pip install -q $(PIP_C) -e '.[test]'
+	touch $@
+
+demo: install
+	PATH="$(abspath $(BIN)):$$PATH" scripts/demo.sh
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check .

@@ -1,0 +1,102 @@
+"""The step-plan wire format and the committed gRPC stubs."""
+
+from __future__ import annotations
+
+import filecmp
+import importlib.util
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from protos.channel import ProtocolError, decode, encode
+from protos.plan import (
+    PROTOCOL_VERSION,
+    CachedRequest,
+    ExecutorError,
+    Hello,
+    NewRequest,
+    Reject,
+    SamplingSpec,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    Welcome,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+MESSAGES = [
+    Hello(PROTOCOL_VERSION, "exec-1", "tiny", "LlamaForCausalLM", 32000, 4096, 16, 1234, 64,
+          "bfloat16", "cuda:0", random_weights=True),
+    Welcome(PROTOCOL_VERSION),
+    Reject("executor speaks protocol v9, this scheduler v1"),
+    StepPlan(step_id=0),
+    StepPlan(
+        step_id=17,
+        new_reqs=[
+            NewRequest("r1", [1, 2, 3, 4], SamplingSpec(), [7], 0, 4),
+            NewRequest("r2", list(range(40)), SamplingSpec(0.7, 0.9, 50, 2**63 - 1), [3, 9, 4],
+                       16, 24),
+        ],
+        cached_reqs=[CachedRequest("r0", [], 33, 1), CachedRequest("r3", [12], 48, 1)],
+        finished_req_ids=["r4", "r5"],
+        preempted_req_ids=["r6"],
+        block_copies=[(1, 2), (5, 6)],
+        swap_out=[(8, 0)],
+        swap_in=[(1, 10)],
+    ),
+    StepResult(17, [("r1", [42]), ("r0", [7, 8])], 0.0123),
+    StepResult(18),
+    ExecutorError(19, "CUDA out of memory"),
+    Shutdown(),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    frame = encode(msg)
+    assert isinstance(frame, bytes)
+    back = decode(frame)
+    assert back == msg
+    assert type(back) is type(msg)
+
+
+def test_wire_is_plain_msgpack():
+    # Only lists, ints, floats, strings, bools and None: a peer in any language can read it.
+    def plain(x):
+        if isinstance(x, list):
+            return all(plain(i) for i in x)
+        return x is None or isinstance(x, (int, float, str, bool))
+
+    for msg in MESSAGES:
+        assert plain(msgpack.unpackb(encode(msg)))
+
+
+def test_plan_counts_scheduled_tokens():
+    assert MESSAGES[4].num_scheduled_tokens == 4 + 24 + 1 + 1
+
+
+@pytest.mark.parametrize("frame, match", [
+    (b"\xc1", "undecodable"),
+    (msgpack.packb({"t": 1}), "non-empty list"),
+    (msgpack.packb([99, 1]), "unknown message tag 99"),
+    (msgpack.packb([StepPlan.TAG, 1, [[1]]]), "malformed message"),
+])
+def test_bad_frames_are_refused(frame, match):
+    with pytest.raises(ProtocolError, match=match):
+        decode(frame)
+
+
+def test_committed_stubs_are_fresh(tmp_path):
+    if importlib.util.find_spec("grpc_tools") is None:
+        pytest.skip("grpcio-tools is a test extra")
+    from protos.generate import PROTO_FILES, generate
+
+    generate(tmp_path)
+    for proto in PROTO_FILES:
+        stem = proto.removesuffix(".proto")
+        for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"):
+            fresh, committed = tmp_path / f"{stem}{suffix}", ROOT / f"{stem}{suffix}"
+            assert filecmp.cmp(fresh, committed, shallow=False), (
+                f"{committed} is stale: run `python -m protos.generate`")
