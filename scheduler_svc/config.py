@@ -1,0 +1,129 @@
+"""The scheduler's configuration: one frozen dataclass, built once from CLI flags in `cli.py`.
+
+Values learned at run time (KV blocks, the model's max length) arrive in the executor's Hello
+and live in the engine; nothing here changes after start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+DEFAULT_EXECUTOR_ADDRESS = "tcp://127.0.0.1:5557"
+# Flags `folio serve` hands to the executor child unchanged (dest name -> flag).
+EXECUTOR_PASSTHROUGH = {
+    "block_size": "--block-size",
+    "num_kv_blocks": "--num-kv-blocks",
+    "kv_cache_memory": "--kv-cache-memory",
+    "dtype": "--dtype",
+    "device": "--device",
+    "max_model_len": "--max-model-len",
+}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    model: str | None = None  # checkpoint dir or hub id; None = the embedded default (serve)
+    host: str = "127.0.0.1"
+    port: int = 50051
+    executor_address: str | None = None  # None = DEFAULT_EXECUTOR_ADDRESS (serve: any free port)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # cap below the model's own limit
+    log_format: str = "console"
+    log_level: str = "info"
+    # A step that takes longer than this means the executor is gone. Generous: a first CPU
+    # prefill of a long prompt can take many seconds.
+    executor_timeout_s: float = 120.0
+    stats_interval_s: float = 10.0
+    # Executor flags, used only when the scheduler spawns the executor (serve).
+    block_size: int | None = None
+    num_kv_blocks: int | None = None
+    kv_cache_memory: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be between 0 and 65535, got {self.port}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("--max-num-batched-tokens must be at least 1, "
+                             f"got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("--max-model-len must leave room for a prompt token and a "
+                             f"generated one (at least 2), got {self.max_model_len}")
+        if self.log_format not in ("console", "json"):
+            raise ValueError(f"--log-format must be 'console' or 'json', got {self.log_format!r}")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ValueError("--log-level must be one of debug, info, warning, error, "
+                             f"got {self.log_level!r}")
+        if self.executor_timeout_s <= 0:
+            raise ValueError("--executor-timeout must be a positive number of seconds, "
+                             f"got {self.executor_timeout_s}")
+        if self.stats_interval_s <= 0:
+            raise ValueError("--stats-interval must be a positive number of seconds, "
+                             f"got {self.stats_interval_s}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"--block-size must be at least 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"--num-kv-blocks must be at least 1, got {self.num_kv_blocks}")
+        if self.dtype not in (None, "auto", "float32", "float16", "bfloat16"):
+            raise ValueError("--dtype must be one of auto, float32, float16, bfloat16, "
+                             f"got {self.dtype!r}")
+        if self.device not in (None, "auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be one of auto, cpu, cuda, got {self.device!r}")
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def executor_flags(self) -> list[str]:
+        """The passthrough flags for a spawned executor, in CLI form."""
+        flags: list[str] = []
+        for dest, flag in EXECUTOR_PASSTHROUGH.items():
+            value = getattr(self, dest)
+            if value is not None:
+                flags += [flag, str(value)]
+        return flags
+
+
+def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Folio scheduler: gRPC API, tokenizer, "
+                                "continuous batching and the KV block manager.")
+    p.add_argument("--model", help="checkpoint directory or hub id (serve: defaults to the "
+                   "embedded random-weight model)")
+    p.add_argument("--host", default="127.0.0.1", help="gRPC bind host (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051)")
+    p.add_argument("--executor-address", help="ZeroMQ endpoint the scheduler binds for the "
+                   f"executor (default {DEFAULT_EXECUTOR_ADDRESS})")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="most sequences in one step (default 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one step, prefill chunks included (default 2048)")
+    p.add_argument("--max-model-len", type=int, help="cap on prompt + generated tokens")
+    p.add_argument("--log-format", choices=["console", "json"], default="console")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    p.add_argument("--executor-timeout", dest="executor_timeout_s", type=float, default=120.0,
+                   help="seconds without a step result before the executor counts as lost")
+    p.add_argument("--stats-interval", dest="stats_interval_s", type=float, default=10.0,
+                   help="seconds between INFO stats lines")
+    g = p.add_argument_group("executor flags (passed through by serve)")
+    g.add_argument("--block-size", type=int)
+    g.add_argument("--num-kv-blocks", type=int)
+    g.add_argument("--kv-cache-memory")
+    g.add_argument("--dtype")
+    g.add_argument("--device")
+    return p
+
+
+def config_from_argv(argv: list[str] | None, prog: str | None = None) -> SchedulerConfig:
+    """Parse flags into a SchedulerConfig; bad values exit with argparse's usage message."""
+    parser = build_parser(prog) if prog else build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return SchedulerConfig(**vars(args))
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits

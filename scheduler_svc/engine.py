@@ -1,0 +1,339 @@
+"""The engine loop: handshake with the executor, then schedule -> plan -> result -> outputs.
+
+One asyncio task runs the loop; gRPC handlers call `submit`/`abort` from the same event loop,
+so no locks are needed. A reader task moves every channel message into `_inbox`, so the loop
+can wait on "a message or new work" without racing two readers on the socket.
+
+    handlers --submit/abort--> Scheduler <--schedule/update-- loop --StepPlan--> executor
+       ^                                                       |   <--StepResult--
+       +------------- RequestStream queues <-- outputs --------+
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+
+import structlog
+import zmq
+
+from protos.channel import ProtocolError, SchedulerEnd
+from protos.plan import (
+    PROTOCOL_VERSION,
+    ExecutorError,
+    Hello,
+    Message,
+    Reject,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    Welcome,
+)
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.errors import (
+    DuplicateRequest,
+    ExecutorFailed,
+    ExecutorUnavailable,
+    InvalidRequest,
+    Overloaded,
+)
+from scheduler_svc.handshake import ExecutorInfo, check_hello
+from scheduler_svc.request import (
+    Request,
+    RequestOutput,
+    RequestStatus,
+    RequestStream,
+    SubmitParams,
+)
+from scheduler_svc.scheduler import Scheduler, StepOutput
+from scheduler_svc.stats import StatsLogger
+from scheduler_svc.tokenizer import Tokenizer
+
+log = structlog.get_logger("folio.scheduler.engine")
+
+MAX_WAITING_REQUESTS = 65536  # beyond this, new requests get RESOURCE_EXHAUSTED
+COUNTERS = ("num_preemptions", "num_finished_requests", "num_prompt_tokens",
+            "num_generated_tokens", "num_steps")
+NO_EXECUTOR = ("no executor connected; start one with `python -m executor_svc --model DIR "
+               "--scheduler-address ADDR`, or wait until it has loaded the model")
+
+
+class Engine:
+    def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer, channel: SchedulerEnd,
+                 on_executor_change: Callable[[bool], Awaitable[None]] | None = None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.channel = channel
+        self.executor: ExecutorInfo | None = None
+        self.scheduler: Scheduler | None = None
+        self._hello: Hello | None = None  # the connected executor's Hello
+        self._on_executor_change = on_executor_change
+        self._inbox: asyncio.Queue[tuple[bytes, Message]] = asyncio.Queue()
+        self._wakeup = asyncio.Event()
+        self._stopping = False
+        self._next_arrival = 0
+        self.stats = StatsLogger(config.stats_interval_s)
+        # Counters of schedulers retired with their executor, for cumulative ServerStats.
+        self._past_totals = dict.fromkeys(COUNTERS, 0)
+
+    # ---- called by gRPC handlers -----------------------------------------------------------
+
+    def submit(self, params: SubmitParams) -> RequestStream:
+        """Queue a request; raise a FolioError the client can act on when it cannot run."""
+        if self.scheduler is None or self.executor is None:
+            raise ExecutorUnavailable(NO_EXECUTOR)
+        info, num_prompt = self.executor, len(params.prompt_token_ids)
+        if num_prompt == 0:
+            raise InvalidRequest("the prompt is empty; send at least one token")
+        for name, ids in (("prompt", params.prompt_token_ids), ("stop", params.stop_token_ids)):
+            if (bad := next((t for t in ids if t >= info.vocab_size), None)) is not None:
+                raise InvalidRequest(f"{name} token id {bad} is out of range: the model's "
+                                     f"vocabulary has {info.vocab_size} tokens "
+                                     f"(ids 0..{info.vocab_size - 1})")
+        if num_prompt > info.max_model_len:
+            raise InvalidRequest(f"prompt has {num_prompt} tokens but max_model_len is "
+                                 f"{info.max_model_len}; shorten the prompt")
+        if params.req_id in self.scheduler.requests:
+            raise DuplicateRequest(f"request_id {params.req_id!r} is already in use by a "
+                                   "waiting or running request; pick another or leave it empty")
+        if len(self.scheduler.waiting) >= MAX_WAITING_REQUESTS:
+            raise Overloaded(f"{len(self.scheduler.waiting)} requests are already waiting; "
+                             "retry later")
+        # At least one token is always generated, even for a prompt of max_model_len tokens.
+        max_tokens = max(1, info.max_model_len - num_prompt)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        stream = RequestStream(IncrementalDetokenizer(self.tokenizer))
+        req = Request(req_id=params.req_id, prompt_token_ids=list(params.prompt_token_ids),
+                      sampling=params.sampling, max_tokens=max_tokens,
+                      arrival=self._next_arrival, eos_token_ids=self.tokenizer.eos_token_ids,
+                      stop_token_ids=frozenset(params.stop_token_ids),
+                      ignore_eos=params.ignore_eos, stream=stream)
+        self._next_arrival += 1
+        self.scheduler.add_request(req)
+        self._wakeup.set()
+        log.debug("request queued", req_id=req.req_id, num_prompt_tokens=num_prompt,
+                  max_tokens=max_tokens)
+        return stream
+
+    def abort(self, req_id: str) -> bool:
+        """Abort a waiting or running request; its stream ends with an ABORT message."""
+        req = self.scheduler.abort_request(req_id) if self.scheduler else None
+        if req is None:
+            return False
+        self._emit([StepOutput(req, [], True)])
+        self._wakeup.set()
+        log.info("request aborted", req_id=req_id)
+        return True
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        reader = asyncio.create_task(self._read_channel(), name="folio-channel-reader")
+        try:
+            while not self._stopping:
+                self._wakeup.clear()
+                try:
+                    await self._iterate()
+                except Exception as e:  # a scheduler bug: end every request, keep serving
+                    log.exception("engine step failed")
+                    await self._close_executor(f"internal scheduler error ({e!r}); the "
+                                               "executor was reset", send_shutdown=True)
+                self._log_stats()
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            await self._close_executor("the server is shutting down")
+
+    async def _iterate(self) -> None:
+        """One turn of the loop: a step if there is one to run, else wait for work."""
+        if self.scheduler is not None and self.scheduler.has_unfinished():
+            if (plan := self.scheduler.schedule()) is not None:
+                await self._run_step(plan)
+                return
+        await self._wait_for_message()
+
+    def server_stats(self) -> dict[str, int | bool]:
+        """ServerStats fields: counters cover every executor this server has had."""
+        s = self.scheduler
+        totals = {k: v + (getattr(s, k) if s else 0) for k, v in self._past_totals.items()}
+        return dict(num_running=len(s.running) if s else 0,
+                    num_waiting=len(s.waiting) if s else 0,
+                    kv_blocks_total=s.block_manager.num_blocks if s else 0,
+                    kv_blocks_free=s.block_manager.num_free_blocks if s else 0,
+                    executor_connected=self.executor is not None, **totals)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+
+    async def _read_channel(self) -> None:
+        while True:
+            try:
+                self._inbox.put_nowait(await self.channel.recv())
+            except ProtocolError as e:
+                log.warning("dropped a malformed executor message", error=str(e))
+
+    async def _wait_for_message(self) -> None:
+        """Idle: sleep until new work arrives, or handle what the executor sends meanwhile."""
+        wake = asyncio.create_task(self._wakeup.wait())
+        get = asyncio.create_task(self._inbox.get())
+        done, _ = await asyncio.wait({wake, get}, timeout=self.config.stats_interval_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        wake.cancel()
+        if get in done:
+            await self._handle_unsolicited(*get.result())
+        else:
+            get.cancel()
+
+    async def _handle_unsolicited(self, identity: bytes, msg: Message) -> None:
+        match msg:
+            case Hello():
+                await self._handshake(identity, msg)
+            case _:
+                log.warning("ignored an unexpected executor message", message=type(msg).__name__)
+
+    async def _run_step(self, plan: StepPlan) -> None:
+        info = self.executor
+        step_log = log.bind(step=plan.step_id)
+        step_log.debug("step planned", num_new=len(plan.new_reqs),
+                       num_cached=len(plan.cached_reqs),
+                       num_scheduled_tokens=plan.num_scheduled_tokens)
+        try:
+            await self.channel.send(info.identity, plan)
+        except zmq.ZMQError as e:
+            await self._lose_executor(f"sending step {plan.step_id} failed: {e}")
+            return
+        deadline = time.monotonic() + self.config.executor_timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                identity, msg = await asyncio.wait_for(self._inbox.get(), remaining)
+            except TimeoutError:
+                break
+            match msg:
+                case StepResult(step_id=plan.step_id) if identity == info.identity:
+                    self.stats.record_step(plan.num_scheduled_tokens, len(msg.sampled))
+                    self._emit(self.scheduler.update(msg))
+                    return
+                case ExecutorError(step_id=plan.step_id) if identity == info.identity:
+                    self._fail_step(plan, msg.message)
+                    return
+                case Hello() if self._is_resent_hello(identity, msg):
+                    await self._send_quietly(identity, Welcome(PROTOCOL_VERSION))
+                case Hello():
+                    if await self._handshake(identity, msg):
+                        return  # replaced mid-step: the old executor's requests failed
+                case _:
+                    step_log.warning("ignored an unexpected executor message",
+                                     message=type(msg).__name__)
+        await self._lose_executor(f"no result for step {plan.step_id} within "
+                                  f"{self.config.executor_timeout_s:g}s")
+
+    def _fail_step(self, plan: StepPlan, message: str) -> None:
+        log.error("executor failed a step", step=plan.step_id, error=message)
+        failed = self.scheduler.fail_requests(self.scheduler.abandon_in_flight())
+        error = ExecutorFailed(f"the executor failed step {plan.step_id}: {message}")
+        for req in failed:
+            if req.stream is not None:
+                req.stream.put(RequestOutput([], error=error))
+
+    def _emit(self, outputs: list[StepOutput]) -> None:
+        """Turn step outputs into stream messages: token ids, text delta, finish, usage."""
+        for out in outputs:
+            req, stream = out.req, out.req.stream
+            if stream is None:
+                continue
+            text = stream.detokenizer.push(out.new_token_ids) if stream.detokenizer else ""
+            if out.finished and stream.detokenizer:
+                text += stream.detokenizer.flush()
+            stream.put(RequestOutput(
+                token_ids=out.new_token_ids, text=text,
+                finish_status=req.status if out.finished else None,
+                num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens))
+            if out.finished:
+                log.debug("request finished", req_id=req.req_id, status=req.status.value,
+                          num_output_tokens=req.num_output_tokens)
+
+    # ---- executor lifecycle ----------------------------------------------------------------
+
+    def _is_resent_hello(self, identity: bytes, hello: Hello) -> bool:
+        # An executor resends Hello until answered; a copy arriving after our Welcome is no
+        # restart (a restarted process connects with a new identity).
+        return self.executor is not None and identity == self.executor.identity \
+            and hello == self._hello
+
+    async def _send_quietly(self, identity: bytes, msg: Message) -> bool:
+        try:
+            await self.channel.send(identity, msg)
+            return True
+        except zmq.ZMQError as e:  # the peer vanished; whoever waits on it times out
+            log.warning("could not send to the executor", message=type(msg).__name__,
+                        error=str(e))
+            return False
+
+    async def _handshake(self, identity: bytes, hello: Hello) -> bool:
+        """Answer a Hello; True if this executor is now the connected one."""
+        if self._is_resent_hello(identity, hello):
+            await self._send_quietly(identity, Welcome(PROTOCOL_VERSION))
+            return False
+        reason = check_hello(hello, self.tokenizer)
+        if reason is not None:  # a bad newcomer does not disturb a connected executor
+            log.error("executor rejected", executor_id=hello.executor_id, reason=reason)
+            await self._send_quietly(identity, Reject(reason))
+            return False
+        if self.executor is not None:
+            # A new executor replaces the old one (a restart): the old KV state is gone.
+            await self._close_executor("a new executor replaced the one running this request",
+                                       send_shutdown=True)
+        info = ExecutorInfo.from_hello(identity, hello, self.config.max_model_len)
+        self.executor, self._hello = info, hello
+        self.scheduler = Scheduler(BlockManager(info.num_kv_blocks, info.block_size),
+                                   self.config.max_num_seqs,
+                                   self.config.max_num_batched_tokens, info.max_model_len)
+        if not await self._send_quietly(identity, Welcome(PROTOCOL_VERSION)):
+            self.executor = self.scheduler = self._hello = None
+            return False
+        log.info("executor connected", executor_id=hello.executor_id, model=hello.model_name,
+                 num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
+                 max_model_len=info.max_model_len, dtype=info.dtype, device=info.device,
+                 random_weights=info.random_weights)
+        if info.max_model_len < min(hello.max_model_len, self.config.max_model_len or 1 << 62):
+            log.warning("max_model_len capped by the KV pool", max_model_len=info.max_model_len,
+                        hint="give the executor more --kv-cache-memory or --num-kv-blocks")
+        if self._on_executor_change is not None:
+            await self._on_executor_change(True)
+        return True
+
+    async def _lose_executor(self, reason: str) -> None:
+        log.error("executor lost", reason=reason)
+        await self._close_executor(f"the executor was lost ({reason}); retry once it is back")
+
+    async def _close_executor(self, reason: str, send_shutdown: bool = False) -> None:
+        """Fail every unfinished request with UNAVAILABLE and forget the executor."""
+        info, scheduler = self.executor, self.scheduler
+        if info is None:
+            return
+        self.executor, self.scheduler = None, None
+        error = ExecutorUnavailable(reason)
+        for req in list(scheduler.requests.values()):
+            req.status = RequestStatus.FINISHED_ERROR
+            if req.stream is not None:
+                req.stream.put(RequestOutput([], error=error))
+        for name in COUNTERS:
+            self._past_totals[name] += getattr(scheduler, name)
+        self._past_totals["num_finished_requests"] += len(scheduler.requests)
+        if send_shutdown or self._stopping:
+            await self._send_quietly(info.identity, Shutdown())
+        if self._on_executor_change is not None:
+            await self._on_executor_change(False)
+
+    def _log_stats(self) -> None:
+        s = self.scheduler
+        self.stats.maybe_log(num_running=len(s.running) if s else 0,
+                             num_waiting=len(s.waiting) if s else 0,
+                             num_free_blocks=s.block_manager.num_free_blocks if s else 0)

@@ -1,0 +1,79 @@
+"""Public API messages -> validated scheduler inputs. Raises InvalidRequest with a sentence the
+client can act on; checks that need the executor's facts (vocab, max_model_len) live in
+`Engine.submit`."""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+import jinja2
+
+from protos.folio.v1 import generator_pb2 as pb
+from protos.plan import SamplingSpec
+from scheduler_svc.errors import InvalidRequest
+from scheduler_svc.request import SubmitParams
+from scheduler_svc.tokenizer import ChatTurn, ModelDirError, Tokenizer
+
+MAX_SEED = 2**63 - 1  # the executor seeds a torch generator, which takes a signed 64-bit int
+
+
+def prompt_token_ids(msg: pb.GenerateRequest | pb.TokenizeRequest, tokenizer: Tokenizer
+                     ) -> list[int]:
+    """The prompt as token ids, from whichever of text / token_ids / chat the client sent."""
+    match msg.WhichOneof("input"):
+        case "text":
+            if not msg.text:
+                raise InvalidRequest("the prompt text is empty; send some text")
+            return tokenizer.encode(msg.text)
+        case "token_ids":
+            return list(msg.token_ids.ids)
+        case "chat":
+            return _chat_ids(msg.chat, tokenizer)
+        case _:
+            raise InvalidRequest("the request has no input; set one of text, token_ids or chat")
+
+
+def _chat_ids(chat: pb.Chat, tokenizer: Tokenizer) -> list[int]:
+    if not chat.messages:
+        raise InvalidRequest("the chat has no messages; send at least one")
+    turns = [ChatTurn(m.role, m.content) for m in chat.messages]
+    add_generation_prompt = chat.add_generation_prompt if chat.HasField(
+        "add_generation_prompt") else True
+    try:
+        return tokenizer.encode_chat(turns, add_generation_prompt)
+    except ModelDirError as e:
+        raise InvalidRequest(str(e)) from e
+    except jinja2.TemplateError as e:
+        raise InvalidRequest(f"the model's chat template rejected these messages: {e}") from e
+
+
+def sampling_spec(p: pb.SamplingParams) -> SamplingSpec:
+    temperature = p.temperature if p.HasField("temperature") else 1.0
+    top_p = p.top_p if p.HasField("top_p") else 1.0
+    top_k = p.top_k if p.HasField("top_k") else 0
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidRequest(f"temperature must be >= 0 (0 = greedy), got {temperature:g}")
+    if not (0 < top_p <= 1):
+        raise InvalidRequest(f"top_p must be in (0, 1], got {top_p:g}")
+    if top_k < 0:
+        raise InvalidRequest(f"top_k must be >= 0 (0 = off), got {top_k}")
+    seed = p.seed if p.HasField("seed") else None
+    if seed is not None and seed > MAX_SEED:
+        raise InvalidRequest(f"seed must be at most {MAX_SEED}, got {seed}")
+    return SamplingSpec(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
+                        seed=seed)
+
+
+def submit_params(msg: pb.GenerateRequest, tokenizer: Tokenizer) -> SubmitParams:
+    p = msg.sampling
+    sampling = sampling_spec(p)
+    max_tokens = p.max_tokens if p.HasField("max_tokens") else None
+    if max_tokens == 0:
+        raise InvalidRequest("max_tokens must be at least 1 (leave it unset for no limit "
+                             "below max_model_len)")
+    return SubmitParams(
+        req_id=msg.request_id or uuid.uuid4().hex,
+        prompt_token_ids=prompt_token_ids(msg, tokenizer),
+        sampling=sampling, max_tokens=max_tokens,
+        stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos)

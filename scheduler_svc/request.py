@@ -1,0 +1,105 @@
+"""Per-request state held by the scheduler, and what it streams back to the gRPC handler.
+
+Lifecycle:
+
+    WAITING --schedule--> RUNNING --update--> FINISHED_STOPPED | FINISHED_LENGTH
+       ^                     |  \\--abort----> FINISHED_ABORTED
+       +----preempt----------+   \\--error---> FINISHED_ERROR
+
+A preempted request drops its KV blocks and goes back to the front of the waiting queue with
+num_computed_tokens = 0; when rescheduled it recomputes prompt + generated tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+
+from protos.plan import SamplingSpec
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass(frozen=True)
+class SubmitParams:
+    """A validated public request, before the engine checks it against the executor's facts."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    max_tokens: int | None = None  # None = up to max_model_len
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One message for the request's stream. `error` set = the stream ends with a status."""
+
+    token_ids: list[int]
+    text: str = ""
+    finish_status: RequestStatus | None = None  # set on the last output only
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: Exception | None = None
+
+
+class RequestStream:
+    """The engine's handle on one gRPC stream: a queue of outputs plus the detokenizer."""
+
+    def __init__(self, detokenizer: IncrementalDetokenizer | None):
+        self.detokenizer = detokenizer
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+    def put(self, output: RequestOutput) -> None:
+        self.queue.put_nowait(output)
+
+
+@dataclass(eq=False)
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    max_tokens: int  # generated tokens allowed (already capped by max_model_len)
+    arrival: int  # FCFS order: a monotonically increasing counter
+    eos_token_ids: frozenset[int] = frozenset()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV the executor holds
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    stream: RequestStream | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished

@@ -1,0 +1,166 @@
+"""The model's tokenizer, chat template and stop ids, read from an HF checkpoint directory.
+
+Only `tokenizers` (tokenizer.json) and jinja2 (tokenizer_config.json's `chat_template`) are used:
+`transformers` would drag torch into the scheduler process.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class ModelDirError(ValueError):
+    """The model directory is missing a file the scheduler needs."""
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    role: str
+    content: str
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json spells special tokens as a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _as_id_set(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    # Templates expect plain JSON (non-ASCII kept), not jinja's HTML-escaped variant.
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks in some
+    templates; for serving it renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A local directory as is; otherwise a hub id fetched (config + tokenizer files only)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download  # lazy: only for hub ids
+        return Path(snapshot_download(model, allow_patterns=["*.json", "FOLIO_RANDOM_WEIGHTS"]))
+    except Exception as e:
+        raise ModelDirError(f"--model {model!r} is not a directory and could not be fetched "
+                            f"from the model hub ({e}); pass a local checkpoint directory") from e
+
+
+class Tokenizer:
+    """Encode/decode, chat rendering, and the model's EOS ids."""
+
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        tok_file = model_dir / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ModelDirError(f"{model_dir} has no tokenizer.json; the scheduler needs a fast "
+                                "(tokenizers) tokenizer file next to the model")
+        self.model_dir = model_dir
+        self._tok = HFTokenizer.from_file(str(tok_file))
+        config = _read_json(model_dir / "config.json")
+        gen_config = _read_json(model_dir / "generation_config.json")
+        tok_config = _read_json(model_dir / "tokenizer_config.json")
+
+        self.model_name = model_dir.name
+        self.architecture = (config.get("architectures") or [""])[0]
+        self.config_vocab_size = int(config.get("vocab_size") or self._tok.get_vocab_size())
+        self.random_weights = (model_dir / "FOLIO_RANDOM_WEIGHTS").exists()
+        self.special_tokens = {name: text for name in ("bos_token", "eos_token", "pad_token",
+                                                       "unk_token")
+                               if (text := _token_text(tok_config.get(name))) is not None}
+        self.eos_token_ids = frozenset(self._eos_ids(config, gen_config))
+        # Newer checkpoints keep the template in its own file; it wins over the config entry.
+        template_file = model_dir / "chat_template.jinja"
+        self._chat_template = self._pick_template(
+            template_file.read_text(encoding="utf-8") if template_file.is_file()
+            else tok_config.get("chat_template"))
+
+    def _eos_ids(self, config: dict, gen_config: dict) -> set[int]:
+        # generation_config.json often lists extra stop ids (e.g. end-of-turn); take the union.
+        ids = _as_id_set(config.get("eos_token_id")) | _as_id_set(gen_config.get("eos_token_id"))
+        if not ids and (eos := self.special_tokens.get("eos_token")) is not None:
+            if (eos_id := self._tok.token_to_id(eos)) is not None:
+                ids.add(eos_id)
+        return ids
+
+    @staticmethod
+    def _pick_template(value: Any) -> jinja2.Template | None:
+        if isinstance(value, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in value}
+            value = named.get("default") or next(iter(named.values()), None)
+        if not value:
+            return None
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True,
+            extensions=["jinja2.ext.loopcontrols", _GenerationTag])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env.from_string(value)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, turns: list[ChatTurn], add_generation_prompt: bool = True) -> str:
+        if self._chat_template is None:
+            raise ModelDirError(f"the model in {self.model_dir} has no chat template "
+                                "(tokenizer_config.json 'chat_template'); send text instead")
+        messages = [{"role": t.role, "content": t.content} for t in turns]
+        return self._chat_template.render(messages=messages,
+                                          add_generation_prompt=add_generation_prompt,
+                                          **self.special_tokens)
+
+    def encode_chat(self, turns: list[ChatTurn], add_generation_prompt: bool = True) -> list[int]:
+        # Templates write BOS and the turn markers themselves, so no special tokens are added.
+        return self.encode(self.render_chat(turns, add_generation_prompt),
+                           add_special_tokens=False)

@@ -1,0 +1,172 @@
+"""A null-model executor for scheduler tests: it follows the step-plan protocol exactly and
+checks every plan, but "samples" with a deterministic rule instead of running a model.
+
+`PlanMirror` is the executor's view of the requests, rebuilt from plans alone; it raises
+`PlanViolation` on any plan the real executor could not execute (unknown request, wrong
+computed count, block table too short, a block owned by two requests). `NullExecutor` runs a
+PlanMirror behind a real `protos.channel.ExecutorEnd` in a thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from protos.channel import ExecutorEnd
+from protos.plan import (
+    PROTOCOL_VERSION,
+    ExecutorError,
+    Hello,
+    Reject,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    Welcome,
+)
+
+
+class PlanViolation(AssertionError):
+    pass
+
+
+@dataclass
+class MirroredRequest:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int = 0
+
+
+def next_token(token_ids: list[int]) -> int:
+    """The null model: a fixed function of the sequence, never a special id (< 10)."""
+    return 10 + (sum(token_ids) * 7 + len(token_ids)) % 200
+
+
+@dataclass
+class PlanMirror:
+    block_size: int
+    sample: Callable[[str, list[int]], int] = lambda req_id, ids: next_token(ids)
+    reqs: dict[str, MirroredRequest] = field(default_factory=dict)
+    num_plans: int = 0
+
+    def apply(self, plan: StepPlan) -> StepResult:
+        self.num_plans += 1
+        for req_id in plan.finished_req_ids + plan.preempted_req_ids:
+            if self.reqs.pop(req_id, None) is None:
+                raise PlanViolation(f"step {plan.step_id}: dropping unknown request {req_id}")
+        scheduled: list[tuple[str, int]] = []
+        for new in plan.new_reqs:
+            if new.req_id in self.reqs:
+                raise PlanViolation(f"step {plan.step_id}: {new.req_id} sent as new twice")
+            self.reqs[new.req_id] = MirroredRequest(list(new.token_ids), list(new.block_ids),
+                                                    new.num_computed_tokens)
+            scheduled.append((new.req_id, new.num_scheduled_tokens))
+        for cached in plan.cached_reqs:
+            req = self.reqs.get(cached.req_id)
+            if req is None:
+                raise PlanViolation(f"step {plan.step_id}: cached request {cached.req_id} "
+                                    "was never sent as new")
+            if cached.num_computed_tokens != req.num_computed_tokens:
+                raise PlanViolation(f"step {plan.step_id}: {cached.req_id} computed count "
+                                    f"{cached.num_computed_tokens} != {req.num_computed_tokens}")
+            req.block_ids.extend(cached.new_block_ids)
+            scheduled.append((cached.req_id, cached.num_scheduled_tokens))
+        self._check_blocks(plan.step_id)
+        sampled: list[tuple[str, list[int]]] = []
+        for req_id, num_scheduled in scheduled:
+            req = self.reqs[req_id]
+            end = req.num_computed_tokens + num_scheduled
+            if num_scheduled < 1 or end > len(req.token_ids):
+                raise PlanViolation(f"step {plan.step_id}: {req_id} schedules {num_scheduled} "
+                                    f"tokens from {req.num_computed_tokens} of "
+                                    f"{len(req.token_ids)}")
+            if len(req.block_ids) * self.block_size < end:
+                raise PlanViolation(f"step {plan.step_id}: {req_id} has "
+                                    f"{len(req.block_ids)} blocks for {end} tokens")
+            req.num_computed_tokens = end
+            if end == len(req.token_ids):
+                token = self.sample(req_id, req.token_ids)
+                req.token_ids.append(token)
+                sampled.append((req_id, [token]))
+        return StepResult(plan.step_id, sampled)
+
+    def fail(self, plan: StepPlan) -> ExecutorError:
+        """Fail the step: like the real executor, keep no state for its requests."""
+        self.num_plans += 1
+        for req_id in plan.finished_req_ids + plan.preempted_req_ids:
+            self.reqs.pop(req_id, None)
+        for cached in plan.cached_reqs:
+            self.reqs.pop(cached.req_id, None)
+        return ExecutorError(plan.step_id, "simulated CUDA error")
+
+    def _check_blocks(self, step_id: int) -> None:
+        owner: dict[int, str] = {}
+        for req_id, req in self.reqs.items():
+            for block_id in req.block_ids:
+                if block_id in owner:
+                    raise PlanViolation(f"step {step_id}: block {block_id} is in the tables of "
+                                        f"{owner[block_id]} and {req_id}")
+                owner[block_id] = req_id
+
+
+def make_hello(**overrides) -> Hello:
+    facts = dict(protocol_version=PROTOCOL_VERSION, executor_id="null-0",
+                 model_name="tiny", architecture="LlamaForCausalLM", vocab_size=512,
+                 max_model_len=64, block_size=4, num_kv_blocks=32, num_swap_blocks=0,
+                 dtype="float32", device="cpu", random_weights=True)
+    return Hello(**{**facts, **overrides})
+
+
+class NullExecutor(threading.Thread):
+    """Connects, says Hello, answers plans until Shutdown/stop(). `step_delay_s` slows steps
+    (so tests can act mid-generation); `fail_step` makes a step answer ExecutorError;
+    `go_silent_after` stops answering after that many plans (an executor that hung)."""
+
+    def __init__(self, address: str, hello: Hello | None = None, step_delay_s: float = 0.0,
+                 fail_step: int | None = None, go_silent_after: int | None = None):
+        super().__init__(daemon=True)
+        self.address = address
+        self.hello = hello or make_hello()
+        self.mirror = PlanMirror(self.hello.block_size)
+        self.step_delay_s = step_delay_s
+        self.fail_step = fail_step
+        self.go_silent_after = go_silent_after
+        self.reply: Welcome | Reject | None = None
+        self.violation: PlanViolation | None = None
+        self.got_shutdown = False
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=10)
+
+    def run(self) -> None:
+        end = ExecutorEnd(self.address)
+        try:
+            end.send(self.hello)
+            self.reply = end.recv(timeout_ms=10_000)
+            if not isinstance(self.reply, Welcome):
+                return
+            while not self._stop_event.is_set():
+                msg = end.recv(timeout_ms=50)
+                match msg:
+                    case None:
+                        continue
+                    case Shutdown():
+                        self.got_shutdown = True
+                        return
+                    case StepPlan():
+                        if (self.go_silent_after is not None
+                                and self.mirror.num_plans >= self.go_silent_after):
+                            continue
+                        self._stop_event.wait(self.step_delay_s)
+                        if msg.step_id == self.fail_step:
+                            end.send(self.mirror.fail(msg))
+                            continue
+                        try:
+                            end.send(self.mirror.apply(msg))
+                        except PlanViolation as e:
+                            self.violation = e
+                            end.send(ExecutorError(msg.step_id, str(e)))
+        finally:
+            end.close()

@@ -1,0 +1,45 @@
+"""Scheduler configuration: flags parse into the frozen dataclass; bad values get a sentence."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.config import SchedulerConfig, config_from_argv
+
+
+def test_defaults_match_the_brief():
+    config = config_from_argv(["--model", "/m"])
+    assert (config.host, config.port, config.max_num_seqs, config.max_num_batched_tokens,
+            config.max_model_len, config.log_format) == ("127.0.0.1", 50051, 256, 2048, None,
+                                                          "console")
+    assert config.executor_address is None  # cli picks tcp://127.0.0.1:5557 (serve: any port)
+    assert config.executor_flags() == []
+
+
+def test_executor_flags_pass_through():
+    config = config_from_argv(["--block-size", "32", "--num-kv-blocks", "100", "--dtype",
+                               "float16", "--device", "cpu", "--kv-cache-memory", "2GiB",
+                               "--max-model-len", "512"])
+    assert config.executor_flags() == ["--block-size", "32", "--num-kv-blocks", "100",
+                                       "--kv-cache-memory", "2GiB", "--dtype", "float16",
+                                       "--device", "cpu", "--max-model-len", "512"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_num_seqs=0), "--max-num-seqs must be at least 1"),
+    (dict(max_num_batched_tokens=0), "--max-num-batched-tokens must be at least 1"),
+    (dict(port=70000), "--port must be between 0 and 65535"),
+    (dict(max_model_len=1), "--max-model-len must leave room"),
+    (dict(log_format="xml"), "--log-format must be 'console' or 'json'"),
+    (dict(dtype="int8"), "--dtype must be one of"),
+    (dict(executor_timeout_s=0), "--executor-timeout must be a positive"),
+])
+def test_bad_values_are_explained(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        SchedulerConfig(**kwargs)
+
+
+def test_bad_flag_exits_with_usage(capsys):
+    with pytest.raises(SystemExit):
+        config_from_argv(["--max-num-seqs", "0"])
+    assert "--max-num-seqs must be at least 1" in capsys.readouterr().err

@@ -1,0 +1,340 @@
+"""The real gRPC server and engine loop against a null-model executor over real ZeroMQ.
+
+Covers the handshake (version mismatch -> Reject), health, streaming, validation statuses,
+cancellation and Abort freeing blocks, executor errors and executor loss. Token-exact runs with
+the real executor live in tests/e2e/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.channel import ExecutorEnd, SchedulerEnd
+from protos.folio.v1 import generator_pb2 as pb
+from protos.folio.v1 import generator_pb2_grpc as pb_grpc
+from protos.plan import PROTOCOL_VERSION, Reject, Welcome
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.server import SchedulerServer
+from scheduler_svc.tokenizer import ChatTurn
+from tests.scheduler.null_executor import NullExecutor, make_hello, next_token
+
+pytestmark = pytest.mark.timeout(60)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass
+class Harness:
+    server: SchedulerServer
+    executor_address: str
+    stub: pb_grpc.GeneratorStub
+    health: health_pb2_grpc.HealthStub
+    executors: list[NullExecutor]
+
+    def connect(self, **kwargs) -> NullExecutor:
+        ex = NullExecutor(self.executor_address, **kwargs)
+        self.executors.append(ex)
+        ex.start()
+        return ex
+
+    async def health_status(self, service: str = "") -> int:
+        resp = await self.health.Check(health_pb2.HealthCheckRequest(service=service))
+        return resp.status
+
+    async def wait_health(self, status: int, timeout: float = 10.0) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while await self.health_status() != status:
+            assert asyncio.get_running_loop().time() < deadline, "health never changed"
+            await asyncio.sleep(0.02)
+
+    async def serve(self, **kwargs) -> NullExecutor:
+        ex = self.connect(**kwargs)
+        await self.wait_health(SERVING)
+        return ex
+
+    async def stats(self) -> pb.ServerStats:
+        return await self.stub.GetServerStats(pb.GetServerStatsRequest())
+
+
+@pytest.fixture
+async def harness(tiny_model_dir, tiny_tokenizer):
+    config = SchedulerConfig(model=str(tiny_model_dir), port=0, executor_timeout_s=2.0,
+                             stats_interval_s=0.5)
+    channel = SchedulerEnd("tcp://127.0.0.1:*")
+    server = SchedulerServer(config, tiny_tokenizer, channel)
+    await server.start()
+    grpc_channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    h = Harness(server, channel.address, pb_grpc.GeneratorStub(grpc_channel),
+                health_pb2_grpc.HealthStub(grpc_channel), [])
+    try:
+        yield h
+    finally:
+        await server.stop(grace_s=0.5)
+        await grpc_channel.close()
+        for ex in h.executors:
+            ex.stop()
+            assert ex.violation is None, f"plan protocol violated: {ex.violation}"
+        channel.close()
+
+
+def gen_request(ids=None, **sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids or [5, 6, 7]),
+                              sampling=pb.SamplingParams(**sampling))
+
+
+async def collect(call) -> list[pb.GenerateResponse]:
+    """Every remaining message (read() style, so it can follow an earlier call.read())."""
+    responses = []
+    while (resp := await call.read()) is not grpc.aio.EOF:
+        responses.append(resp)
+    return responses
+
+
+def null_continuation(prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(next_token(ids))
+    return ids[len(prompt):]
+
+
+async def test_unavailable_before_an_executor_connects(harness):
+    assert await harness.health_status() == NOT_SERVING
+    assert await harness.health_status("folio.v1.Generator") == NOT_SERVING
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(harness.stub.Generate(gen_request()))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no executor connected" in err.value.details()
+    stats = await harness.stats()
+    assert not stats.executor_connected
+
+
+async def test_version_mismatch_is_rejected_with_a_reason(harness):
+    ex = harness.connect(hello=make_hello(protocol_version=PROTOCOL_VERSION + 1))
+    await asyncio.to_thread(ex.join, 10)
+    assert isinstance(ex.reply, Reject)
+    assert ex.reply.reason == (f"executor speaks protocol v{PROTOCOL_VERSION + 1}, this "
+                               f"scheduler v{PROTOCOL_VERSION}; run matching versions")
+    assert await harness.health_status() == NOT_SERVING
+    # A matching executor is still welcome afterwards.
+    good = await harness.serve()
+    assert isinstance(good.reply, Welcome)
+    # A mismatched newcomer does not disturb the connected executor.
+    late = harness.connect(hello=make_hello(protocol_version=PROTOCOL_VERSION + 1))
+    await asyncio.to_thread(late.join, 10)
+    assert isinstance(late.reply, Reject)
+    responses = await collect(harness.stub.Generate(gen_request(max_tokens=2)))
+    assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert good.is_alive() and await harness.health_status() == SERVING
+
+
+async def test_streams_tokens_text_finish_and_usage(harness, tiny_tokenizer):
+    await harness.serve()
+    assert await harness.health_status("folio.v1.Generator") == SERVING
+    prompt = tiny_tokenizer.encode("hello world")
+    responses = await collect(harness.stub.Generate(gen_request(prompt, max_tokens=6,
+                                                                temperature=0)))
+    tokens = [t for r in responses for t in r.token_ids]
+    assert tokens == null_continuation(prompt, 6)
+    assert "".join(r.text for r in responses) == tiny_tokenizer.decode(tokens)
+    assert len({r.request_id for r in responses}) == 1 and responses[0].request_id
+    last = responses[-1]
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.cached_tokens) \
+        == (len(prompt), 6, 0)
+    assert all(r.finish_reason == pb.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
+    stats = await harness.stats()
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+    assert stats.kv_blocks_free == stats.kv_blocks_total == 32
+    assert stats.num_finished_requests == 1 and stats.num_generated_tokens == 6
+
+
+async def test_concurrent_streams_and_text_and_chat_inputs(harness, tiny_tokenizer):
+    await harness.serve()
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")])
+    calls = [harness.stub.Generate(pb.GenerateRequest(text="the quick brown fox",
+                                                      sampling=pb.SamplingParams(max_tokens=4))),
+             harness.stub.Generate(pb.GenerateRequest(chat=chat,
+                                                      sampling=pb.SamplingParams(max_tokens=3))),
+             harness.stub.Generate(gen_request(max_tokens=5))]
+    results = await asyncio.gather(*(collect(c) for c in calls))
+    prompts = [tiny_tokenizer.encode("the quick brown fox"),
+               tiny_tokenizer.encode_chat([ChatTurn("user", "hi")]), [5, 6, 7]]
+    for prompt, responses, n in zip(prompts, results, (4, 3, 5), strict=True):
+        assert [t for r in responses for t in r.token_ids] == null_continuation(prompt, n)
+        assert responses[-1].usage.prompt_tokens == len(prompt)
+    tokenized = await harness.stub.Tokenize(pb.TokenizeRequest(chat=chat))
+    assert list(tokenized.token_ids) == prompts[1]
+    info = await harness.stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert (info.vocab_size, info.block_size, info.num_kv_blocks, info.max_model_len,
+            info.random_weights) == (512, 4, 32, 64, True)
+
+
+@pytest.mark.parametrize("request_msg, message", [
+    (pb.GenerateRequest(text=""), "prompt text is empty"),
+    (pb.GenerateRequest(), "has no input"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])), "prompt is empty"),
+    (gen_request([5, 512]), "token id 512 is out of range"),
+    (gen_request(temperature=-0.5), "temperature must be >= 0"),
+    (gen_request(top_p=0.0), "top_p must be in (0, 1]"),
+    (gen_request(top_p=1.5), "top_p must be in (0, 1]"),
+    (gen_request(top_k=-1), "top_k must be >= 0"),
+    (gen_request(max_tokens=0), "max_tokens must be at least 1"),
+    (gen_request(stop_token_ids=[9999]), "stop token id 9999 is out of range"),
+    (gen_request(list(range(10, 75))), "prompt has 65 tokens but max_model_len is 64"),
+    (pb.GenerateRequest(chat=pb.Chat()), "chat has no messages"),
+], ids=lambda x: x if isinstance(x, str) else "")
+async def test_invalid_requests_get_invalid_argument(harness, request_msg, message):
+    await harness.serve()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(harness.stub.Generate(request_msg))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+    # The server keeps serving.
+    responses = await collect(harness.stub.Generate(gen_request(max_tokens=2)))
+    assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+async def test_duplicate_request_id_is_already_exists(harness):
+    await harness.serve(step_delay_s=0.05)
+    first = harness.stub.Generate(pb.GenerateRequest(
+        request_id="dup", token_ids=pb.TokenIds(ids=[5]), sampling=pb.SamplingParams(max_tokens=20)))
+    await first.read()  # the first request is running
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(harness.stub.Generate(pb.GenerateRequest(
+            request_id="dup", token_ids=pb.TokenIds(ids=[5]))))
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "'dup' is already in use" in err.value.details()
+    first.cancel()
+
+
+async def wait_idle(harness: Harness) -> pb.ServerStats:
+    for _ in range(200):
+        stats = await harness.stats()
+        if stats.num_running == stats.num_waiting == 0:
+            return stats
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"requests never left the scheduler: {stats}")
+
+
+async def test_client_cancel_aborts_and_frees_blocks(harness):
+    await harness.serve(step_delay_s=0.05)
+    call = harness.stub.Generate(gen_request(list(range(10, 30)), max_tokens=50))
+    await call.read()
+    stats = await harness.stats()
+    assert stats.num_running == 1 and stats.kv_blocks_free < stats.kv_blocks_total
+    call.cancel()
+    stats = await wait_idle(harness)
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+    assert stats.num_finished_requests == 1
+
+
+async def test_abort_ends_the_stream_with_abort(harness):
+    await harness.serve(step_delay_s=0.05)
+    call = harness.stub.Generate(pb.GenerateRequest(
+        request_id="victim", token_ids=pb.TokenIds(ids=[5, 6]),
+        sampling=pb.SamplingParams(max_tokens=50)))
+    await call.read()
+    assert (await harness.stub.Abort(pb.AbortRequest(request_id="victim"))).found
+    rest = await collect(call)
+    assert rest[-1].finish_reason == pb.FINISH_REASON_ABORT
+    assert not (await harness.stub.Abort(pb.AbortRequest(request_id="victim"))).found
+    stats = await wait_idle(harness)
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+async def test_executor_error_fails_the_step_and_serving_continues(harness):
+    await harness.serve(fail_step=1)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(harness.stub.Generate(gen_request(max_tokens=5)))
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert "executor failed step 1: simulated CUDA error" in err.value.details()
+    responses = await collect(harness.stub.Generate(gen_request(max_tokens=3)))
+    assert [t for r in responses for t in r.token_ids] == null_continuation([5, 6, 7], 3)
+    stats = await harness.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+async def test_lost_executor_fails_requests_and_a_new_one_is_accepted(harness):
+    await harness.serve(go_silent_after=2)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(harness.stub.Generate(gen_request(max_tokens=10)))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "executor was lost" in err.value.details()
+    assert await harness.health_status() == NOT_SERVING
+    await harness.serve()  # a restarted executor says Hello again
+    responses = await collect(harness.stub.Generate(gen_request(max_tokens=2)))
+    assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    stats = await harness.stats()
+    assert stats.num_finished_requests == 2  # counters survive the executor change
+
+
+async def test_shutdown_tells_the_executor(harness):
+    ex = await harness.serve()
+    await harness.server.stop(grace_s=0.5)
+    await asyncio.to_thread(ex.join, 5)
+    assert ex.got_shutdown
+    with contextlib.suppress(Exception):
+        await harness.server.stop(grace_s=0.1)
+
+
+async def test_resent_hello_is_welcomed_again_without_a_reset(harness):
+    end = ExecutorEnd(harness.executor_address)
+    try:
+        hello = make_hello()
+        end.send(hello)
+        assert isinstance(await asyncio.to_thread(end.recv, 5000), Welcome)
+        connected = harness.server.engine.executor
+        end.send(hello)  # an executor that gave up waiting resends its Hello
+        assert isinstance(await asyncio.to_thread(end.recv, 5000), Welcome)
+        assert harness.server.engine.executor is connected
+        assert await harness.health_status() == SERVING
+    finally:
+        end.close()
+
+
+async def test_a_new_executor_replaces_the_old_one(harness):
+    old = await harness.serve()
+    new = harness.connect(hello=make_hello(executor_id="null-1", num_kv_blocks=16))
+    await asyncio.to_thread(old.join, 5)
+    assert old.got_shutdown  # the replaced executor is told to exit
+    assert isinstance(new.reply, Welcome)
+    responses = await collect(harness.stub.Generate(gen_request(max_tokens=3)))
+    assert [t for r in responses for t in r.token_ids] == null_continuation([5, 6, 7], 3)
+    assert (await harness.stats()).kv_blocks_total == 16
+
+
+async def test_reflection_lists_the_services(harness):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{harness.server.port}") as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        call = stub.ServerReflectionInfo()
+        await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+        response = await call.read()
+        await call.done_writing()
+    names = {s.name for s in response.list_services_response.service}
+    assert {"folio.v1.Generator", "grpc.health.v1.Health"} <= names
+
+
+async def test_unexpected_errors_become_internal_and_serving_continues(harness, tiny_tokenizer,
+                                                                        monkeypatch):
+    await harness.serve()
+
+    def broken_encode(text, add_special_tokens=True):
+        raise RuntimeError("tokenizer exploded")
+
+    monkeypatch.setattr(tiny_tokenizer, "encode", broken_encode)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await harness.stub.Tokenize(pb.TokenizeRequest(text="hi"))
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert "RuntimeError: tokenizer exploded" in err.value.details()
+    monkeypatch.undo()
+    assert list((await harness.stub.Tokenize(pb.TokenizeRequest(text="hi"))).token_ids) == \
+        tiny_tokenizer.encode("hi")
