@@ -1,0 +1,5 @@
+import sys
+
+from executor_svc.cli import main
+
+sys.exit(main())

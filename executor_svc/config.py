@@ -1,0 +1,77 @@
+"""The executor's configuration: one frozen dataclass, built once from the command line.
+
+Values learned at run time (how many KV blocks fit, the model's real max length) are not
+written back here; they travel in the Hello message.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+LOG_FORMATS = ("console", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_memory(text: str) -> int:
+    """'512MiB' -> 536870912. Bare numbers are bytes; KiB/MiB/GiB are powers of 1024."""
+    m = _SIZE_RE.match(text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"cannot read memory size {text!r}: write a number with a unit, e.g. 512MiB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    model: str  # a local checkpoint directory or a hub id
+    scheduler_address: str = "tcp://127.0.0.1:5557"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides memory-based sizing
+    kv_cache_memory: int | None = None  # bytes; None = the device's default
+    swap_space: float = 0.0  # GiB of CPU swap; reserved
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    log_format: str = "console"
+    log_level: str = "info"
+    hub_cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("--model is required: a checkpoint directory or a hub id")
+        if not re.match(r"^(tcp|ipc|inproc)://.+", self.scheduler_address):
+            raise ValueError(
+                f"--scheduler-address {self.scheduler_address!r} is not a ZeroMQ endpoint; "
+                "use e.g. tcp://127.0.0.1:5557 or ipc:///tmp/folio.sock")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"--num-kv-blocks must be at least 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("--kv-cache-memory must be a positive size such as 512MiB")
+        if self.swap_space < 0:
+            raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
+        if self.swap_space > 0:
+            raise ValueError("--swap-space is reserved: swapping KV blocks to the CPU is not "
+                             "supported yet; leave it at 0 (preemption recomputes instead)")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"--max-model-len must be at least 1, got {self.max_model_len}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"--log-format must be console or json, got {self.log_format!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")

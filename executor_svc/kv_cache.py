@@ -1,0 +1,87 @@
+"""The paged KV cache: one k and one v tensor per layer, in blocks the scheduler hands out.
+
+Layout per layer (both k and v)::
+
+    [num_blocks, block_size, num_kv_heads, head_dim]
+      block 0: | tok 0 | tok 1 | ... | tok block_size-1 |
+      block 1: | ...                                    |
+
+A token's slot is ``block_id * block_size + offset``. The executor never chooses blocks: every
+block id it touches comes from the scheduler's plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from executor_svc.model_config import ModelConfig
+
+log = structlog.get_logger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB when --kv-cache-memory is not given on the CPU
+CUDA_FREE_FRACTION = 0.9  # share of free GPU memory (after weights) given to the cache
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V, every layer, one block."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
+                   num_kv_blocks: int | None, kv_cache_memory: int | None) -> int:
+    """How many blocks to allocate: the explicit count, else what the memory budget holds."""
+    if num_kv_blocks is not None:
+        return num_kv_blocks
+    per_block = bytes_per_block(cfg, block_size, dtype)
+    if kv_cache_memory is not None:
+        budget = kv_cache_memory
+    elif device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * CUDA_FREE_FRACTION)
+    else:
+        budget = CPU_DEFAULT_KV_BYTES
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(f"the KV cache budget of {budget} bytes holds no block of "
+                         f"{per_block} bytes; raise --kv-cache-memory or set --num-kv-blocks")
+    return num_blocks
+
+
+@dataclass
+class KVCache:
+    """Invariant: all tensors share one shape; block ids index dim 0 of every one of them."""
+
+    k_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+    v_caches: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> KVCache:
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # Zeros, not empty: a stale NaN in an unused slot must never reach a masked softmax.
+        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        log.info("KV cache allocated", num_blocks=num_blocks, block_size=block_size,
+                 bytes=num_blocks * bytes_per_block(cfg, block_size, dtype))
+        return cls(k, v)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k_caches[0].shape[0]
+
+    def per_layer(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return list(zip(self.k_caches, self.v_caches, strict=True))
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block dst becomes a copy of block src, in every layer."""
+        if not pairs:
+            return
+        device = self.k_caches[0].device
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
+        for cache in (*self.k_caches, *self.v_caches):
+            cache[dst] = cache[src]

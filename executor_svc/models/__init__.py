@@ -1,0 +1,28 @@
+"""Model registry: HF ``architectures[0]`` -> model class, imported only when asked for."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+# architecture name -> (module, class name); modules are imported lazily.
+_REGISTRY: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("executor_svc.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("executor_svc.models.mistral", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("executor_svc.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("executor_svc.models.qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    try:
+        module_name, class_name = _REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(f"model architecture {architecture!r} is not supported; supported: "
+                         f"{', '.join(supported_architectures())}") from None
+    return getattr(importlib.import_module(module_name), class_name)

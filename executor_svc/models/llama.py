@@ -1,0 +1,149 @@
+"""Llama (2 and 3): pre-norm decoder, GQA attention with RoPE, SwiGLU MLP.
+
+Module names follow the HF checkpoint keys (``model.layers.N.self_attn.o_proj``...), except the
+fused projections listed in `packed_modules`: ``qkv_proj`` holds q_proj|k_proj|v_proj and
+``gate_up_proj`` holds gate_proj|up_proj, stacked along the output rows.
+
+Tokens arrive flattened: one row per scheduled token of every request, ``[num_tokens, hidden]``;
+`BatchMetadata` says which rows belong to which request and where their K/V live.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from executor_svc.attention import AttentionBackend
+from executor_svc.batch import BatchMetadata
+from executor_svc.model_config import ModelConfig
+from executor_svc.models.layers import GatedMLP, MergedLinear, RMSNorm
+from executor_svc.models.rope import build_cos_sin_cache
+from kernels import rotary
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
+                 qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        q_size = cfg.num_heads * cfg.head_dim
+        kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = MergedLinear(cfg.hidden_size, self.split_sizes, qkv_bias, dtype)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=o_bias, dtype=dtype)
+        self.scale = cfg.head_dim ** -0.5
+        self.backend = backend
+        # This layer's slice of the paged KV cache, bound once by `bind_kv_cache`.
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads, head_dim]
+        self.v_cache: torch.Tensor | None = None
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook for families that normalise q and k per head before RoPE (Qwen3)."""
+        return q, k
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: BatchMetadata,
+                cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
+        # Strided views into qkv, no copies: the kernels need only head_dim contiguous.
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.norm_qk(q, k)
+        rotary(positions, q, k, cos_sin_cache)  # in place
+        assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, self_attn: LlamaAttention, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                batch: BatchMetadata, cos_sin_cache: torch.Tensor):
+        # The residual stream is carried separately so each norm can fuse the preceding add.
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, batch, cos_sin_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, layers: list[LlamaDecoderLayer], dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: BatchMetadata,
+                cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, batch, cos_sin_cache)
+        x, _ = self.norm(x, residual)
+        return x  # [num_tokens, hidden]
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head. Subclasses change the attention through the class attributes."""
+
+    packed_modules: dict[str, tuple[str, ...]] = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, max_model_len: int,
+                 backend: AttentionBackend, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.cfg = cfg
+        layers = [LlamaDecoderLayer(cfg, self.make_attention(cfg, backend, dtype), dtype)
+                  for _ in range(cfg.num_layers)]
+        self.model = LlamaModel(cfg, layers, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        # A plain attribute, not a buffer: the loader builds parameters on the meta device and
+        # materialises them empty, which would wipe a buffer. fp32 for accurate angles.
+        self.cos_sin_cache = build_cos_sin_cache(cfg.rope, cfg.head_dim, max_model_len, device)
+
+    @classmethod
+    def make_attention(cls, cfg: ModelConfig, backend: AttentionBackend,
+                       dtype: torch.dtype) -> LlamaAttention:
+        return cls.attention_cls(cfg, backend, dtype, qkv_bias=cfg.attention_bias,
+                                 o_bias=cfg.attention_bias)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        if self.cfg.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def attention_layers(self) -> list[LlamaAttention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Give layer i its (k_cache, v_cache); done once, before the first step."""
+        layers = self.attention_layers()
+        assert len(kv_caches) == len(layers)
+        for attn, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+            attn.k_cache, attn.v_cache = k_cache, v_cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                batch: BatchMetadata) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> float32 logits [num_logits, vocab] for the rows
+        in ``batch.logits_indices`` only."""
+        hidden = self.model(input_ids, positions, batch, self.cos_sin_cache)
+        hidden = hidden[batch.logits_indices]  # [num_logits, hidden]
+        return F.linear(hidden, self.lm_head_weight()).float()

@@ -1,0 +1,17 @@
+"""Qwen2: the Llama architecture with a bias on the q, k and v projections (none on o_proj)."""
+
+from __future__ import annotations
+
+import torch
+
+from executor_svc.attention import AttentionBackend
+from executor_svc.model_config import ModelConfig
+from executor_svc.models.llama import LlamaAttention, LlamaForCausalLM
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def make_attention(cls, cfg: ModelConfig, backend: AttentionBackend,
+                       dtype: torch.dtype) -> LlamaAttention:
+        # Qwen2 checkpoints always carry q/k/v biases, whatever attention_bias says.
+        return cls.attention_cls(cfg, backend, dtype, qkv_bias=True, o_bias=False)

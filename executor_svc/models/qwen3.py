@@ -1,0 +1,33 @@
+"""Qwen3: Llama-style attention plus an RMSNorm over each head of q and k before RoPE.
+
+head_dim is explicit in the config (it need not equal hidden_size / num_heads), and q/k/v carry
+a bias only when attention_bias is set.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from executor_svc.attention import AttentionBackend
+from executor_svc.model_config import ModelConfig
+from executor_svc.models.layers import RMSNorm
+from executor_svc.models.llama import LlamaAttention, LlamaForCausalLM
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
+                 qkv_bias: bool, o_bias: bool):
+        super().__init__(cfg, backend, dtype, qkv_bias, o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q [num_tokens, num_heads, head_dim], k [num_tokens, num_kv_heads, head_dim]:
+        # rms_norm takes 2-D input, so every head becomes a row.
+        q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+        k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        return q, k
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen3Attention

@@ -1,0 +1,228 @@
+"""The executor process: load the model, size the KV cache, greet the scheduler, serve steps.
+
+    connect -> Hello -> (Welcome | Reject) -> [StepPlan -> StepResult | ExecutorError]* -> Shutdown
+
+Hello is resent every `HELLO_RETRY_S` seconds until the scheduler answers, so the executor may
+start before the scheduler binds. A resent Hello can earn more than one Welcome; the extras are
+ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from executor_svc.config import ExecutorConfig
+from executor_svc.kv_cache import KVCache, num_blocks_for
+from executor_svc.loader import (
+    effective_max_model_len,
+    has_random_weights,
+    load_model,
+    resolve_model_dir,
+)
+from executor_svc.model_config import ModelConfig
+from executor_svc.runner import ModelRunner
+from protos.channel import ExecutorEnd, ProtocolError
+from protos.plan import (
+    PROTOCOL_VERSION,
+    ExecutorError,
+    Hello,
+    Reject,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    Welcome,
+)
+
+log = structlog.get_logger(__name__)
+
+HELLO_RETRY_S = 2.0
+STATS_INTERVAL_S = 10.0
+EXIT_OK, EXIT_FAILED, EXIT_REJECTED = 0, 1, 2
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
+    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclass
+class Executor:
+    runner: ModelRunner
+    hello: Hello
+
+
+def build_executor(cfg: ExecutorConfig) -> Executor:
+    """Everything before the first message: model, KV cache, and the Hello that reports them."""
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    model_dir = resolve_model_dir(cfg.model, cfg.hub_cache_dir)
+    model_cfg = ModelConfig.from_dir(model_dir)
+    max_model_len = effective_max_model_len(model_cfg, cfg.max_model_len)
+    model = load_model(model_dir, dtype=dtype, device=device, max_model_len=max_model_len,
+                       cfg=model_cfg)
+    # Measured after the weights are in place, so "free memory" is what the cache may use.
+    num_blocks = num_blocks_for(model_cfg, cfg.block_size, dtype, device, cfg.num_kv_blocks,
+                                cfg.kv_cache_memory)
+    kv_cache = KVCache.allocate(model_cfg, num_blocks, cfg.block_size, dtype, device)
+    model.bind_kv_cache(kv_cache.per_layer())
+    runner = ModelRunner(model, kv_cache, cfg.block_size, max_model_len,
+                         model_cfg.vocab_size, device)
+    hello = Hello(
+        protocol_version=PROTOCOL_VERSION,
+        executor_id=f"{socket.gethostname()}-{os.getpid()}",
+        model_name=cfg.model,
+        architecture=model_cfg.architecture,
+        vocab_size=model_cfg.vocab_size,
+        max_model_len=max_model_len,
+        block_size=cfg.block_size,
+        num_kv_blocks=num_blocks,
+        num_swap_blocks=0,
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
+        random_weights=has_random_weights(model_dir),
+    )
+    return Executor(runner, hello)
+
+
+def handshake(end: ExecutorEnd, hello: Hello) -> int | None:
+    """Send Hello until the scheduler answers: None once welcomed, else the exit code."""
+    attempt = 0
+    while True:
+        end.send(hello)
+        attempt += 1
+        # The first Hello at INFO; retries while the scheduler is not up yet at DEBUG.
+        (log.info if attempt == 1 else log.debug)(
+            "hello sent", attempt=attempt, num_kv_blocks=hello.num_kv_blocks,
+            max_model_len=hello.max_model_len)
+        deadline = time.monotonic() + HELLO_RETRY_S
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                msg = end.recv(timeout_ms=max(1, int(left * 1000)))
+            except ProtocolError as e:
+                log.error("undecodable message from the scheduler", error=str(e))
+                continue
+            match msg:
+                case None:
+                    break
+                case Welcome(protocol_version=version):
+                    log.info("welcomed by the scheduler", protocol_version=version)
+                    return None
+                case Reject(reason=reason):
+                    log.error("scheduler rejected this executor", reason=reason)
+                    print(f"executor rejected by the scheduler: {reason}", file=sys.stderr)
+                    return EXIT_REJECTED
+                case Shutdown():
+                    log.info("shutdown requested before the handshake completed")
+                    return EXIT_OK
+                case _:
+                    log.warning("ignoring message before the handshake",
+                                message=type(msg).__name__)
+
+
+def serve(end: ExecutorEnd, runner: ModelRunner) -> int:
+    """Answer plans until Shutdown."""
+    stats = _Stats()
+    while True:
+        try:
+            msg = end.recv(timeout_ms=int(STATS_INTERVAL_S * 1000))
+        except ProtocolError as e:
+            # No step id to answer with; the scheduler's own timeout has to notice.
+            log.error("undecodable message from the scheduler", error=str(e))
+            continue
+        match msg:
+            case None:
+                pass
+            case StepPlan():
+                end.send(_step(runner, msg, stats))
+            case Shutdown():
+                log.info("shutdown requested by the scheduler")
+                return EXIT_OK
+            case Welcome():
+                log.debug("extra welcome (answer to a resent hello)")
+            case _:
+                log.warning("ignoring unexpected message", message=type(msg).__name__)
+        stats.maybe_log(len(runner.requests))
+
+
+def _step(runner: ModelRunner, plan: StepPlan, stats: _Stats) -> StepResult | ExecutorError:
+    structlog.contextvars.bind_contextvars(step=plan.step_id)
+    try:
+        out = runner.execute(plan)
+    except Exception as e:
+        log.exception("step failed")
+        return ExecutorError(plan.step_id, f"{type(e).__name__}: {e}")
+    finally:
+        structlog.contextvars.unbind_contextvars("step")
+    stats.add(out.num_tokens, len(out.sampled), out.execute_time_s)
+    log.debug("step done", step=plan.step_id, num_tokens=out.num_tokens,
+              num_sampled=len(out.sampled), execute_time_s=round(out.execute_time_s, 6))
+    return StepResult(plan.step_id, out.sampled, out.execute_time_s)
+
+
+class _Stats:
+    """Counters behind the periodic INFO line."""
+
+    def __init__(self) -> None:
+        self._reset(time.monotonic())
+
+    def _reset(self, now: float) -> None:
+        self.since = now
+        self.num_steps = self.num_tokens = self.num_sampled = 0
+        self.busy_s = 0.0
+
+    def add(self, num_tokens: int, num_sampled: int, execute_time_s: float) -> None:
+        self.num_steps += 1
+        self.num_tokens += num_tokens
+        self.num_sampled += num_sampled
+        self.busy_s += execute_time_s
+
+    def maybe_log(self, num_requests: int) -> None:
+        now = time.monotonic()
+        if now - self.since < STATS_INTERVAL_S:
+            return
+        if self.num_steps:
+            elapsed = now - self.since
+            log.info("executor stats", steps=self.num_steps, num_requests=num_requests,
+                     tokens_per_s=round(self.num_tokens / elapsed, 1),
+                     sampled_per_s=round(self.num_sampled / elapsed, 1),
+                     busy_fraction=round(self.busy_s / elapsed, 3))
+        self._reset(now)
+
+
+def run(cfg: ExecutorConfig) -> int:
+    try:
+        executor = build_executor(cfg)
+    except (ValueError, NotImplementedError, OSError) as e:
+        log.error("executor failed to start", error=str(e))
+        print(f"executor failed to start: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    end = ExecutorEnd(cfg.scheduler_address)
+    try:
+        log.info("connecting to the scheduler", address=cfg.scheduler_address)
+        exit_code = handshake(end, executor.hello)
+        if exit_code is not None:
+            return exit_code
+        return serve(end, executor.runner)
+    except KeyboardInterrupt:
+        log.info("interrupted")
+        return 130
+    finally:
+        end.close()

@@ -1,0 +1,137 @@
+"""Tiny random HF checkpoints per architecture, and a minimal scheduler stand-in that drives
+our model over the paged KV cache with real step plans. HF transformers is the oracle."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from executor_svc.kv_cache import KVCache
+from executor_svc.loader import effective_max_model_len, load_model
+from executor_svc.model_config import ModelConfig
+from executor_svc.runner import ModelRunner
+from protos.plan import CachedRequest, NewRequest, SamplingSpec, StepPlan
+
+BLOCK_SIZE = 4  # small, so prompts span several blocks
+NUM_BLOCKS = 96
+
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+               max_position_embeddings=256, rms_norm_eps=1e-6,
+               # Random models have near-tied logits; a wider init separates them.
+               initializer_range=0.1)
+
+# name -> (HF config class name, HF model class name, config overrides)
+ARCHS: dict[str, tuple[str, str, dict]] = {
+    "llama2": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
+        tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                             low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=64))),
+    "llama_linear": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_key_value_heads=4,
+        rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0))),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=48,
+                                                            tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
+}
+
+
+def make_hf_model(arch: str, **overrides):
+    import transformers
+
+    config_cls, model_cls, arch_overrides = ARCHS[arch]
+    config = getattr(transformers, config_cls)(**{**_COMMON, **arch_overrides, **overrides})
+    torch.manual_seed(sum(map(ord, arch)))
+    model = getattr(transformers, model_cls)(config).eval()
+    if arch == "qwen2":
+        # HF inits biases at zero; give them values so a dropped bias would show.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                             layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    if arch == "qwen3":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
+def save_checkpoint(model, path: Path, **save_kwargs) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, **save_kwargs)
+    return path
+
+
+def make_runner(model_dir: Path, num_blocks: int = NUM_BLOCKS) -> ModelRunner:
+    cfg = ModelConfig.from_dir(model_dir)
+    max_len = effective_max_model_len(cfg, None)
+    device = torch.device("cpu")
+    model = load_model(model_dir, dtype=torch.float32, device=device, max_model_len=max_len,
+                       cfg=cfg)
+    kv_cache = KVCache.allocate(cfg, num_blocks, BLOCK_SIZE, torch.float32, device)
+    model.bind_kv_cache(kv_cache.per_layer())
+    return ModelRunner(model, kv_cache, BLOCK_SIZE, max_len, cfg.vocab_size, device)
+
+
+class PlanDriver:
+    """Plays a minimal scheduler: hands out shuffled block ids, chunks prompts, decodes."""
+
+    def __init__(self, num_blocks: int = NUM_BLOCKS, seed: int = 0):
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.block_ids: dict[str, list[int]] = {}
+        self.num_tokens: dict[str, int] = {}  # tokens the request holds
+        self.num_computed: dict[str, int] = {}
+        self.step_id = 0
+
+    def _grow(self, req_id: str, upto: int) -> list[int]:
+        need = -(-upto // BLOCK_SIZE) - len(self.block_ids[req_id])
+        new = [self.free.pop() for _ in range(max(need, 0))]
+        self.block_ids[req_id].extend(new)
+        return new
+
+    def new(self, req_id: str, token_ids: list[int], num_scheduled: int,
+            sampling: SamplingSpec | None = None) -> NewRequest:
+        self.block_ids[req_id] = []
+        self._grow(req_id, num_scheduled)
+        self.num_tokens[req_id] = len(token_ids)
+        self.num_computed[req_id] = num_scheduled
+        return NewRequest(req_id, list(token_ids), sampling or SamplingSpec(temperature=0.0),
+                          list(self.block_ids[req_id]), 0, num_scheduled)
+
+    def cached(self, req_id: str, num_scheduled: int) -> CachedRequest:
+        computed = self.num_computed[req_id]
+        new = self._grow(req_id, computed + num_scheduled)
+        self.num_computed[req_id] = computed + num_scheduled
+        return CachedRequest(req_id, new, computed, num_scheduled)
+
+    def decode_all(self, req_ids: list[str]) -> list[CachedRequest]:
+        return [self.cached(r, self.num_tokens[r] - self.num_computed[r]) for r in req_ids]
+
+    def plan(self, **kwargs) -> StepPlan:
+        plan = StepPlan(step_id=self.step_id, **kwargs)
+        self.step_id += 1
+        return plan
+
+    def record(self, sampled: list[tuple[str, list[int]]]) -> None:
+        for req_id, ids in sampled:
+            self.num_tokens[req_id] += len(ids)
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF generate, greedy, never stopping early at an EOS id."""
+    hf_model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                                dtype=torch.long), do_sample=False, max_new_tokens=max_new_tokens,
+                                pad_token_id=0)
+    ids = out[0, len(prompt):].tolist()
+    assert len(ids) == max_new_tokens
+    return ids

@@ -1,0 +1,94 @@
+"""The runner's plan handling: recompute preemption, seeded sampling, and refusing bad plans."""
+
+from __future__ import annotations
+
+import pytest
+
+from executor_svc.runner import PlanError
+from protos.plan import CachedRequest, SamplingSpec
+from tests.executor.harness import PlanDriver, make_runner
+
+PROMPT = [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11]
+SEEDED = SamplingSpec(temperature=0.9, top_k=50, top_p=0.95, seed=7)
+
+
+def _decode(runner, driver, req_ids, generated, num_steps):
+    for _ in range(num_steps):
+        out = runner.execute(driver.plan(cached_reqs=driver.decode_all(req_ids)))
+        driver.record(out.sampled)
+        for req_id, ids in out.sampled:
+            generated.setdefault(req_id, []).extend(ids)
+
+
+def test_seeded_output_survives_preemption_and_batch_changes(checkpoint_cache):
+    _, model_dir = checkpoint_cache("llama3")
+    # Uninterrupted, alone.
+    runner, driver = make_runner(model_dir), PlanDriver(seed=11)
+    generated: dict[str, list[int]] = {}
+    out = runner.execute(driver.plan(new_reqs=[driver.new("x", PROMPT, len(PROMPT), SEEDED)]))
+    driver.record(out.sampled)
+    generated["x"] = out.sampled[0][1]
+    _decode(runner, driver, ["x"], generated, 9)
+    expected = generated["x"]
+    assert len(expected) == 10
+
+    # With a neighbour, a chunked prefill, and a recompute preemption after 4 tokens.
+    runner, driver = make_runner(model_dir), PlanDriver(seed=12)
+    generated = {}
+    out = runner.execute(driver.plan(new_reqs=[driver.new("x", PROMPT, 5, SEEDED),
+                                               driver.new("y", [1, 2, 3], 3, SamplingSpec(1.0))]))
+    assert [r for r, _ in out.sampled] == ["y"]  # x is mid-prompt
+    driver.record(out.sampled)
+    generated["y"] = out.sampled[0][1]
+    out = runner.execute(driver.plan(cached_reqs=[driver.cached("x", len(PROMPT) - 5)]
+                                     + driver.decode_all(["y"])))
+    driver.record(out.sampled)
+    for req_id, ids in out.sampled:
+        generated.setdefault(req_id, []).extend(ids)
+    _decode(runner, driver, ["x", "y"], generated, 3)
+    assert len(generated["x"]) == 4
+    tokens = PROMPT + generated["x"]
+    out = runner.execute(driver.plan(preempted_req_ids=["x"],
+                                     cached_reqs=driver.decode_all(["y"])))
+    driver.record(out.sampled)
+    assert "x" not in runner.requests and len(generated["y"]) == 5
+    out = runner.execute(driver.plan(new_reqs=[driver.new("x", tokens, len(tokens), SEEDED)]))
+    driver.record(out.sampled)
+    generated["x"].extend(out.sampled[0][1])
+    _decode(runner, driver, ["x"], generated, 5)
+    assert generated["x"] == expected
+
+
+def test_bad_plans_fail_with_a_reason_and_drop_the_requests(checkpoint_cache):
+    _, model_dir = checkpoint_cache("llama2")
+    runner, driver = make_runner(model_dir), PlanDriver(seed=13)
+    out = runner.execute(driver.plan(new_reqs=[driver.new("a", PROMPT, len(PROMPT))]))
+    driver.record(out.sampled)
+
+    with pytest.raises(NotImplementedError, match="swap not supported yet"):
+        runner.execute(driver.plan(swap_out=[(1, 0)]))
+    with pytest.raises(PlanError, match="not held by the executor"):
+        runner.execute(driver.plan(cached_reqs=[CachedRequest("nobody", [], 0, 1)]))
+    with pytest.raises(PlanError, match="block copy .* outside"):
+        runner.execute(driver.plan(block_copies=[(0, 10_000)]))
+    with pytest.raises(PlanError, match="scheduler counts 3 computed tokens"):
+        runner.execute(driver.plan(cached_reqs=[CachedRequest("a", [], 3, 1)]))
+    # The failed step touched "a": its state is gone, so a later plan cannot silently reuse it.
+    assert "a" not in runner.requests
+
+    new = driver.new("b", PROMPT, len(PROMPT))
+    too_many = new.__class__(new.req_id, new.token_ids, new.sampling, new.block_ids, 0,
+                             len(PROMPT) + 1)
+    with pytest.raises(PlanError, match="exceeds its 11 tokens"):
+        runner.execute(driver.plan(new_reqs=[too_many]))
+    short = new.__class__(new.req_id, new.token_ids, new.sampling, new.block_ids[:1], 0,
+                          len(PROMPT))
+    with pytest.raises(PlanError, match="do not fit its 1 blocks"):
+        runner.execute(driver.plan(new_reqs=[short]))
+    bad_ids = new.__class__(new.req_id, [1, 2, 300], new.sampling, new.block_ids, 0, 3)
+    with pytest.raises(PlanError, match="outside the model's vocabulary of 300"):
+        runner.execute(driver.plan(new_reqs=[bad_ids]))
+    # A well-formed plan still runs afterwards; an empty one computes nothing.
+    assert runner.execute(driver.plan(new_reqs=[new])).sampled[0][0] == "b"
+    assert runner.execute(driver.plan(finished_req_ids=["b"])).sampled == []
+    assert runner.requests == {}

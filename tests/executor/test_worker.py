@@ -1,0 +1,156 @@
+"""The executor process over the real channel, with the test playing the scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from protos.channel import SchedulerEnd
+from protos.plan import (
+    PROTOCOL_VERSION,
+    CachedRequest,
+    ExecutorError,
+    Hello,
+    Reject,
+    SamplingSpec,
+    Shutdown,
+    StepResult,
+    Welcome,
+)
+from tests.executor.harness import PlanDriver, hf_greedy
+
+ROOT = Path(__file__).resolve().parents[2]
+RECV_TIMEOUT_S = 90.0  # the first message waits for torch import and model load
+
+
+def _start(model_dir: Path, address: str, log_path: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "executor_svc", "--model", str(model_dir),
+           "--scheduler-address", address, "--block-size", "4", "--num-kv-blocks", "64",
+           "--log-format", "json", "--log-level", "debug"]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=log_path.open("w"))
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+async def _recv(sched: SchedulerEnd, timeout: float = RECV_TIMEOUT_S):
+    return await asyncio.wait_for(sched.recv(), timeout)
+
+
+async def test_handshake_and_generation_match_hf(checkpoint_cache, tmp_path):
+    hf_model, model_dir = checkpoint_cache("qwen2")
+    sched = SchedulerEnd("tcp://127.0.0.1:0")
+    proc = _start(model_dir, sched.address, tmp_path / "executor.log")
+    try:
+        peer, hello = await _recv(sched)
+        assert isinstance(hello, Hello)
+        assert (hello.protocol_version, hello.architecture, hello.block_size,
+                hello.num_kv_blocks, hello.max_model_len, hello.vocab_size) == (
+            PROTOCOL_VERSION, "Qwen2ForCausalLM", 4, 64, 256, 300)
+        assert (hello.dtype, hello.device, hello.random_weights) == ("float32", "cpu", False)
+        # Unanswered, the executor says Hello again.
+        t0 = time.monotonic()
+        _, again = await _recv(sched, timeout=10)
+        assert isinstance(again, Hello) and time.monotonic() - t0 < 5
+        await sched.send(peer, Welcome(PROTOCOL_VERSION))
+
+        driver = PlanDriver(num_blocks=64, seed=5)
+        prompts = {"a": [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], "b": [27, 18, 28, 18, 28, 45, 90]}
+        num_new = 12
+        generated = {r: [] for r in prompts}
+        for step in range(num_new + 1):
+            if step == 0:
+                plan = driver.plan(new_reqs=[driver.new("a", prompts["a"], 6),  # chunked prefill
+                                             driver.new("b", prompts["b"], 7)])
+            elif step == 1:
+                plan = driver.plan(cached_reqs=[driver.cached("a", 4)] + driver.decode_all(["b"]))
+            else:
+                plan = driver.plan(cached_reqs=driver.decode_all(list(prompts)))
+            await sched.send(peer, plan)
+            _, result = await _recv(sched, timeout=30)
+            assert isinstance(result, StepResult) and result.step_id == plan.step_id
+            assert result.execute_time_s > 0
+            driver.record(result.sampled)
+            for req_id, ids in result.sampled:
+                generated[req_id].extend(ids)
+            if all(len(g) >= num_new for g in generated.values()):
+                break
+        for req_id, prompt in prompts.items():
+            assert generated[req_id][:num_new] == hf_greedy(hf_model, prompt, num_new)
+
+        # A plan naming a request the executor never saw fails that step only.
+        bad = driver.plan(cached_reqs=[CachedRequest("ghost", [], 0, 1)])
+        await sched.send(peer, bad)
+        _, err = await _recv(sched, timeout=30)
+        assert isinstance(err, ExecutorError) and err.step_id == bad.step_id
+        assert "ghost" in err.message
+        # ... and the executor goes on serving, with a sampled request this time.
+        plan = driver.plan(new_reqs=[driver.new(
+            "c", [7, 7, 7], 3, SamplingSpec(temperature=0.8, top_p=0.9, seed=42))],
+            finished_req_ids=list(prompts))
+        await sched.send(peer, plan)
+        _, result = await _recv(sched, timeout=30)
+        assert isinstance(result, StepResult) and [r for r, _ in result.sampled] == ["c"]
+        assert 0 <= result.sampled[0][1][0] < 300
+
+        await sched.send(peer, Shutdown())
+        assert await asyncio.to_thread(proc.wait, 30) == 0
+    finally:
+        _stop(proc)
+        sched.close()
+    log = (tmp_path / "executor.log").read_text()
+    assert '"service": "executor"' in log and '"step failed"' in log
+
+
+async def test_reject_exits_with_code_2_and_the_reason(checkpoint_cache, tmp_path):
+    _, source_dir = checkpoint_cache("llama3")
+    model_dir = Path(shutil.copytree(source_dir, tmp_path / "model"))
+    (model_dir / "FOLIO_RANDOM_WEIGHTS").touch()
+    sched = SchedulerEnd("tcp://127.0.0.1:0")
+    proc = _start(model_dir, sched.address, tmp_path / "executor.log")
+    try:
+        peer, hello = await _recv(sched)
+        assert isinstance(hello, Hello) and hello.random_weights is True
+        reason = "model mismatch: this scheduler serves another-model"
+        await sched.send(peer, Reject(reason))
+        assert await asyncio.to_thread(proc.wait, 30) == 2
+    finally:
+        _stop(proc)
+        sched.close()
+    assert reason in (tmp_path / "executor.log").read_text()
+
+
+def test_bad_flags_fail_before_loading(tmp_path):
+    cmd = [sys.executable, "-m", "executor_svc", "--model", str(tmp_path),
+           "--kv-cache-memory", "lots"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "cannot read memory size 'lots'" in out.stderr
+    # A directory that is no checkpoint: a clear start-up failure, exit code 1.
+    cmd = [sys.executable, "-m", "executor_svc", "--model", str(tmp_path), "--device", "cpu"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "has no config.json" in out.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "m", "--block-size", "12"], "power of two"),
+    (["--model", "m", "--num-kv-blocks", "0"], "at least 1"),
+    (["--model", "m", "--scheduler-address", "localhost:5557"], "not a ZeroMQ endpoint"),
+    (["--model", "m", "--swap-space", "4"], "not supported yet"),
+    (["--model", "m", "--max-model-len", "0"], "at least 1"),
+])
+def test_config_errors_are_sentences(argv, message, capsys):
+    from executor_svc.cli import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
