@@ -1,0 +1,119 @@
+"""Blocking Python client for a Folio server (one gRPC channel, thread-safe like grpc's)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client.messages import (
+    Completion,
+    Messages,
+    generate_request,
+    message_to_dict,
+    tokenize_request,
+)
+from protos.folio.v1 import generator_pb2 as pb
+from protos.folio.v1 import generator_pb2_grpc as pb_grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+def health_status_name(status: int) -> str:
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+
+
+class FolioClient:
+    """`FolioClient("127.0.0.1:50051")`; use as a context manager to close the channel.
+
+    `generate` returns the gRPC stream itself: iterate it for `GenerateResponse` messages and
+    call `.cancel()` on it to stop early (the server then aborts the request and frees its KV
+    blocks). `generate_text` waits for the whole completion.
+    """
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None):
+        self.address = address
+        self.timeout = timeout  # default deadline per call, seconds; None = no deadline
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pb_grpc.GeneratorStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> FolioClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        messages: Messages | None = None,
+        add_generation_prompt: bool | None = None,
+        request_id: str = "",
+        timeout: float | None = None,
+        **sampling,
+    ) -> Iterator[pb.GenerateResponse]:
+        """Stream a completion. `sampling`: temperature, top_p, top_k, seed, max_tokens,
+        stop_token_ids, ignore_eos (None = server default)."""
+        req = generate_request(prompt, token_ids=token_ids, messages=messages,
+                               add_generation_prompt=add_generation_prompt,
+                               request_id=request_id, **sampling)
+        return self._stub.Generate(req, timeout=self._timeout(timeout))
+
+    def generate_text(self, prompt: str | None = None, **kwargs) -> Completion:
+        completion = Completion()
+        for resp in self.generate(prompt, **kwargs):
+            completion.add(resp)
+        return completion
+
+    def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
+        resp = self._stub.Abort(pb.AbortRequest(request_id=request_id),
+                                timeout=self._timeout(timeout))
+        return resp.found
+
+    def tokenize(self, text: str | None = None, *, messages: Messages | None = None,
+                 add_generation_prompt: bool | None = None,
+                 timeout: float | None = None) -> list[int]:
+        req = tokenize_request(text, messages=messages,
+                               add_generation_prompt=add_generation_prompt)
+        return list(self._stub.Tokenize(req, timeout=self._timeout(timeout)).token_ids)
+
+    def model_info(self, *, timeout: float | None = None) -> dict:
+        return message_to_dict(self._stub.GetModelInfo(pb.GetModelInfoRequest(),
+                                                       timeout=self._timeout(timeout)))
+
+    def stats(self, *, timeout: float | None = None) -> dict:
+        return message_to_dict(self._stub.GetServerStats(pb.GetServerStatsRequest(),
+                                                         timeout=self._timeout(timeout)))
+
+    def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """The grpc.health.v1 status name: "SERVING", "NOT_SERVING", ..."""
+        resp = self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                  timeout=self._timeout(timeout) or 10.0)
+        return health_status_name(resp.status)
+
+    def wait_ready(self, timeout: float = 60.0, *, poll_s: float = 0.2) -> None:
+        """Block until health is SERVING (the executor has joined); TimeoutError otherwise."""
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{self.address} not SERVING after {timeout:g}s ({last})")
+            try:
+                last = self.health(timeout=max(min(remaining, 5.0), 0.05))
+                if last == "SERVING":
+                    return
+            except grpc.RpcError as e:
+                last = f"{e.code().name}: {e.details()}"
+            time.sleep(min(poll_s, max(deadline - time.monotonic(), 0)))

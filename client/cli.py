@@ -1,0 +1,163 @@
+"""The `folio` command: run the services, or talk to a running server.
+
+    folio serve [--model DIR] ...      scheduler + spawned executor (one command)
+    folio scheduler ... / folio executor ...   the two processes separately (compose)
+    folio generate "Once upon a time" --max-tokens 32      streams text as it arrives
+    folio info | folio stats | folio health
+
+Service modules are imported inside their subcommands: `folio generate` never loads torch, and
+`folio serve`/`folio scheduler` load only the scheduler (the executor is a separate process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+SERVICE_COMMANDS = {
+    "serve": "scheduler and executor together (the executor is spawned as a child process)",
+    "scheduler": "the scheduler alone: gRPC API + ZeroMQ endpoint executors connect to",
+    "executor": "an executor that connects to a running scheduler",
+}
+
+
+def run_service(command: str, argv: list[str]) -> int:
+    if command == "executor":
+        from executor_svc.cli import main as executor_main
+
+        return executor_main(argv)
+    from scheduler_svc.cli import main as scheduler_main
+
+    return scheduler_main(argv, spawn_executor=command == "serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="folio", description="Folio LLM inference server.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text in SERVICE_COMMANDS.items():
+        # Parsed by the service itself (run_service); listed here for `folio --help`.
+        sub.add_parser(name, help=help_text, add_help=False)
+
+    def client_parser(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--address", default="127.0.0.1:50051", help="server host:port")
+        p.add_argument("--timeout", type=float, default=None, help="deadline per call, seconds")
+        p.add_argument("--wait-ready", type=float, default=0.0, metavar="SECONDS",
+                       help="first wait up to SECONDS for the server to report SERVING")
+        return p
+
+    gen = client_parser("generate", "stream a completion to stdout")
+    gen.add_argument("prompt", nargs="?", default=None, help="prompt text ('-' reads stdin)")
+    gen.add_argument("--token-ids", default=None, help="comma-separated prompt token ids")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat turn")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    gen.add_argument("--max-tokens", type=int, default=None)
+    gen.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop-token-ids", default="", help="comma-separated ids")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--request-id", default="")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object (token_ids, text, finish_reason, usage, "
+                          "request_id) instead of streaming text")
+
+    client_parser("info", "print the served model's facts as JSON")
+    client_parser("stats", "print the server's counters as JSON")
+    client_parser("health", "print the health status; exit 0 only when SERVING")
+    return parser
+
+
+def _ids(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise SystemExit(f"folio: {flag} takes comma-separated integers, got {text!r}") from None
+
+
+def generate_kwargs(args: argparse.Namespace) -> dict:
+    """The FolioClient.generate arguments for `folio generate`'s flags."""
+    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
+                  stop_token_ids=_ids(args.stop_token_ids, "--stop-token-ids"),
+                  request_id=args.request_id)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.token_ids is not None:
+        if prompt is not None or args.chat:
+            raise SystemExit("folio: give either a PROMPT or --token-ids, not both")
+        return {**kwargs, "token_ids": _ids(args.token_ids, "--token-ids")}
+    if prompt is None:
+        raise SystemExit("folio: generate needs a PROMPT (or --token-ids)")
+    if args.chat:
+        messages = [("system", args.system)] if args.system is not None else []
+        return {**kwargs, "messages": [*messages, ("user", prompt)]}
+    return {**kwargs, "prompt": prompt}
+
+
+def run_generate(client, args: argparse.Namespace) -> int:
+    from client.messages import Completion
+
+    kwargs = generate_kwargs(args)
+    completion = Completion()
+    stream = client.generate(**kwargs)
+    try:
+        for resp in stream:
+            completion.add(resp)
+            if not args.json and resp.text:
+                sys.stdout.write(resp.text)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        stream.cancel()  # the server aborts the request and frees its blocks
+        print(file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(completion.to_dict(), ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        if completion.finish_reason == "abort":
+            print("folio: the server aborted the request", file=sys.stderr)
+            return 1
+    return 0
+
+
+def run_client(args: argparse.Namespace) -> int:
+    import grpc
+
+    from client.api import FolioClient
+
+    with FolioClient(args.address, timeout=args.timeout) as client:
+        try:
+            if args.wait_ready > 0:
+                client.wait_ready(args.wait_ready)
+            match args.command:
+                case "generate":
+                    return run_generate(client, args)
+                case "info":
+                    print(json.dumps(client.model_info(), indent=2))
+                case "stats":
+                    print(json.dumps(client.stats(), indent=2))
+                case "health":
+                    status = client.health()
+                    print(status)
+                    return 0 if status == "SERVING" else 1
+        except grpc.RpcError as e:
+            print(f"folio: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+        except TimeoutError as e:
+            print(f"folio: {e}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SERVICE_COMMANDS:
+        return run_service(argv[0], argv[1:])
+    args = build_parser().parse_args(argv)
+    return run_client(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

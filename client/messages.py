@@ -1,0 +1,115 @@
+"""Request builders and result types shared by the sync and asyncio clients.
+
+Keeps the mapping from Python arguments to `folio.v1` messages in one place: `None` means
+"leave the optional field unset" (the server default), which differs from zero for temperature
+(0 is greedy, unset is 1.0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from protos.folio.v1 import generator_pb2 as pb
+
+FINISH_REASON_NAMES = {
+    pb.FINISH_REASON_UNSPECIFIED: None,
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+}
+
+Messages = Sequence[tuple[str, str]] | Sequence[dict]  # [(role, content)] or [{"role", "content"}]
+
+
+@dataclass
+class Completion:
+    """A whole Generate stream folded into one value."""
+
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    usage: dict[str, int] = field(default_factory=dict)  # prompt/completion/cached tokens
+
+    def add(self, resp: pb.GenerateResponse) -> None:
+        self.request_id = resp.request_id or self.request_id
+        self.token_ids.extend(resp.token_ids)
+        self.text += resp.text
+        if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            self.finish_reason = FINISH_REASON_NAMES[resp.finish_reason]
+            self.usage = {
+                "prompt_tokens": resp.usage.prompt_tokens,
+                "completion_tokens": resp.usage.completion_tokens,
+                "cached_tokens": resp.usage.cached_tokens,
+            }
+
+    def to_dict(self) -> dict:
+        return {"request_id": self.request_id, "token_ids": self.token_ids, "text": self.text,
+                "finish_reason": self.finish_reason, "usage": self.usage}
+
+
+def chat_message(messages: Messages, add_generation_prompt: bool | None = None) -> pb.Chat:
+    chat = pb.Chat()
+    for m in messages:
+        role, content = (m["role"], m["content"]) if isinstance(m, dict) else m
+        chat.messages.add(role=role, content=content)
+    if add_generation_prompt is not None:
+        chat.add_generation_prompt = add_generation_prompt
+    return chat
+
+
+def sampling_params(
+    *,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    max_tokens: int | None = None,
+    stop_token_ids: Iterable[int] = (),
+    ignore_eos: bool = False,
+) -> pb.SamplingParams:
+    params = pb.SamplingParams(stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
+                        ("seed", seed), ("max_tokens", max_tokens)):
+        if value is not None:
+            setattr(params, name, value)
+    return params
+
+
+def generate_request(
+    prompt: str | None = None,
+    *,
+    token_ids: Sequence[int] | None = None,
+    messages: Messages | None = None,
+    add_generation_prompt: bool | None = None,
+    request_id: str = "",
+    **sampling,
+) -> pb.GenerateRequest:
+    """Exactly one of `prompt` (text), `token_ids` or `messages` (chat) is the input."""
+    given = [x is not None for x in (prompt, token_ids, messages)]
+    if sum(given) != 1:
+        raise ValueError("pass exactly one of prompt, token_ids or messages")
+    req = pb.GenerateRequest(request_id=request_id, sampling=sampling_params(**sampling))
+    if prompt is not None:
+        req.text = prompt
+    elif token_ids is not None:
+        req.token_ids.ids.extend(token_ids)
+    else:
+        req.chat.CopyFrom(chat_message(messages, add_generation_prompt))
+    return req
+
+
+def tokenize_request(text: str | None = None, *, messages: Messages | None = None,
+                     add_generation_prompt: bool | None = None) -> pb.TokenizeRequest:
+    if (text is None) == (messages is None):
+        raise ValueError("pass exactly one of text or messages")
+    if text is not None:
+        return pb.TokenizeRequest(text=text)
+    return pb.TokenizeRequest(chat=chat_message(messages, add_generation_prompt))
+
+
+def message_to_dict(msg) -> dict:
+    """Every field by its proto name, defaults included, ints kept as ints (unlike JSON mapping,
+    which turns uint64 into strings)."""
+    return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}

@@ -1,0 +1,62 @@
+"""HF transformers as the oracle for end-to-end greedy runs, plus the prompts the tests send."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+# Lengths straddle block boundaries (block size 16) and reach ~200 tokens.
+PROMPT_LENGTHS = (1, 2, 7, 15, 16, 17, 33, 64, 100, 131, 200)
+NUM_SPECIAL_TOKENS = 5  # ids 0..4 in the default tokenizer; prompts avoid them
+
+
+def random_prompts(vocab_size: int, lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(NUM_SPECIAL_TOKENS, vocab_size) for _ in range(n)] for n in lengths]
+
+
+def load_hf_model(model_dir: str | Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    # ignore_eos on the server side: HF must not stop at EOS either (min_new_tokens would
+    # instead mask EOS out of the argmax, which changes the answer).
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """HF `generate(do_sample=False)`, one prompt at a time (no padding effects)."""
+    import torch
+
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            input_ids = torch.tensor([prompt], dtype=torch.long)
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                 do_sample=False, max_new_tokens=max_new_tokens,
+                                 min_new_tokens=0, eos_token_id=None)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+def mismatch_report(model, prompt: list[int], expected: list[int], got: list[int]) -> str:
+    """Where two greedy runs part, and how close the oracle's top two logits were there
+    (a gap near float noise means a tie, not a wrong kernel)."""
+    import torch
+
+    pos = next((i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b),
+               min(len(expected), len(got)))
+    lines = [f"prompt len {len(prompt)}: first difference at output {pos}",
+             f"  hf:    {expected}", f"  folio: {got}"]
+    if pos < min(len(expected), len(got)):
+        with torch.inference_mode():
+            ids = torch.tensor([prompt + expected[:pos]], dtype=torch.long)
+            logits = model(ids).logits[0, -1].float()
+        top = torch.topk(logits, 2)
+        lines.append(f"  hf top-2 at that step: ids {top.indices.tolist()} logits "
+                     f"{[round(v, 6) for v in top.values.tolist()]}; folio chose {got[pos]} "
+                     f"(hf logit {logits[got[pos]].item():.6f})")
+    return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""The `folio` command line: argument handling in-process, and the real command (a subprocess)
+against a real server on the default model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from client.cli import build_parser, generate_kwargs, main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(["generate", *argv])
+
+
+def folio(*argv: str, timeout: float = 120, importtime: bool = False):
+    """Run `folio ARGV` as its own process, like the console script does."""
+    flags = ["-X", "importtime"] if importtime else []
+    return subprocess.run([sys.executable, *flags, "-m", "client.cli", *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def imported_top_level(importtime_stderr: str) -> set[str]:
+    names = set()
+    for line in importtime_stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            names.add(line.rsplit("|", 1)[1].strip().split(".")[0])
+    return names
+
+
+# ---- argument handling (no server) ---------------------------------------------------------
+
+def test_generate_flags_map_to_client_arguments():
+    kwargs = generate_kwargs(parse("Hi", "--max-tokens", "5", "--temperature", "0", "--top-k",
+                                   "3", "--stop-token-ids", "7, 9", "--ignore-eos"))
+    assert kwargs["prompt"] == "Hi"
+    assert (kwargs["max_tokens"], kwargs["temperature"], kwargs["top_k"]) == (5, 0.0, 3)
+    assert kwargs["top_p"] is None and kwargs["seed"] is None  # unset: server defaults
+    assert kwargs["stop_token_ids"] == [7, 9] and kwargs["ignore_eos"] is True
+
+
+def test_chat_and_token_id_inputs():
+    chat = generate_kwargs(parse("Hello", "--chat", "--system", "Be brief."))
+    assert chat["messages"] == [("system", "Be brief."), ("user", "Hello")]
+    assert "prompt" not in chat
+    ids = generate_kwargs(parse("--token-ids", "1,2, 3"))
+    assert ids["token_ids"] == [1, 2, 3] and "prompt" not in ids
+
+
+@pytest.mark.parametrize("argv, message", [
+    ((), "needs a PROMPT"),
+    (("Hi", "--token-ids", "1,2"), "not both"),
+    (("--token-ids", "1,x"), "comma-separated integers"),
+])
+def test_bad_generate_arguments_exit_with_a_message(argv, message):
+    with pytest.raises(SystemExit) as err:
+        generate_kwargs(parse(*argv))
+    assert message in str(err.value)
+
+
+def test_unreachable_server_is_a_grpc_error_with_nonzero_exit(capsys):
+    rc = main(["generate", "--address", "127.0.0.1:1", "--timeout", "5", "Hi"])
+    assert rc == 1
+    assert "folio: UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_wait_ready_times_out(capsys):
+    rc = main(["health", "--address", "127.0.0.1:1", "--wait-ready", "0.5"])
+    assert rc == 1
+    assert "not SERVING" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("service, flag", [("serve", "--model"), ("scheduler", "--port"),
+                                           ("executor", "--scheduler-address")])
+def test_service_commands_reach_the_services(service, flag):
+    done = folio(service, "--help", importtime=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert flag in done.stdout
+    if service != "executor":  # the scheduler side never loads torch
+        assert "torch" not in imported_top_level(done.stderr)
+
+
+# ---- against a real server ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+def test_generate_json_on_the_default_model(default_server, hf_tokenizer):
+    done = folio("generate", "--address", default_server.address, "--json", "--max-tokens",
+                 "8", "--temperature", "0", "--ignore-eos", "Hello, Folio", importtime=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "torch" not in imported_top_level(done.stderr)
+    out = json.loads(done.stdout)
+    assert set(out) == {"request_id", "token_ids", "text", "finish_reason", "usage"}
+    assert out["request_id"] and out["finish_reason"] == "length"
+    assert len(out["token_ids"]) == 8
+    assert out["text"] == hf_tokenizer.decode(out["token_ids"], skip_special_tokens=True)
+    assert out["usage"] == {"prompt_tokens": len(hf_tokenizer("Hello, Folio")["input_ids"]),
+                            "completion_tokens": 8, "cached_tokens": out["usage"]["cached_tokens"]}
+
+    streamed = folio("generate", "--address", default_server.address, "--max-tokens", "8",
+                     "--temperature", "0", "--ignore-eos", "Hello, Folio")
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout == out["text"] + "\n"  # greedy: the same completion, streamed
+
+
+def test_generate_chat_and_token_ids(default_server, hf_tokenizer):
+    done = folio("generate", "--address", default_server.address, "--json", "--chat",
+                 "--max-tokens", "3", "--ignore-eos", "Bonjour ☕")
+    assert done.returncode == 0, done.stderr
+    chat_ids = hf_tokenizer.apply_chat_template([{"role": "user", "content": "Bonjour ☕"}],
+                                                add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
+    assert json.loads(done.stdout)["usage"]["prompt_tokens"] == len(chat_ids)
+
+    done = folio("generate", "--address", default_server.address, "--json", "--token-ids",
+                 "10,11,12,13", "--max-tokens", "2", "--ignore-eos")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["usage"]["prompt_tokens"] == 4
+
+
+def test_info_stats_health(default_server):
+    info = folio("info", "--address", default_server.address)
+    assert info.returncode == 0, info.stderr
+    assert json.loads(info.stdout)["random_weights"] is True
+    stats = folio("stats", "--address", default_server.address)
+    assert stats.returncode == 0, stats.stderr
+    assert json.loads(stats.stdout)["executor_connected"] is True
+    health = folio("health", "--address", default_server.address)
+    assert (health.returncode, health.stdout.strip()) == (0, "SERVING")
+
+
+def test_invalid_argument_prints_code_and_message(default_server):
+    done = folio("generate", "--address", default_server.address, "--top-p", "1.5", "Hi")
+    assert done.returncode == 1
+    assert "folio: INVALID_ARGUMENT" in done.stderr and "top_p" in done.stderr
