@@ -1,0 +1,92 @@
+"""Folio's kernels: Triton on CUDA, torch twins everywhere else.
+
+Public entry points (the one dispatch point): store_kv, paged_attention, rms_norm, rotary,
+silu_and_mul. Each picks the Triton launcher when its first tensor lives on a CUDA device and
+the torch twin (kernels/twins.py) otherwise, so CPU runs never touch Triton.
+
+`FOLIO_KERNELS=triton` forces the Triton launchers for CPU tensors too; it needs
+`TRITON_INTERPRET=1` in the environment before this package first launches a kernel (the
+launcher modules are imported lazily, on first Triton use). `FOLIO_KERNELS=torch` forces the
+twins even on CUDA. Both are read once, at import.
+
+Triton is optional: on machines without it (macOS) the package imports and the twins run.
+"""
+
+import functools
+import os
+from types import ModuleType
+
+import torch
+
+from kernels import twins
+
+_BACKEND = os.environ.get("FOLIO_KERNELS", "auto")
+if _BACKEND not in ("auto", "torch", "triton"):
+    raise ValueError(f"FOLIO_KERNELS must be auto, torch or triton, not {_BACKEND!r}")
+
+__all__ = ["paged_attention", "rms_norm", "rotary", "silu_and_mul", "store_kv", "twins"]
+
+
+@functools.cache
+def _triton() -> ModuleType:
+    """The Triton launchers, imported on first use (needs triton; interpreter env set first)."""
+    if _BACKEND == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "FOLIO_KERNELS=triton on a machine without CUDA needs TRITON_INTERPRET=1"
+            )
+    try:
+        from kernels import triton_ops as ops
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise RuntimeError(f"Triton kernels need the triton package: {e}") from e
+    return ops
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    if _BACKEND == "auto":
+        return x.is_cuda
+    return _BACKEND == "triton"
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Write key/value [num_tokens, num_kv_heads, head_dim] at slot_mapping (-1 = skip)."""
+    impl = _triton() if _use_triton(key) else twins
+    impl.store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    out=None,
+) -> torch.Tensor:
+    """Causal attention of a varlen query batch over the paged cache -> [num_tokens, num_heads, head_dim]."""
+    impl = _triton() if _use_triton(q) else twins
+    return impl.paged_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        max_query_len, max_seq_len, scale, out,
+    )  # fmt: skip
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    """out, or (out, new_residual) when residual is given; fp32 math, cast back to x.dtype."""
+    impl = _triton() if _use_triton(x) else twins
+    return impl.rms_norm(x, weight, eps, residual)
+
+
+def rotary(positions, q, k, cos_sin_cache) -> None:
+    """Neox-style rotary embedding applied in place to q and k."""
+    impl = _triton() if _use_triton(q) else twins
+    impl.rotary(positions, q, k, cos_sin_cache)
+
+
+def silu_and_mul(x) -> torch.Tensor:
+    """[num_tokens, 2 * intermediate] -> silu(gate) * up, [num_tokens, intermediate]."""
+    impl = _triton() if _use_triton(x) else twins
+    return impl.silu_and_mul(x)

@@ -1,0 +1,13 @@
+"""The Triton launchers under the public names; imported lazily by kernels/__init__.py.
+
+Importing this module imports triton and decorates every kernel, so TRITON_INTERPRET must be
+set (or not) before the first import.
+"""
+
+from kernels.activation import silu_and_mul
+from kernels.attention import paged_attention
+from kernels.kv_cache import store_kv
+from kernels.norm import rms_norm
+from kernels.rope import rotary
+
+__all__ = ["paged_attention", "rms_norm", "rotary", "silu_and_mul", "store_kv"]

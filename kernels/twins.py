@@ -1,0 +1,127 @@
+"""Torch twins of the Triton kernels: the oracle in tests and the CPU backend at run time.
+
+Every function here has exactly the signature of its Triton launcher (see kernels/__init__.py
+for the public dispatch). The math follows HF transformers' Llama modules operation by
+operation, so a fp32 CPU run is token-exact against transformers' greedy decoding:
+
+- rms_norm: square/mean/rsqrt in fp32, cast back, then `weight * normed` in the input dtype.
+- rotary: `q * cos + rotate_half(q) * sin` in the input dtype, with cos/sin cast to it first.
+- attention: torch SDPA on the gathered context for prefill (what transformers runs on CPU),
+  two matmuls and a softmax for decode rows; fp32 math for 16-bit inputs so the twin stays a
+  sharp oracle.
+
+Cache layout: k_cache, v_cache are [num_blocks, block_size, num_kv_heads, head_dim] and a slot is
+block_id * block_size + offset.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding, skip
+) -> None:
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    valid = slot_mapping >= 0  # [num_tokens]
+    slots = slot_mapping[valid]
+    block_ids = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots - block_ids * block_size
+    # Index with (block, offset) pairs rather than a flat view so non-contiguous caches work.
+    k_cache[block_ids, offsets] = key[valid].to(k_cache.dtype)
+    v_cache[block_ids, offsets] = value[valid].to(v_cache.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including this step's tokens
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0, "GQA needs num_heads % num_kv_heads == 0"
+    if out is None:
+        out = torch.empty_like(q)
+    compute_dtype = torch.float32
+    # One host transfer for the whole batch; the loop below is per sequence, never per token.
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        num_seq_blocks = -(-seq_len // block_size)
+        block_ids = block_tables[i, :num_seq_blocks].long()
+        # Gather whole blocks, flatten to positions, trim the tail of the last block.
+        k = k_cache[block_ids].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
+        v = v_cache[block_ids].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
+        qi = q[q_start:q_end].transpose(0, 1).to(compute_dtype)  # [num_heads, q_len, head_dim]
+        k = k.transpose(0, 1).to(compute_dtype)  # [num_kv_heads, seq_len, head_dim]
+        v = v.transpose(0, 1).to(compute_dtype)  # [num_kv_heads, seq_len, head_dim]
+        if q_len == 1:
+            # Decode: one query row sees the whole context. Two small matmuls per KV head beat
+            # SDPA's CPU dispatch several times over at this size.
+            qg = qi.view(num_kv_heads, num_heads // num_kv_heads, head_dim)  # [Hkv, group, D]
+            probs = torch.softmax((qg @ k.transpose(1, 2)) * scale, dim=-1)  # [Hkv, group, seq_len]
+            o = (probs @ v).view(num_heads, 1, head_dim)
+        else:
+            # Query j sits at position seq_len - q_len + j and sees every key at or before it:
+            # full attention to the cached prefix, causal over the new tokens.
+            query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)  # [q_len]
+            key_pos = torch.arange(seq_len, device=q.device)  # [seq_len]
+            mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, seq_len]
+            o = F.scaled_dot_product_attention(
+                qi, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+            )  # [num_heads, q_len, head_dim]
+        out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if residual is not None:
+        # The residual stream is summed in the model dtype, as transformers does.
+        x = x + residual
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    out = weight * h.to(x.dtype)
+    return out if residual is None else (out, x)
+
+
+def rotary(
+    positions: torch.Tensor,  # [num_tokens] int64
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]: cos | sin halves
+) -> None:
+    half = cos_sin_cache.shape[1] // 2
+    cos_sin = cos_sin_cache[positions]  # [num_tokens, head_dim]
+    cos = cos_sin[:, None, :half]  # [num_tokens, 1, half]
+    sin = cos_sin[:, None, half:]  # [num_tokens, 1, half]
+    for x in (q, k):
+        c, s = cos.to(x.dtype), sin.to(x.dtype)
+        x1, x2 = x[..., :half], x[..., half:]
+        # Neox style: (x1, x2) -> (x1*cos - x2*sin, x2*cos + x1*sin), rotating halves.
+        rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        x.copy_(rotated)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * intermediate]
+    intermediate = x.shape[-1] // 2
+    return F.silu(x[..., :intermediate]) * x[..., intermediate:]  # [num_tokens, intermediate]
