@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -46,13 +46,20 @@ class SamplingSpec:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None  # None = the executor's global generator
+    # Return the top `num_logprobs` (token id, logprob) of each sampled row in StepResult.logprobs;
+    # logprobs are log_softmax of the model's raw logits in fp32 (before temperature/top-k/top-p).
+    num_logprobs: int = 0
+    # False: the executor does not append what it samples; the scheduler chooses the next token
+    # itself (beam search) and sends it in CachedRequest.new_token_ids.
+    append_sampled: bool = True
 
     def to_wire(self) -> list:
-        return [self.temperature, self.top_p, self.top_k, self.seed]
+        return [self.temperature, self.top_p, self.top_k, self.seed, self.num_logprobs,
+                self.append_sampled]
 
     @classmethod
     def from_wire(cls, w: list) -> SamplingSpec:
-        return cls(float(w[0]), float(w[1]), int(w[2]), w[3])
+        return cls(float(w[0]), float(w[1]), int(w[2]), w[3], int(w[4]), bool(w[5]))
 
 
 @dataclass(frozen=True)
@@ -79,14 +86,17 @@ class CachedRequest:
     new_block_ids: list[int]  # appended to the executor's block table for this request
     num_computed_tokens: int  # the scheduler's count, checked by the executor
     num_scheduled_tokens: int
+    # Tokens the scheduler appends to the executor's copy before this step (only for requests
+    # with SamplingSpec.append_sampled False, e.g. a beam's chosen token).
+    new_token_ids: list[int] = field(default_factory=list)
 
     def to_wire(self) -> list:
         return [self.req_id, self.new_block_ids, self.num_computed_tokens,
-                self.num_scheduled_tokens]
+                self.num_scheduled_tokens, self.new_token_ids]
 
     @classmethod
     def from_wire(cls, w: list) -> CachedRequest:
-        return cls(w[0], list(w[1]), w[2], w[3])
+        return cls(w[0], list(w[1]), w[2], w[3], list(w[4]))
 
 
 def _pairs(w: list) -> list[tuple[int, int]]:
@@ -198,21 +208,24 @@ class StepResult:
 
     `sampled` holds (req_id, token_ids) for each request that sampled this step (one id per
     request today; a list leaves room for speculative decoding). Requests in the middle of a
-    chunked prefill are absent.
+    chunked prefill are absent. `logprobs` holds (req_id, top token ids, their logprobs), best
+    first, for each sampled request whose SamplingSpec.num_logprobs > 0.
     """
 
     TAG: ClassVar[int] = 5
     step_id: int
     sampled: list[tuple[str, list[int]]] = field(default_factory=list)
     execute_time_s: float = 0.0  # executor-side wall time of the step, for stats
+    logprobs: list[tuple[str, list[int], list[float]]] = field(default_factory=list)
 
     def to_wire(self) -> list:
         return [self.TAG, self.step_id, [[r, ids] for r, ids in self.sampled],
-                self.execute_time_s]
+                self.execute_time_s, [[r, ids, lps] for r, ids, lps in self.logprobs]]
 
     @classmethod
     def from_wire(cls, w: list) -> StepResult:
-        return cls(w[1], [(r, list(ids)) for r, ids in w[2]], w[3])
+        return cls(w[1], [(r, list(ids)) for r, ids in w[2]], w[3],
+                   [(r, list(ids), [float(x) for x in lps]) for r, ids, lps in w[4]])
 
 
 @dataclass(frozen=True)

@@ -38,15 +38,19 @@ MESSAGES = [
             NewRequest("r1", [1, 2, 3, 4], SamplingSpec(), [7], 0, 4),
             NewRequest("r2", list(range(40)), SamplingSpec(0.7, 0.9, 50, 2**63 - 1), [3, 9, 4],
                        16, 24),
+            NewRequest("b0", [5, 6], SamplingSpec(0.0, num_logprobs=8, append_sampled=False),
+                       [1], 1, 1),
         ],
-        cached_reqs=[CachedRequest("r0", [], 33, 1), CachedRequest("r3", [12], 48, 1)],
+        cached_reqs=[CachedRequest("r0", [], 33, 1), CachedRequest("r3", [12], 48, 1),
+                     CachedRequest("b1", [], 7, 1, [901])],
         finished_req_ids=["r4", "r5"],
         preempted_req_ids=["r6"],
         block_copies=[(1, 2), (5, 6)],
         swap_out=[(8, 0)],
         swap_in=[(1, 10)],
     ),
-    StepResult(17, [("r1", [42]), ("r0", [7, 8])], 0.0123),
+    StepResult(17, [("r1", [42]), ("r0", [7, 8])], 0.0123,
+               [("b0", [3, 1], [-0.25, -1.5])]),
     StepResult(18),
     ExecutorError(19, "CUDA out of memory"),
     Shutdown(),
@@ -74,7 +78,7 @@ def test_wire_is_plain_msgpack():
 
 
 def test_plan_counts_scheduled_tokens():
-    assert MESSAGES[4].num_scheduled_tokens == 4 + 24 + 1 + 1
+    assert MESSAGES[4].num_scheduled_tokens == 4 + 24 + 1 + 1 + 1 + 1
 
 
 @pytest.mark.parametrize("frame, match", [
