@@ -10,6 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.api import DEFAULT_ADDRESS, health_status_name
 from client.messages import (
+    Choices,
     Completion,
     Messages,
     generate_request,
@@ -63,10 +64,20 @@ class AsyncFolioClient:
         return self._stub.Generate(req, timeout=self._timeout(timeout))
 
     async def generate_text(self, prompt: str | None = None, **kwargs) -> Completion:
+        """One sequence folded into a Completion; for n > 1 use `generate_choices`."""
+        if (kwargs.get("n") or 1) > 1:
+            raise ValueError("generate_text returns one sequence; use generate_choices for n > 1")
         completion = Completion()
         async for resp in self.generate(prompt, **kwargs):
             completion.add(resp)
         return completion
+
+    async def generate_choices(self, prompt: str | None = None, **kwargs) -> list[Completion]:
+        """All n sequences (n > 1 or beam search), ordered by index."""
+        choices = Choices()
+        async for resp in self.generate(prompt, **kwargs):
+            choices.add(resp)
+        return choices.completions
 
     async def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
         resp = await self._stub.Abort(pb.AbortRequest(request_id=request_id),

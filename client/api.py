@@ -9,6 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.messages import (
+    Choices,
     Completion,
     Messages,
     generate_request,
@@ -64,17 +65,28 @@ class FolioClient:
         **sampling,
     ) -> Iterator[pb.GenerateResponse]:
         """Stream a completion. `sampling`: temperature, top_p, top_k, seed, max_tokens,
-        stop_token_ids, ignore_eos (None = server default)."""
+        stop_token_ids, ignore_eos, n, beam_width, length_penalty, early_stopping
+        (None = server default)."""
         req = generate_request(prompt, token_ids=token_ids, messages=messages,
                                add_generation_prompt=add_generation_prompt,
                                request_id=request_id, **sampling)
         return self._stub.Generate(req, timeout=self._timeout(timeout))
 
     def generate_text(self, prompt: str | None = None, **kwargs) -> Completion:
+        """One sequence folded into a Completion; for n > 1 use `generate_choices`."""
+        if (kwargs.get("n") or 1) > 1:
+            raise ValueError("generate_text returns one sequence; use generate_choices for n > 1")
         completion = Completion()
         for resp in self.generate(prompt, **kwargs):
             completion.add(resp)
         return completion
+
+    def generate_choices(self, prompt: str | None = None, **kwargs) -> list[Completion]:
+        """All n sequences (n > 1 or beam search), ordered by index."""
+        choices = Choices()
+        for resp in self.generate(prompt, **kwargs):
+            choices.add(resp)
+        return choices.completions
 
     def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
         resp = self._stub.Abort(pb.AbortRequest(request_id=request_id),

@@ -59,10 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop-token-ids", default="", help="comma-separated ids")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--n", type=int, default=None, help="number of sequences to return")
+    gen.add_argument("--beam-width", type=int, default=None, help="beam search when > 1")
+    gen.add_argument("--length-penalty", type=float, default=None, help="beam search only")
+    gen.add_argument("--early-stopping", default="heuristic",
+                     choices=["heuristic", "true", "never"], help="beam search only")
     gen.add_argument("--request-id", default="")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (token_ids, text, finish_reason, usage, "
-                          "request_id) instead of streaming text")
+                          "request_id; with several sequences, a `choices` list of those) "
+                          "instead of streaming text")
 
     client_parser("info", "print the served model's facts as JSON")
     client_parser("stats", "print the server's counters as JSON")
@@ -82,7 +88,8 @@ def generate_kwargs(args: argparse.Namespace) -> dict:
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
                   stop_token_ids=_ids(args.stop_token_ids, "--stop-token-ids"),
-                  request_id=args.request_id)
+                  request_id=args.request_id, n=args.n, beam_width=args.beam_width,
+                  length_penalty=args.length_penalty, early_stopping=args.early_stopping)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.token_ids is not None:
         if prompt is not None or args.chat:
@@ -97,28 +104,41 @@ def generate_kwargs(args: argparse.Namespace) -> dict:
 
 
 def run_generate(client, args: argparse.Namespace) -> int:
-    from client.messages import Completion
+    from client.messages import Choices, Completion
 
     kwargs = generate_kwargs(args)
-    completion = Completion()
+    # One sequence streams its text as it arrives; several (n > 1, or beam search, whose beams
+    # arrive at the end) are printed one after another once each finishes.
+    several = (args.n or 1) > 1 or (args.beam_width or 1) > 1
+    choices = Choices()
     stream = client.generate(**kwargs)
     try:
         for resp in stream:
-            completion.add(resp)
-            if not args.json and resp.text:
+            completion = choices.add(resp)
+            if args.json:
+                continue
+            if not several and resp.text:
                 sys.stdout.write(resp.text)
                 sys.stdout.flush()
+            elif several and completion.finish_reason is not None:
+                print(f"[{completion.index}] {completion.text}")
     except KeyboardInterrupt:
         stream.cancel()  # the server aborts the request and frees its blocks
         print(file=sys.stderr)
         return 130
+    completions = choices.completions
     if args.json:
-        print(json.dumps(completion.to_dict(), ensure_ascii=False))
-    else:
+        if several:
+            out = {"request_id": completions[0].request_id if completions else "",
+                   "choices": [c.to_dict() for c in completions]}
+        else:
+            out = (completions[0] if completions else Completion()).to_dict()
+        print(json.dumps(out, ensure_ascii=False))
+    elif not several:
         sys.stdout.write("\n")
-        if completion.finish_reason == "abort":
-            print("folio: the server aborted the request", file=sys.stderr)
-            return 1
+    if any(c.finish_reason == "abort" for c in completions):
+        print("folio: the server aborted the request", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -21,12 +21,19 @@ FINISH_REASON_NAMES = {
 
 Messages = Sequence[tuple[str, str]] | Sequence[dict]  # [(role, content)] or [{"role", "content"}]
 
+EARLY_STOPPING = {
+    "heuristic": pb.EARLY_STOPPING_HEURISTIC,  # HF early_stopping=False
+    "true": pb.EARLY_STOPPING_TRUE,
+    "never": pb.EARLY_STOPPING_NEVER,
+}
+
 
 @dataclass
 class Completion:
-    """A whole Generate stream folded into one value."""
+    """One sequence of a Generate stream folded into one value (see `fold`)."""
 
     request_id: str = ""
+    index: int = 0  # which of the n sequences
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -34,6 +41,7 @@ class Completion:
 
     def add(self, resp: pb.GenerateResponse) -> None:
         self.request_id = resp.request_id or self.request_id
+        self.index = resp.index
         self.token_ids.extend(resp.token_ids)
         self.text += resp.text
         if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
@@ -45,8 +53,24 @@ class Completion:
             }
 
     def to_dict(self) -> dict:
-        return {"request_id": self.request_id, "token_ids": self.token_ids, "text": self.text,
-                "finish_reason": self.finish_reason, "usage": self.usage}
+        return {"request_id": self.request_id, "index": self.index, "token_ids": self.token_ids,
+                "text": self.text, "finish_reason": self.finish_reason, "usage": self.usage}
+
+
+class Choices:
+    """A Generate stream with n sequences (n > 1 or beam search): one Completion per index."""
+
+    def __init__(self) -> None:
+        self._by_index: dict[int, Completion] = {}
+
+    def add(self, resp: pb.GenerateResponse) -> Completion:
+        completion = self._by_index.setdefault(resp.index, Completion())
+        completion.add(resp)
+        return completion
+
+    @property
+    def completions(self) -> list[Completion]:
+        return [self._by_index[i] for i in sorted(self._by_index)]
 
 
 def chat_message(messages: Messages, add_generation_prompt: bool | None = None) -> pb.Chat:
@@ -68,10 +92,19 @@ def sampling_params(
     max_tokens: int | None = None,
     stop_token_ids: Iterable[int] = (),
     ignore_eos: bool = False,
+    n: int | None = None,
+    beam_width: int | None = None,
+    length_penalty: float | None = None,
+    early_stopping: str = "heuristic",
 ) -> pb.SamplingParams:
-    params = pb.SamplingParams(stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    if early_stopping not in EARLY_STOPPING:
+        raise ValueError(f"early_stopping is one of {sorted(EARLY_STOPPING)}, "
+                         f"got {early_stopping!r}")
+    params = pb.SamplingParams(stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+                               early_stopping=EARLY_STOPPING[early_stopping])
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
-                        ("seed", seed), ("max_tokens", max_tokens)):
+                        ("seed", seed), ("max_tokens", max_tokens), ("n", n),
+                        ("beam_width", beam_width), ("length_penalty", length_penalty)):
         if value is not None:
             setattr(params, name, value)
     return params

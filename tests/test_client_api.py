@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from client import AsyncFolioClient, Completion, FolioClient
-from client.messages import generate_request, sampling_params
+from client.messages import Choices, generate_request, sampling_params
 from protos.folio.v1 import generator_pb2 as pb
 
 
@@ -16,6 +16,30 @@ def test_unset_sampling_fields_stay_unset():
     params = sampling_params(temperature=0.0, max_tokens=4)
     assert params.HasField("temperature") and params.temperature == 0.0  # 0 = greedy, set
     assert not params.HasField("top_p") and not params.HasField("seed")
+
+
+def test_sequence_and_beam_fields():
+    params = sampling_params(n=4, beam_width=4, length_penalty=0.5, early_stopping="never")
+    assert (params.n, params.beam_width, params.length_penalty) == (4, 4, 0.5)
+    assert params.early_stopping == pb.EARLY_STOPPING_NEVER
+    assert not sampling_params().HasField("n")
+    with pytest.raises(ValueError, match="early_stopping"):
+        sampling_params(early_stopping="sometimes")
+    with pytest.raises(ValueError, match="generate_choices"):
+        FolioClient("127.0.0.1:9").generate_text("hi", n=2)
+
+
+def test_choices_fold_interleaved_sequences_by_index():
+    choices = Choices()
+    for index, ids, text in [(1, [5], "b"), (0, [3], "a"), (1, [6], "B"), (0, [4], "A")]:
+        choices.add(pb.GenerateResponse(request_id="r", index=index, token_ids=ids, text=text))
+    choices.add(pb.GenerateResponse(request_id="r", index=0,
+                                    finish_reason=pb.FINISH_REASON_STOP))
+    first, second = choices.completions
+    assert (first.index, first.token_ids, first.text, first.finish_reason) == (0, [3, 4], "aA",
+                                                                               "stop")
+    assert (second.index, second.token_ids, second.text, second.finish_reason) == (
+        1, [5, 6], "bB", None)
 
 
 def test_generate_request_needs_exactly_one_input():
@@ -33,7 +57,7 @@ def test_completion_folds_a_stream():
     c.add(pb.GenerateResponse(request_id="r", token_ids=[3], text="c",
                               finish_reason=pb.FINISH_REASON_LENGTH,
                               usage=pb.Usage(prompt_tokens=4, completion_tokens=3)))
-    assert c.to_dict() == {"request_id": "r", "token_ids": [1, 2, 3], "text": "abc",
+    assert c.to_dict() == {"request_id": "r", "index": 0, "token_ids": [1, 2, 3], "text": "abc",
                            "finish_reason": "length",
                            "usage": {"prompt_tokens": 4, "completion_tokens": 3,
                                      "cached_tokens": 0}}

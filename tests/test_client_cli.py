@@ -101,7 +101,7 @@ def test_generate_json_on_the_default_model(default_server, hf_tokenizer):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "torch" not in imported_top_level(done.stderr)
     out = json.loads(done.stdout)
-    assert set(out) == {"request_id", "token_ids", "text", "finish_reason", "usage"}
+    assert set(out) == {"request_id", "index", "token_ids", "text", "finish_reason", "usage"}
     assert out["request_id"] and out["finish_reason"] == "length"
     assert len(out["token_ids"]) == 8
     assert out["text"] == hf_tokenizer.decode(out["token_ids"], skip_special_tokens=True)
