@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", default=None,
                    help="KV cache budget, e.g. 512MiB or 2GiB (default: 90%% of free GPU "
                         "memory after the weights on CUDA, 1GiB on the CPU)")
-    p.add_argument("--swap-space", type=float, default=0.0, help="reserved; must be 0")
+    p.add_argument("--swap-space", type=float, default=0.0,
+                   help="GiB of host memory for swapped-out KV blocks, e.g. 4 (default 0: "
+                        "no swap pool; the scheduler preempts by recompute only)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="auto = float32 on the CPU, bfloat16 on CUDA")
     p.add_argument("--device", choices=DEVICES, default="auto")

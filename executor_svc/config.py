@@ -39,7 +39,7 @@ class ExecutorConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides memory-based sizing
     kv_cache_memory: int | None = None  # bytes; None = the device's default
-    swap_space: float = 0.0  # GiB of CPU swap; reserved
+    swap_space: float = 0.0  # GiB of host memory for the CPU KV swap pool; 0 = no swapping
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
@@ -60,11 +60,8 @@ class ExecutorConfig:
             raise ValueError(f"--num-kv-blocks must be at least 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("--kv-cache-memory must be a positive size such as 512MiB")
-        if self.swap_space < 0:
-            raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
-        if self.swap_space > 0:
-            raise ValueError("--swap-space is reserved: swapping KV blocks to the CPU is not "
-                             "supported yet; leave it at 0 (preemption recomputes instead)")
+        if not 0 <= self.swap_space < 1 << 20:  # also refuses NaN and inf
+            raise ValueError(f"--swap-space must be >= 0 GiB (and finite), got {self.swap_space}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in DEVICES:

@@ -1,4 +1,4 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Batched sampling: greedy, temperature, top-k, top-p, per-request seeds; top logprobs.
 
 One row of logits per request that samples this step. Greedy rows (temperature 0) take the exact
 argmax. The other rows draw with the exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)``
@@ -46,10 +46,12 @@ class SamplingBatch:
         temperature = [s.temperature for s in specs]
         top_p = [s.top_p for s in specs]
         top_k = [s.top_k for s in specs]
+        # One host-to-device copy for all three (top-k values are exact in float64).
+        params = torch.tensor([temperature, top_p, top_k], dtype=torch.float64).to(device)
         return cls(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            temperature=params[0].float(),  # [num_rows]
+            top_p=params[1].float(),
+            top_k=params[2].long(),
             seeds=[s.seed for s in specs],
             token_indices=list(token_indices),
             all_greedy=all(t < _GREEDY_EPS for t in temperature),
@@ -106,3 +108,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     else:
         sampled_ids = (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
     return torch.where(is_greedy, greedy_ids, sampled_ids)  # [num_rows]
+
+
+def top_logprobs(logits: torch.Tensor, rows: torch.Tensor,
+                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of the given logits rows, best first, with their logprobs.
+
+    logits [num_rows, vocab]; rows [num_lp_rows] int64 -> (token ids [num_lp_rows, k] int64,
+    logprobs [num_lp_rows, k] float32). Logprobs are log_softmax of the raw logits in fp32,
+    before temperature, top-k or top-p: the scores beam search ranks by.
+    """
+    logprobs = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
+    values, token_ids = logprobs.topk(k, dim=-1, largest=True, sorted=True)
+    return token_ids, values

@@ -19,7 +19,7 @@ import structlog
 import torch
 
 from executor_svc.config import ExecutorConfig
-from executor_svc.kv_cache import KVCache, num_blocks_for
+from executor_svc.kv_cache import KVCache, bytes_per_block, num_blocks_for
 from executor_svc.loader import (
     effective_max_model_len,
     has_random_weights,
@@ -28,6 +28,7 @@ from executor_svc.loader import (
 )
 from executor_svc.model_config import ModelConfig
 from executor_svc.runner import ModelRunner
+from executor_svc.swap import SwapPool, num_swap_blocks_for
 from protos.channel import ExecutorEnd, ProtocolError
 from protos.plan import (
     PROTOCOL_VERSION,
@@ -83,8 +84,11 @@ def build_executor(cfg: ExecutorConfig) -> Executor:
                                 cfg.kv_cache_memory)
     kv_cache = KVCache.allocate(model_cfg, num_blocks, cfg.block_size, dtype, device)
     model.bind_kv_cache(kv_cache.per_layer())
+    num_swap_blocks = num_swap_blocks_for(cfg.swap_space,
+                                          bytes_per_block(model_cfg, cfg.block_size, dtype))
+    swap_pool = SwapPool.allocate(kv_cache, num_swap_blocks) if num_swap_blocks else None
     runner = ModelRunner(model, kv_cache, cfg.block_size, max_model_len,
-                         model_cfg.vocab_size, device)
+                         model_cfg.vocab_size, device, swap_pool)
     hello = Hello(
         protocol_version=PROTOCOL_VERSION,
         executor_id=f"{socket.gethostname()}-{os.getpid()}",
@@ -94,7 +98,7 @@ def build_executor(cfg: ExecutorConfig) -> Executor:
         max_model_len=max_model_len,
         block_size=cfg.block_size,
         num_kv_blocks=num_blocks,
-        num_swap_blocks=0,
+        num_swap_blocks=num_swap_blocks,
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
         random_weights=has_random_weights(model_dir),
@@ -111,7 +115,7 @@ def handshake(end: ExecutorEnd, hello: Hello) -> int | None:
         # The first Hello at INFO; retries while the scheduler is not up yet at DEBUG.
         (log.info if attempt == 1 else log.debug)(
             "hello sent", attempt=attempt, num_kv_blocks=hello.num_kv_blocks,
-            max_model_len=hello.max_model_len)
+            num_swap_blocks=hello.num_swap_blocks, max_model_len=hello.max_model_len)
         deadline = time.monotonic() + HELLO_RETRY_S
         while (left := deadline - time.monotonic()) > 0:
             try:
@@ -174,7 +178,7 @@ def _step(runner: ModelRunner, plan: StepPlan, stats: _Stats) -> StepResult | Ex
     stats.add(out.num_tokens, len(out.sampled), out.execute_time_s)
     log.debug("step done", step=plan.step_id, num_tokens=out.num_tokens,
               num_sampled=len(out.sampled), execute_time_s=round(out.execute_time_s, 6))
-    return StepResult(plan.step_id, out.sampled, out.execute_time_s)
+    return StepResult(plan.step_id, out.sampled, out.execute_time_s, out.logprobs)
 
 
 class _Stats:

@@ -23,7 +23,8 @@ A StepPlan is a diff against what the executor already holds:
 - ``finished_req_ids`` / ``preempted_req_ids``: drop these requests' state (their blocks now
   belong to the scheduler again).
 - ``block_copies``, ``swap_out``, ``swap_in``: (src, dst) block pairs the executor performs
-  before the forward pass (copy-on-write, and swapping between the GPU and the CPU pool).
+  before the forward pass (copy-on-write, and swapping between the GPU and the CPU pool), in
+  this order: swap_out, then swap_in, then block_copies.
 
 Invariant: for every scheduled request, num_computed_tokens + num_scheduled_tokens <= the number
 of tokens the executor holds for it; the executor samples a token exactly when that sum equals

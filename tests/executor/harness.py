@@ -12,6 +12,7 @@ from executor_svc.kv_cache import KVCache
 from executor_svc.loader import effective_max_model_len, load_model
 from executor_svc.model_config import ModelConfig
 from executor_svc.runner import ModelRunner
+from executor_svc.swap import SwapPool
 from protos.plan import CachedRequest, NewRequest, SamplingSpec, StepPlan
 
 BLOCK_SIZE = 4  # small, so prompts span several blocks
@@ -69,7 +70,8 @@ def save_checkpoint(model, path: Path, **save_kwargs) -> Path:
     return path
 
 
-def make_runner(model_dir: Path, num_blocks: int = NUM_BLOCKS) -> ModelRunner:
+def make_runner(model_dir: Path, num_blocks: int = NUM_BLOCKS,
+                num_swap_blocks: int = 0) -> ModelRunner:
     cfg = ModelConfig.from_dir(model_dir)
     max_len = effective_max_model_len(cfg, None)
     device = torch.device("cpu")
@@ -77,7 +79,8 @@ def make_runner(model_dir: Path, num_blocks: int = NUM_BLOCKS) -> ModelRunner:
                        cfg=cfg)
     kv_cache = KVCache.allocate(cfg, num_blocks, BLOCK_SIZE, torch.float32, device)
     model.bind_kv_cache(kv_cache.per_layer())
-    return ModelRunner(model, kv_cache, BLOCK_SIZE, max_len, cfg.vocab_size, device)
+    swap_pool = SwapPool.allocate(kv_cache, num_swap_blocks) if num_swap_blocks else None
+    return ModelRunner(model, kv_cache, BLOCK_SIZE, max_len, cfg.vocab_size, device, swap_pool)
 
 
 class PlanDriver:
@@ -112,6 +115,27 @@ class PlanDriver:
         self.num_computed[req_id] = computed + num_scheduled
         return CachedRequest(req_id, new, computed, num_scheduled)
 
+    def swap_out(self, req_id: str, cpu_ids: list[int]) -> list[tuple[int, int]]:
+        """(device, cpu) pairs for all of the request's blocks; its device blocks go back to the
+        free list's end, so the next blocks handed out are exactly these."""
+        pairs = list(zip(self.block_ids[req_id], cpu_ids, strict=True))
+        self.free.extend(reversed(self.block_ids[req_id]))
+        self.block_ids[req_id] = []
+        return pairs
+
+    def swap_in(self, req_id: str, cpu_ids: list[int], token_ids: list[int],
+                sampling: SamplingSpec | None = None) -> tuple[list[tuple[int, int]], NewRequest]:
+        """(cpu, device) pairs onto fresh device blocks, and the NewRequest that resumes the
+        request with its KV in place: all its tokens, num_computed = all but the last."""
+        self.block_ids[req_id] = [self.free.pop() for _ in cpu_ids]
+        pairs = list(zip(cpu_ids, self.block_ids[req_id], strict=True))
+        self._grow(req_id, len(token_ids))  # the last token may need a block of its own
+        self.num_tokens[req_id] = len(token_ids)
+        self.num_computed[req_id] = len(token_ids)
+        new = NewRequest(req_id, list(token_ids), sampling or SamplingSpec(temperature=0.0),
+                         list(self.block_ids[req_id]), len(token_ids) - 1, 1)
+        return pairs, new
+
     def decode_all(self, req_ids: list[str]) -> list[CachedRequest]:
         return [self.cached(r, self.num_tokens[r] - self.num_computed[r]) for r in req_ids]
 
@@ -123,6 +147,14 @@ class PlanDriver:
     def record(self, sampled: list[tuple[str, list[int]]]) -> None:
         for req_id, ids in sampled:
             self.num_tokens[req_id] += len(ids)
+
+
+def hf_top_logprobs(hf_model, token_ids: list[int], k: int) -> tuple[list[int], torch.Tensor]:
+    """The oracle for logprobs: HF's next-token logits, log_softmax in fp32, top-k."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([token_ids])).logits[0, -1]
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(k)
+    return ids.tolist(), values
 
 
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -65,7 +65,7 @@ def test_bad_plans_fail_with_a_reason_and_drop_the_requests(checkpoint_cache):
     out = runner.execute(driver.plan(new_reqs=[driver.new("a", PROMPT, len(PROMPT))]))
     driver.record(out.sampled)
 
-    with pytest.raises(NotImplementedError, match="swap not supported yet"):
+    with pytest.raises(PlanError, match="no CPU swap pool"):
         runner.execute(driver.plan(swap_out=[(1, 0)]))
     with pytest.raises(PlanError, match="not held by the executor"):
         runner.execute(driver.plan(cached_reqs=[CachedRequest("nobody", [], 0, 1)]))

@@ -23,16 +23,17 @@ from protos.plan import (
     StepResult,
     Welcome,
 )
-from tests.executor.harness import PlanDriver, hf_greedy
+from tests.executor.harness import PlanDriver, hf_greedy, hf_top_logprobs
 
 ROOT = Path(__file__).resolve().parents[2]
 RECV_TIMEOUT_S = 90.0  # the first message waits for torch import and model load
 
 
-def _start(model_dir: Path, address: str, log_path: Path) -> subprocess.Popen:
+def _start(model_dir: Path, address: str, log_path: Path,
+           extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "executor_svc", "--model", str(model_dir),
            "--scheduler-address", address, "--block-size", "4", "--num-kv-blocks", "64",
-           "--log-format", "json", "--log-level", "debug"]
+           "--log-format", "json", "--log-level", "debug", *extra_args]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=log_path.open("w"))
 
@@ -50,13 +51,18 @@ async def _recv(sched: SchedulerEnd, timeout: float = RECV_TIMEOUT_S):
 async def test_handshake_and_generation_match_hf(checkpoint_cache, tmp_path):
     hf_model, model_dir = checkpoint_cache("qwen2")
     sched = SchedulerEnd("tcp://127.0.0.1:0")
-    proc = _start(model_dir, sched.address, tmp_path / "executor.log")
+    proc = _start(model_dir, sched.address, tmp_path / "executor.log", ("--swap-space", "0.001"))
     try:
         peer, hello = await _recv(sched)
         assert isinstance(hello, Hello)
         assert (hello.protocol_version, hello.architecture, hello.block_size,
                 hello.num_kv_blocks, hello.max_model_len, hello.vocab_size) == (
             PROTOCOL_VERSION, "Qwen2ForCausalLM", 4, 64, 256, 300)
+        # 0.001 GiB of fp32 blocks: k and v, per layer, 4 tokens x kv heads x head_dim.
+        cfg = hf_model.config
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        bytes_per_block = 2 * cfg.num_hidden_layers * 4 * cfg.num_key_value_heads * head_dim * 4
+        assert hello.num_swap_blocks == int(0.001 * (1 << 30)) // bytes_per_block
         assert (hello.dtype, hello.device, hello.random_weights) == ("float32", "cpu", False)
         # Unanswered, the executor says Hello again.
         t0 = time.monotonic()
@@ -96,12 +102,18 @@ async def test_handshake_and_generation_match_hf(checkpoint_cache, tmp_path):
         assert "ghost" in err.message
         # ... and the executor goes on serving, with a sampled request this time.
         plan = driver.plan(new_reqs=[driver.new(
-            "c", [7, 7, 7], 3, SamplingSpec(temperature=0.8, top_p=0.9, seed=42))],
+            "c", [7, 7, 7], 3,
+            SamplingSpec(temperature=0.8, top_p=0.9, seed=42, num_logprobs=3))],
             finished_req_ids=list(prompts))
         await sched.send(peer, plan)
         _, result = await _recv(sched, timeout=30)
         assert isinstance(result, StepResult) and [r for r, _ in result.sampled] == ["c"]
         assert 0 <= result.sampled[0][1][0] < 300
+        # Top logprobs ride the same StepResult, equal to HF's on the same tokens.
+        [(req_id, top_ids, top_lps)] = result.logprobs
+        hf_ids, hf_lps = hf_top_logprobs(hf_model, [7, 7, 7], 3)
+        assert req_id == "c" and top_ids == hf_ids
+        assert top_lps == pytest.approx(hf_lps.tolist(), abs=1e-4)
 
         await sched.send(peer, Shutdown())
         assert await asyncio.to_thread(proc.wait, 30) == 0
@@ -146,7 +158,8 @@ def test_bad_flags_fail_before_loading(tmp_path):
     (["--model", "m", "--block-size", "12"], "power of two"),
     (["--model", "m", "--num-kv-blocks", "0"], "at least 1"),
     (["--model", "m", "--scheduler-address", "localhost:5557"], "not a ZeroMQ endpoint"),
-    (["--model", "m", "--swap-space", "4"], "not supported yet"),
+    (["--model", "m", "--swap-space", "-1"], "must be >= 0 GiB"),
+    (["--model", "m", "--swap-space", "nan"], "must be >= 0 GiB"),
     (["--model", "m", "--max-model-len", "0"], "at least 1"),
 ])
 def test_config_errors_are_sentences(argv, message, capsys):

@@ -1,0 +1,117 @@
+"""Top logprobs and scheduler-chosen tokens (append_sampled False): what beam search builds on.
+HF's forward on the same tokens is the oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor_svc.runner import PlanError
+from protos.plan import CachedRequest, NewRequest, SamplingSpec
+from tests.executor.harness import BLOCK_SIZE, PlanDriver, hf_top_logprobs, make_runner
+
+PROMPTS = {"a": [5, 17, 29, 3, 88, 140, 2], "b": [7, 7, 8, 9, 250, 11, 12, 13, 14],
+           "c": [33, 34], "d": [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72]}
+SPECS = {"a": SamplingSpec(temperature=0.0, num_logprobs=5),
+         "b": SamplingSpec(temperature=0.8, seed=3, num_logprobs=1),
+         "c": SamplingSpec(temperature=0.0),
+         "d": SamplingSpec(temperature=0.0, num_logprobs=20)}
+
+
+def _assert_matches_hf(hf_model, token_ids, ids, logprobs):
+    hf_ids, hf_values = hf_top_logprobs(hf_model, token_ids, len(ids))
+    assert ids == hf_ids
+    torch.testing.assert_close(torch.tensor(logprobs), hf_values, atol=1e-4, rtol=1e-4)
+
+
+def test_top_logprobs_equal_hf_log_softmax(checkpoint_cache):
+    hf_model, model_dir = checkpoint_cache("qwen2")
+    runner, driver = make_runner(model_dir), PlanDriver(seed=31)
+    tokens = {r: list(p) for r, p in PROMPTS.items()}
+    plans = [dict(new_reqs=[driver.new(r, PROMPTS[r], 8 if r == "d" else len(PROMPTS[r]),
+                                       SPECS[r]) for r in PROMPTS])]
+    num_checked = 0
+    for step in range(6):
+        plan = (plans[0] if step == 0 else
+                dict(cached_reqs=driver.decode_all(list(PROMPTS))))
+        out = runner.execute(driver.plan(**plan))
+        driver.record(out.sampled)
+        sampled = dict(out.sampled)
+        # Every sampling request with num_logprobs > 0 reports, with exactly that many.
+        assert sorted(r for r, _, _ in out.logprobs) == sorted(
+            r for r in sampled if SPECS[r].num_logprobs > 0)
+        for req_id, ids, logprobs in out.logprobs:
+            assert len(ids) == len(logprobs) == SPECS[req_id].num_logprobs
+            _assert_matches_hf(hf_model, tokens[req_id], ids, logprobs)
+            if SPECS[req_id].temperature == 0.0:
+                assert sampled[req_id] == ids[:1]  # greedy takes the best logprob
+            num_checked += 1
+        for req_id, ids in out.sampled:
+            tokens[req_id].extend(ids)
+    assert num_checked == 3 * 6 - 1
+
+
+def _step_to(driver, req_id: str, computed: int, new_token_ids: list[int]) -> CachedRequest:
+    """A one-token step for a request whose tokens the scheduler chooses."""
+    new_blocks = driver._grow(req_id, computed + 1)
+    return CachedRequest(req_id, new_blocks, computed, 1, new_token_ids)
+
+
+def test_chosen_tokens_and_a_forked_beam_follow_hf(checkpoint_cache):
+    hf_model, model_dir = checkpoint_cache("llama3")
+    runner, driver = make_runner(model_dir), PlanDriver(seed=32)
+    spec = SamplingSpec(temperature=0.0, num_logprobs=4, append_sampled=False)
+    prompt = [12, 40, 7, 99, 150, 3, 77]  # 9 tokens at the fork: a partial block to copy
+    out = runner.execute(driver.plan(new_reqs=[driver.new("p", prompt, len(prompt), spec)]))
+    paths = {"p": list(prompt)}
+    for step in range(7):
+        results = {r: (ids, lps) for r, ids, lps in out.logprobs}
+        assert sorted(results) == sorted(paths) and sorted(dict(out.sampled)) == sorted(paths)
+        for req_id, (ids, lps) in results.items():
+            _assert_matches_hf(hf_model, paths[req_id], ids, lps)
+            # The sampled token was not appended: the executor's copy is the chosen path.
+            assert runner.requests[req_id].token_ids == paths[req_id]
+        cached, new_reqs, copies = [], [], []
+        if step == 2:
+            # Fork p into q (a second beam): q shares p's full blocks, copies the partially
+            # filled last one, and continues with p's second-best token.
+            p_blocks, computed = driver.block_ids["p"], len(paths["p"])
+            shared = p_blocks[:computed // BLOCK_SIZE]
+            driver.block_ids["q"] = list(shared)
+            assert computed % BLOCK_SIZE  # the prompt length makes the last block partial
+            copy = driver.free.pop()
+            copies.append((p_blocks[len(shared)], copy))
+            driver.block_ids["q"].append(copy)
+            driver._grow("q", computed + 1)
+            paths["q"] = paths["p"] + [results["p"][0][1]]
+            new_reqs.append(NewRequest("q", paths["q"], spec, list(driver.block_ids["q"]),
+                                       computed, 1))
+        for req_id in [r for r in results if r not in {n.req_id for n in new_reqs}]:
+            # Walk a path that is not the greedy one: rank 1, 2, 3, 1, ... of the top 4.
+            choice = results[req_id][0][1 + step % 3]
+            cached.append(_step_to(driver, req_id, len(paths[req_id]), [choice]))
+            paths[req_id].append(choice)
+        out = runner.execute(driver.plan(new_reqs=new_reqs, cached_reqs=cached,
+                                         block_copies=copies))
+    assert len(paths["q"]) == len(paths["p"]) == len(prompt) + 7 and paths["q"] != paths["p"]
+
+
+def test_chosen_token_plans_are_checked(checkpoint_cache):
+    _, model_dir = checkpoint_cache("llama3")
+    runner, driver = make_runner(model_dir), PlanDriver(seed=33)
+    chosen = SamplingSpec(temperature=0.0, append_sampled=False)
+    out = runner.execute(driver.plan(new_reqs=[driver.new("s", [1, 2, 3], 3),
+                                               driver.new("t", [4, 5, 6], 3, chosen)]))
+    assert sorted(r for r, _ in out.sampled) == ["s", "t"] and out.logprobs == []
+    assert runner.requests["s"].token_ids == [1, 2, 3, out.sampled[0][1][0]]
+    assert runner.requests["t"].token_ids == [4, 5, 6]
+    with pytest.raises(PlanError, match="appends this request's sampled tokens itself"):
+        runner.execute(driver.plan(cached_reqs=[CachedRequest("s", [], 3, 1, [9])]))
+    with pytest.raises(PlanError, match="must send the next tokens in new_token_ids"):
+        runner.execute(driver.plan(cached_reqs=[CachedRequest("t", [], 3, 1)]))
+    runner.execute(driver.plan(new_reqs=[driver.new("t", [4, 5, 6], 3, chosen)]))
+    with pytest.raises(PlanError, match="outside the model's vocabulary"):
+        runner.execute(driver.plan(cached_reqs=[CachedRequest("t", [], 3, 1, [300])]))
+    with pytest.raises(PlanError, match="num_logprobs 301 is outside 0..300"):
+        runner.execute(driver.plan(new_reqs=[driver.new(
+            "u", [1], 1, SamplingSpec(temperature=0.0, num_logprobs=301))]))
