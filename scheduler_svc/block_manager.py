@@ -1,93 +1,306 @@
-"""The KV block manager: fixed-size blocks, reference counts, one block table per sequence.
+"""The KV block manager: block tables, reference counts, prefix caching, copy-on-write, swap.
 
-The executor's KV pool is `num_blocks` blocks of `block_size` token slots each. The scheduler
-owns every block table; the executor only reads them from the step plan.
+The executor's KV pool is `num_blocks` GPU blocks of `block_size` token slots (plus an optional
+CPU swap pool of `num_cpu_blocks`). The scheduler owns every block table; the executor only
+reads them from step plans. Tables are keyed by sequence id (a request id today).
 
-    pool:          [ b0 | b1 | b2 | b3 | b4 | b5 | b6 | b7 ]
-    ref_counts:       1    1    1    0    1    0    0    0
-    block_tables:  "a" -> [b0, b1]      (20 tokens, block_size 16: b1 is part full)
-                   "b" -> [b2, b4]
-    free queue:    b3 b5 b6 b7          (front is handed out next)
+    gpu pool:    [ b0 | b1 | b2 | b3 | b4 | b5 | b6 | b7 ]
+    ref_counts:     2    1    1    0    1    0    0    0
+    keys:          k0                       k5            (full, computed, cached blocks)
+    tables:     "a" -> [b0, b1]       "b" -> [b0, b2, b4]     (b0: a shared cached prefix)
+    free:        b6 b7               (ref 0, no key: handed out first)
+    evictable:   b5                  (ref 0, keyed: reusable until evicted, LRU first)
+    free(b3)... b3 is in `free` too; "free blocks" = free + evictable
 
-Invariants (checked by `check_invariants`, asserted in tests):
-- a block is in the free queue exactly when its ref count is 0, and at most once;
-- a block's ref count equals the number of block-table entries naming it;
-- a table holds ceil(n / block_size) blocks, n = the largest size it was allocated for;
-- tables only grow (append-only) until the sequence is freed as a whole.
+API (each call all-or-nothing: None or an exception changes nothing):
+- `allocate_new(seq, num_tokens, cached_block_ids)`: a new table starting with cached blocks
+  (prefix-cache hits, from `cached_prefix(keys)`), grown to hold `num_tokens` tokens.
+- `allocate(seq, num_tokens)`: grow a table. If its last block is partly filled and shared
+  (ref count > 1), the write would clobber the other holders: the block is replaced by a fresh
+  copy and `Allocation.copy` = (src, dst) for the plan's `block_copies` (copy-on-write).
+- `num_blocks_needed(seq, num_tokens)`: free blocks `allocate` would take (copy included).
+- `fork(parent, child)`: the child's table is the parent's; every block's ref count +1. The
+  first of them to write into a shared, partly filled last block gets the copy.
+- `cache_blocks(seq, keys)`: offer the table's leading full, computed blocks to the prefix
+  cache under their keys (`prefix_cache.extend_block_keys`). A key already cached in another
+  block stays with that block.
+- `swap_out(seqs)` / `swap_in(seqs)`: move a group of tables to the CPU pool and back; each
+  distinct block moves once (shared blocks stay shared) and the (src, dst) pairs go in the plan.
+- `free(seq)`: drop a table (GPU or CPU). Keyed blocks whose ref count drops to 0 become
+  evictable, the table's leading blocks most recently (a prefix outlives its tail).
 
-Today every ref count is 0 or 1. Counts above 1 are the hook for prefix caching and
-copy-on-write (a shared full block gets a content hash and several tables point at it); the
-free queue is FIFO so that, once freed blocks keep their hashes, the most recently freed (most
-likely reused) blocks stay cached longest.
+Invariants (`check_invariants`, asserted in tests):
+- a GPU block is in exactly one of: a table (ref > 0), `free` (ref 0, no key), `evictable`
+  (ref 0, keyed); a block's ref count is the number of table entries naming it;
+- `_key_of` and `_cached` are inverse maps: one block per key, one key per block; a keyed block
+  is full and its contents are what its key says, and nothing ever writes into it;
+- a table holds blocks_for(n) blocks, n = the tokens it was sized for; a sequence's table is on
+  the GPU or on the CPU, never both; CPU ref counts likewise count CPU table entries.
+Allocation takes a never-cached free block first, else evicts the least recently used
+evictable block and drops its key, so a request never reads a block that was reassigned.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Allocation:
+    new_block_ids: list[int]  # appended to the table
+    copy: tuple[int, int] | None = None  # (src, dst): dst replaced the shared last block src
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
-        if num_blocks < 1 or block_size < 1:
+    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0):
+        if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0:
             raise ValueError(f"need at least one block of at least one token, got "
-                             f"num_blocks={num_blocks}, block_size={block_size}")
+                             f"num_blocks={num_blocks}, block_size={block_size}, "
+                             f"num_cpu_blocks={num_cpu_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self._key_of: dict[int, bytes] = {}
+        self._cached: dict[bytes, int] = {}
         self.block_tables: dict[str, list[int]] = {}
+        self._num_tokens: dict[str, int] = {}  # tokens each table (GPU or CPU) is sized for
+        self._num_offered: dict[str, int] = {}  # leading blocks already offered to the cache
+        self.num_cpu_blocks = num_cpu_blocks
+        self.cpu_ref_counts = [0] * num_cpu_blocks
+        self._cpu_free: deque[int] = deque(range(num_cpu_blocks))
+        self.cpu_tables: dict[str, list[int]] = {}
+
+    # ---- sizes -----------------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self._cpu_free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceil
 
-    def num_new_blocks(self, req_id: str, num_tokens: int) -> int:
-        """Blocks to append so that `req_id`'s table holds `num_tokens` tokens."""
-        have = len(self.block_tables.get(req_id, ()))
-        return max(0, self.blocks_for(num_tokens) - have)
+    def block_table(self, seq_id: str) -> list[int]:
+        return list(self.block_tables.get(seq_id, ()))
 
-    def allocate(self, req_id: str, num_tokens: int) -> list[int] | None:
-        """Grow `req_id`'s table to hold `num_tokens` tokens in total.
+    def cpu_block_table(self, seq_id: str) -> list[int]:
+        return list(self.cpu_tables.get(seq_id, ()))
 
-        Returns the block ids appended (possibly none), or None, changing nothing, when the free
-        queue is too short: the caller decides whom to preempt.
-        """
-        num_new = self.num_new_blocks(req_id, num_tokens)
-        if num_new > len(self._free):
+    def num_blocks_needed(self, seq_id: str, num_tokens: int) -> int:
+        """Free blocks that `allocate(seq_id, num_tokens)` would take."""
+        table = self.block_tables.get(seq_id, [])
+        return max(0, self.blocks_for(num_tokens) - len(table)) + int(
+            self._needs_copy(seq_id, num_tokens))
+
+    # ---- growing and freeing ---------------------------------------------------------------
+
+    def allocate(self, seq_id: str, num_tokens: int) -> Allocation | None:
+        """Grow `seq_id`'s table to hold `num_tokens` tokens in total; None (nothing changed)
+        when too few blocks are free: the caller decides whom to preempt."""
+        assert seq_id not in self.cpu_tables, f"{seq_id} is swapped out"
+        if self.num_blocks_needed(seq_id, num_tokens) > self.num_free_blocks:
             return None
-        new_block_ids = [self._free.popleft() for _ in range(num_new)]
-        for block_id in new_block_ids:
-            self.ref_counts[block_id] += 1
-        self.block_tables.setdefault(req_id, []).extend(new_block_ids)
-        return new_block_ids
+        table = self.block_tables.setdefault(seq_id, [])
+        copy = None
+        if self._needs_copy(seq_id, num_tokens):
+            src, dst = table[-1], self._take_free_block()
+            self.ref_counts[src] -= 1  # > 0 still: the other holders keep it
+            table[-1] = dst
+            copy = (src, dst)
+        new_block_ids = [self._take_free_block()
+                         for _ in range(self.blocks_for(num_tokens) - len(table))]
+        table.extend(new_block_ids)
+        self._num_tokens[seq_id] = max(num_tokens, self._num_tokens.get(seq_id, 0))
+        return Allocation(new_block_ids, copy)
 
-    def free(self, req_id: str) -> int:
-        """Drop `req_id`'s table; blocks nobody else references return to the free queue.
-        Returns how many blocks became free. Unknown ids are a no-op (already freed)."""
-        table = self.block_tables.pop(req_id, None)
+    def cached_prefix(self, keys: Iterable[bytes]) -> list[int]:
+        """The blocks holding the leading run of `keys` that is cached (prefix-cache hits)."""
+        hits = []
+        for key in keys:
+            if (block_id := self._cached.get(key)) is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate_new(self, seq_id: str, num_tokens: int,
+                     cached_block_ids: Sequence[int] = ()) -> list[int] | None:
+        """A table for a new sequence: the cached blocks, then fresh ones up to `num_tokens`.
+        Returns the whole table, or None (nothing changed) when too few blocks are free."""
+        assert seq_id not in self.block_tables and seq_id not in self.cpu_tables, seq_id
+        num_fresh = self.blocks_for(num_tokens) - len(cached_block_ids)
+        assert num_fresh >= 0, "cached blocks cover more than the tokens asked for"
+        # Hits that sit in the evictable pool leave it, so they count against the free blocks.
+        num_revived = sum(1 for b in cached_block_ids if self.ref_counts[b] == 0)
+        if num_fresh + num_revived > self.num_free_blocks:
+            return None
+        for block_id in cached_block_ids:  # before taking fresh ones: those may evict
+            if self.ref_counts[block_id] == 0:
+                del self._evictable[block_id]
+            self.ref_counts[block_id] += 1
+        table = list(cached_block_ids) + [self._take_free_block() for _ in range(num_fresh)]
+        self.block_tables[seq_id] = table
+        self._num_tokens[seq_id] = num_tokens
+        self._num_offered[seq_id] = len(cached_block_ids)  # hits are cached already
+        return list(table)
+
+    def fork(self, parent_seq_id: str, child_seq_id: str) -> None:
+        """The child shares every block of the parent's GPU table (ref counts +1)."""
+        assert child_seq_id not in self.block_tables and child_seq_id not in self.cpu_tables
+        table = self.block_tables[parent_seq_id]
+        for block_id in table:
+            self.ref_counts[block_id] += 1
+        self.block_tables[child_seq_id] = list(table)
+        self._num_tokens[child_seq_id] = self._num_tokens[parent_seq_id]
+        self._num_offered[child_seq_id] = self._num_offered.get(parent_seq_id, 0)
+
+    def free(self, seq_id: str) -> int:
+        """Drop `seq_id`'s table (GPU or CPU). Returns how many blocks became free; unknown ids
+        are a no-op (already freed)."""
+        self._num_tokens.pop(seq_id, None)
+        self._num_offered.pop(seq_id, None)
+        if (cpu_table := self.cpu_tables.pop(seq_id, None)) is not None:
+            return sum(self._release_cpu(c) for c in cpu_table)
+        table = self.block_tables.pop(seq_id, None)
         if table is None:
             return 0
-        num_freed = 0
-        for block_id in table:
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] == 0:
-                self._free.append(block_id)
-                num_freed += 1
-        return num_freed
+        return sum(self._release(b) for b in reversed(table))
 
-    def block_table(self, req_id: str) -> list[int]:
-        return list(self.block_tables.get(req_id, ()))
+    # ---- prefix cache ----------------------------------------------------------------------
+
+    def cache_blocks(self, seq_id: str, keys: Sequence[bytes]) -> int:
+        """Key the table's leading blocks with `keys` (one per full, computed block). Returns
+        how many blocks became cached."""
+        table = self.block_tables.get(seq_id)
+        if table is None:
+            return 0
+        start, end = self._num_offered.get(seq_id, 0), min(len(keys), len(table))
+        num_cached = 0
+        for block_id, key in zip(table[start:end], keys[start:end], strict=True):
+            if block_id in self._key_of or key in self._cached:
+                continue  # already a hit, or the same contents live in another block
+            self._key_of[block_id] = key
+            self._cached[key] = block_id
+            num_cached += 1
+        self._num_offered[seq_id] = max(start, end)
+        return num_cached
+
+    # ---- swapping --------------------------------------------------------------------------
+
+    def num_swap_out_blocks(self, seq_ids: Iterable[str]) -> int:
+        return len({b for s in seq_ids for b in self.block_tables[s]})
+
+    def swap_out(self, seq_ids: Sequence[str]) -> list[tuple[int, int]] | None:
+        """Move these GPU tables to the CPU pool: (gpu, cpu) pairs, or None (nothing changed)
+        if the CPU pool is too small. GPU blocks keep their keys: swap-out only reads them."""
+        if self.num_swap_out_blocks(seq_ids) > self.num_free_cpu_blocks:
+            return None
+        moved: dict[int, int] = {}
+        for seq_id in seq_ids:
+            table = self.block_tables.pop(seq_id)
+            cpu_table = []
+            for block_id in table:
+                if block_id not in moved:
+                    moved[block_id] = self._cpu_free.popleft()
+                cpu_table.append(moved[block_id])
+                self.cpu_ref_counts[moved[block_id]] += 1
+            for block_id in reversed(table):
+                self._release(block_id)
+            self.cpu_tables[seq_id] = cpu_table
+            self._num_offered.pop(seq_id, None)
+        return list(moved.items())
+
+    def num_swap_in_blocks(self, seq_ids: Iterable[str]) -> int:
+        return len({c for s in seq_ids for c in self.cpu_tables[s]})
+
+    def swap_in(self, seq_ids: Sequence[str]) -> list[tuple[int, int]] | None:
+        """Move these CPU tables back to fresh GPU blocks: (cpu, gpu) pairs, or None (nothing
+        changed) if too few GPU blocks are free."""
+        if self.num_swap_in_blocks(seq_ids) > self.num_free_blocks:
+            return None
+        moved: dict[int, int] = {}
+        for seq_id in seq_ids:
+            cpu_table = self.cpu_tables.pop(seq_id)
+            table = []
+            for cpu_id in cpu_table:
+                if cpu_id in moved:
+                    self.ref_counts[moved[cpu_id]] += 1  # shared within the group
+                else:
+                    moved[cpu_id] = self._take_free_block()
+                table.append(moved[cpu_id])
+            for cpu_id in cpu_table:
+                self._release_cpu(cpu_id)
+            self.block_tables[seq_id] = table
+            self._num_offered[seq_id] = 0  # fresh blocks: offer them to the cache again
+        return list(moved.items())
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _needs_copy(self, seq_id: str, num_tokens: int) -> bool:
+        table = self.block_tables.get(seq_id)
+        have = self._num_tokens.get(seq_id, 0)
+        return (bool(table) and num_tokens > have and have % self.block_size != 0
+                and self.ref_counts[table[-1]] > 1)
+
+    def _take_free_block(self) -> int:
+        if self._free:
+            block_id = self._free.popleft()
+        else:  # evict the least recently used cached block; its contents are forgotten
+            block_id, _ = self._evictable.popitem(last=False)
+            del self._cached[self._key_of.pop(block_id)]
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def _release(self, block_id: int) -> int:
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id]:
+            return 0
+        if block_id in self._key_of:
+            self._evictable[block_id] = None  # most recently used end
+        else:
+            self._free.append(block_id)
+        return 1
+
+    def _release_cpu(self, cpu_id: int) -> int:
+        self.cpu_ref_counts[cpu_id] -= 1
+        if self.cpu_ref_counts[cpu_id]:
+            return 0
+        self._cpu_free.append(cpu_id)
+        return 1
 
     def check_invariants(self) -> None:
-        free = list(self._free)
+        free, evictable = list(self._free), list(self._evictable)
         assert len(free) == len(set(free)), "a block is in the free queue twice"
+        assert not set(free) & set(evictable), "a block is both free and evictable"
         counted = [0] * self.num_blocks
         for table in self.block_tables.values():
             for block_id in table:
                 counted[block_id] += 1
         assert counted == self.ref_counts, "ref counts disagree with the block tables"
-        assert set(free) == {b for b, c in enumerate(self.ref_counts) if c == 0}, \
-            "free queue is not exactly the unreferenced blocks"
+        assert set(free) | set(evictable) == {b for b, c in enumerate(counted) if c == 0}, \
+            "free + evictable is not exactly the unreferenced blocks"
+        assert not set(free) & set(self._key_of), "a never-cached free block has a key"
+        assert set(evictable) <= set(self._key_of), "an evictable block has no key"
+        assert {k: b for b, k in self._key_of.items()} == self._cached, "key maps disagree"
+        assert not set(self.block_tables) & set(self.cpu_tables), "a table on GPU and CPU"
+        for seq_id, table in (*self.block_tables.items(), *self.cpu_tables.items()):
+            assert len(table) == self.blocks_for(self._num_tokens[seq_id]), \
+                f"{seq_id}'s table does not match its size"
+        cpu_counted = [0] * self.num_cpu_blocks
+        for table in self.cpu_tables.values():
+            for cpu_id in table:
+                cpu_counted[cpu_id] += 1
+        assert cpu_counted == self.cpu_ref_counts, "CPU ref counts disagree with the tables"
+        cpu_free = list(self._cpu_free)
+        assert len(cpu_free) == len(set(cpu_free)) and set(cpu_free) == {
+            c for c, n in enumerate(cpu_counted) if n == 0}, "CPU free list is wrong"

@@ -18,7 +18,9 @@ EXECUTOR_PASSTHROUGH = {
     "dtype": "--dtype",
     "device": "--device",
     "max_model_len": "--max-model-len",
+    "swap_space": "--swap-space",
 }
+PREEMPTION_MODES = ("auto", "recompute", "swap")
 
 
 @dataclass(frozen=True)
@@ -36,12 +38,15 @@ class SchedulerConfig:
     # prefill of a long prompt can take many seconds.
     executor_timeout_s: float = 120.0
     stats_interval_s: float = 10.0
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "auto"  # see Scheduler._preemption_mode
     # Executor flags, used only when the scheduler spawns the executor (serve).
     block_size: int | None = None
     num_kv_blocks: int | None = None
     kv_cache_memory: str | None = None
     dtype: str | None = None
     device: str | None = None
+    swap_space: float | None = None  # GiB of CPU swap pool
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -72,6 +77,11 @@ class SchedulerConfig:
         if self.dtype not in (None, "auto", "float32", "float16", "bfloat16"):
             raise ValueError("--dtype must be one of auto, float32, float16, bfloat16, "
                              f"got {self.dtype!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError("--preemption-mode must be one of auto, recompute, swap, "
+                             f"got {self.preemption_mode!r}")
+        if self.swap_space is not None and not self.swap_space >= 0:
+            raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space:g}")
         if self.device not in (None, "auto", "cpu", "cuda"):
             raise ValueError(f"--device must be one of auto, cpu, cuda, got {self.device!r}")
 
@@ -109,12 +119,22 @@ def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentPars
                    help="seconds without a step result before the executor counts as lost")
     p.add_argument("--stats-interval", dest="stats_interval_s", type=float, default=10.0,
                    help="seconds between INFO stats lines")
+    p.add_argument("--prefix-caching", dest="enable_prefix_caching",
+                   action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of cached prompt prefixes (default on; "
+                   "--no-prefix-caching disables it)")
+    p.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="auto",
+                   help="how to free KV blocks when they run out: auto (swap a long context "
+                   "to the executor's CPU pool if it has room, else recompute), recompute, or "
+                   "swap (default auto)")
     g = p.add_argument_group("executor flags (passed through by serve)")
     g.add_argument("--block-size", type=int)
     g.add_argument("--num-kv-blocks", type=int)
     g.add_argument("--kv-cache-memory")
     g.add_argument("--dtype")
     g.add_argument("--device")
+    g.add_argument("--swap-space", type=float,
+                   help="GiB of CPU memory for swapped-out KV blocks (executor default 0)")
     return p
 
 

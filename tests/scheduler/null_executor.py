@@ -3,8 +3,9 @@ checks every plan, but "samples" with a deterministic rule instead of running a 
 
 `PlanMirror` is the executor's view of the requests, rebuilt from plans alone; it raises
 `PlanViolation` on any plan the real executor could not execute (unknown request, wrong
-computed count, block table too short, a block owned by two requests). `NullExecutor` runs a
-PlanMirror behind a real `protos.channel.ExecutorEnd` in a thread.
+computed count, block table too short, a write into a shared block, a read of KV that is not
+the request's own). `NullExecutor` runs a PlanMirror behind a real `protos.channel.ExecutorEnd`
+in a thread.
 """
 
 from __future__ import annotations
@@ -42,22 +43,38 @@ def next_token(token_ids: list[int]) -> int:
     return 10 + (sum(token_ids) * 7 + len(token_ids)) % 200
 
 
+Slot = tuple[int, int] | None  # (token id, position) whose "KV" a slot holds
+
+
 @dataclass
 class PlanMirror:
+    """Also simulates the KV pools: each slot records the (token id, position) written there;
+    swaps and copies move slots like the real executor (swap_out, swap_in, then copies, all
+    before the forward pass). A request that samples must read back exactly its own tokens
+    through its block table, and no step may write into a block another request holds."""
+
     block_size: int
     sample: Callable[[str, list[int]], int] = lambda req_id, ids: next_token(ids)
     reqs: dict[str, MirroredRequest] = field(default_factory=dict)
     num_plans: int = 0
+    gpu: dict[int, list[Slot]] = field(default_factory=dict)
+    cpu: dict[int, list[Slot]] = field(default_factory=dict)
+    num_swapped_out: int = 0  # blocks moved to the CPU pool so far
+    num_copied: int = 0
 
     def apply(self, plan: StepPlan) -> StepResult:
         self.num_plans += 1
         for req_id in plan.finished_req_ids + plan.preempted_req_ids:
             if self.reqs.pop(req_id, None) is None:
                 raise PlanViolation(f"step {plan.step_id}: dropping unknown request {req_id}")
+        self._move(plan)
         scheduled: list[tuple[str, int]] = []
         for new in plan.new_reqs:
-            if new.req_id in self.reqs:
-                raise PlanViolation(f"step {plan.step_id}: {new.req_id} sent as new twice")
+            old = self.reqs.get(new.req_id)
+            if old is not None and (old.num_computed_tokens != new.num_computed_tokens
+                                    or new.token_ids[:len(old.token_ids)] != old.token_ids):
+                raise PlanViolation(f"step {plan.step_id}: {new.req_id} re-sent as new with "
+                                    "a state that contradicts the executor's copy")
             self.reqs[new.req_id] = MirroredRequest(list(new.token_ids), list(new.block_ids),
                                                     new.num_computed_tokens)
             scheduled.append((new.req_id, new.num_scheduled_tokens))
@@ -71,42 +88,71 @@ class PlanMirror:
                                     f"{cached.num_computed_tokens} != {req.num_computed_tokens}")
             req.block_ids.extend(cached.new_block_ids)
             scheduled.append((cached.req_id, cached.num_scheduled_tokens))
-        self._check_blocks(plan.step_id)
-        sampled: list[tuple[str, list[int]]] = []
+        if len({r for r, _ in scheduled}) != len(scheduled):
+            raise PlanViolation(f"step {plan.step_id}: a request is scheduled twice")
         for req_id, num_scheduled in scheduled:
+            self._write(plan.step_id, req_id, num_scheduled)
+        sampled: list[tuple[str, list[int]]] = []
+        for req_id, _ in scheduled:
             req = self.reqs[req_id]
-            end = req.num_computed_tokens + num_scheduled
-            if num_scheduled < 1 or end > len(req.token_ids):
-                raise PlanViolation(f"step {plan.step_id}: {req_id} schedules {num_scheduled} "
-                                    f"tokens from {req.num_computed_tokens} of "
-                                    f"{len(req.token_ids)}")
-            if len(req.block_ids) * self.block_size < end:
-                raise PlanViolation(f"step {plan.step_id}: {req_id} has "
-                                    f"{len(req.block_ids)} blocks for {end} tokens")
-            req.num_computed_tokens = end
-            if end == len(req.token_ids):
+            if req.num_computed_tokens == len(req.token_ids):
+                self._check_reads(plan.step_id, req_id)
                 token = self.sample(req_id, req.token_ids)
                 req.token_ids.append(token)
                 sampled.append((req_id, [token]))
         return StepResult(plan.step_id, sampled)
+
+    def _move(self, plan: StepPlan) -> None:
+        empty = [None] * self.block_size
+        for gpu_id, cpu_id in plan.swap_out:
+            self.cpu[cpu_id] = list(self.gpu.get(gpu_id, empty))
+        for cpu_id, gpu_id in plan.swap_in:
+            self.gpu[gpu_id] = list(self.cpu.get(cpu_id, empty))
+        if len({d for _, d in plan.block_copies}) != len(plan.block_copies):
+            raise PlanViolation(f"step {plan.step_id}: two copies into one block")
+        sources = [list(self.gpu.get(s, empty)) for s, _ in plan.block_copies]
+        for (_, dst), slots in zip(plan.block_copies, sources, strict=True):
+            self.gpu[dst] = slots
+        self.num_swapped_out += len(plan.swap_out)
+        self.num_copied += len(plan.block_copies)
+
+    def _write(self, step_id: int, req_id: str, num_scheduled: int) -> None:
+        req = self.reqs[req_id]
+        end = req.num_computed_tokens + num_scheduled
+        if num_scheduled < 1 or end > len(req.token_ids):
+            raise PlanViolation(f"step {step_id}: {req_id} schedules {num_scheduled} "
+                                f"tokens from {req.num_computed_tokens} of {len(req.token_ids)}")
+        if len(req.block_ids) * self.block_size < end:
+            raise PlanViolation(f"step {step_id}: {req_id} has {len(req.block_ids)} blocks "
+                                f"for {end} tokens")
+        bs = self.block_size
+        written = {req.block_ids[p // bs] for p in range(req.num_computed_tokens, end)}
+        for other_id, other in self.reqs.items():
+            if other_id != req_id and (shared := written & set(other.block_ids)):
+                raise PlanViolation(f"step {step_id}: {req_id} writes into blocks {shared} "
+                                    f"that {other_id} holds")
+        for p in range(req.num_computed_tokens, end):
+            self.gpu.setdefault(req.block_ids[p // bs], [None] * bs)[p % bs] = \
+                (req.token_ids[p], p)
+        req.num_computed_tokens = end
+
+    def _check_reads(self, step_id: int, req_id: str) -> None:
+        req, bs = self.reqs[req_id], self.block_size
+        for p, token_id in enumerate(req.token_ids):
+            slot = self.gpu.get(req.block_ids[p // bs], [None] * bs)[p % bs]
+            if slot != (token_id, p):
+                raise PlanViolation(f"step {step_id}: {req_id} reads {slot} at position {p} "
+                                    f"(block {req.block_ids[p // bs]}), expected "
+                                    f"{(token_id, p)}")
 
     def fail(self, plan: StepPlan) -> ExecutorError:
         """Fail the step: like the real executor, keep no state for its requests."""
         self.num_plans += 1
         for req_id in plan.finished_req_ids + plan.preempted_req_ids:
             self.reqs.pop(req_id, None)
-        for cached in plan.cached_reqs:
-            self.reqs.pop(cached.req_id, None)
+        for req in plan.new_reqs + plan.cached_reqs:
+            self.reqs.pop(req.req_id, None)
         return ExecutorError(plan.step_id, "simulated CUDA error")
-
-    def _check_blocks(self, step_id: int) -> None:
-        owner: dict[int, str] = {}
-        for req_id, req in self.reqs.items():
-            for block_id in req.block_ids:
-                if block_id in owner:
-                    raise PlanViolation(f"step {step_id}: block {block_id} is in the tables of "
-                                        f"{owner[block_id]} and {req_id}")
-                owner[block_id] = req_id
 
 
 def make_hello(**overrides) -> Hello:
@@ -132,6 +178,7 @@ class NullExecutor(threading.Thread):
         self.fail_step = fail_step
         self.go_silent_after = go_silent_after
         self.reply: Welcome | Reject | None = None
+        self._replied = threading.Event()
         self.violation: PlanViolation | None = None
         self.got_shutdown = False
         self._stop_event = threading.Event()
@@ -140,11 +187,19 @@ class NullExecutor(threading.Thread):
         self._stop_event.set()
         self.join(timeout=10)
 
+    def wait_reply(self, timeout: float = 10.0) -> Welcome | Reject | None:
+        """The handshake's answer once this thread has read it. The scheduler reports SERVING
+        (or tells the old executor to shut down) right after *sending* Welcome, so a test that
+        reads `reply` then, without waiting, races this thread's recv."""
+        self._replied.wait(timeout)
+        return self.reply
+
     def run(self) -> None:
         end = ExecutorEnd(self.address)
         try:
             end.send(self.hello)
             self.reply = end.recv(timeout_ms=10_000)
+            self._replied.set()
             if not isinstance(self.reply, Welcome):
                 return
             while not self._stop_event.is_set():
@@ -169,4 +224,5 @@ class NullExecutor(threading.Thread):
                             self.violation = e
                             end.send(ExecutorError(msg.step_id, str(e)))
         finally:
+            self._replied.set()
             end.close()

@@ -14,6 +14,15 @@ def test_defaults_match_the_brief():
                                                           "console")
     assert config.executor_address is None  # cli picks tcp://127.0.0.1:5557 (serve: any port)
     assert config.executor_flags() == []
+    assert (config.enable_prefix_caching, config.preemption_mode) == (True, "auto")
+
+
+def test_memory_flags():
+    config = config_from_argv(["--no-prefix-caching", "--preemption-mode", "swap",
+                               "--swap-space", "0.5"])
+    assert (config.enable_prefix_caching, config.preemption_mode) == (False, "swap")
+    assert config.executor_flags() == ["--swap-space", "0.5"]
+    assert config_from_argv(["--prefix-caching"]).enable_prefix_caching
 
 
 def test_executor_flags_pass_through():
@@ -33,6 +42,8 @@ def test_executor_flags_pass_through():
     (dict(log_format="xml"), "--log-format must be 'console' or 'json'"),
     (dict(dtype="int8"), "--dtype must be one of"),
     (dict(executor_timeout_s=0), "--executor-timeout must be a positive"),
+    (dict(preemption_mode="evict"), "--preemption-mode must be one of"),
+    (dict(swap_space=-1.0), "--swap-space must be >= 0"),
 ])
 def test_bad_values_are_explained(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):

@@ -124,7 +124,7 @@ async def test_version_mismatch_is_rejected_with_a_reason(harness):
     assert await harness.health_status() == NOT_SERVING
     # A matching executor is still welcome afterwards.
     good = await harness.serve()
-    assert isinstance(good.reply, Welcome)
+    assert isinstance(await asyncio.to_thread(good.wait_reply), Welcome)
     # A mismatched newcomer does not disturb the connected executor.
     late = harness.connect(hello=make_hello(protocol_version=PROTOCOL_VERSION + 1))
     await asyncio.to_thread(late.join, 10)
@@ -304,7 +304,7 @@ async def test_a_new_executor_replaces_the_old_one(harness):
     new = harness.connect(hello=make_hello(executor_id="null-1", num_kv_blocks=16))
     await asyncio.to_thread(old.join, 5)
     assert old.got_shutdown  # the replaced executor is told to exit
-    assert isinstance(new.reply, Welcome)
+    assert isinstance(await asyncio.to_thread(new.wait_reply), Welcome)
     responses = await collect(harness.stub.Generate(gen_request(max_tokens=3)))
     assert [t for r in responses for t in r.token_ids] == null_continuation([5, 6, 7], 3)
     assert (await harness.stats()).kv_blocks_total == 16
@@ -338,3 +338,20 @@ async def test_unexpected_errors_become_internal_and_serving_continues(harness, 
     monkeypatch.undo()
     assert list((await harness.stub.Tokenize(pb.TokenizeRequest(text="hi"))).token_ids) == \
         tiny_tokenizer.encode("hi")
+
+
+async def test_cached_tokens_and_memory_stats(harness):
+    await harness.serve(hello=make_hello(num_swap_blocks=8))
+    prompt = list(range(10, 31))  # 21 tokens: 5 full blocks of 4
+    first = await collect(harness.stub.Generate(gen_request(prompt, max_tokens=2)))
+    second = await collect(harness.stub.Generate(gen_request(prompt + [40], max_tokens=2)))
+    assert first[-1].usage.cached_tokens == 0
+    assert second[-1].usage.cached_tokens == 20  # the 5 full blocks computed by the first
+    tokens = [t for r in second for t in r.token_ids]
+    assert tokens == null_continuation(prompt + [40], 2)
+    stats = await wait_idle(harness)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (21 + 22, 20)
+    assert stats.prefix_cache_hit_rate == pytest.approx(20 / 43)
+    assert stats.num_prompt_tokens == 21 + 2  # cached tokens are not computed again
+    assert (stats.num_swapped, stats.swap_blocks_total, stats.swap_blocks_free) == (0, 8, 8)
+    assert stats.kv_blocks_free == stats.kv_blocks_total

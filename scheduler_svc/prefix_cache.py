@@ -1,0 +1,45 @@
+"""Content keys for automatic prefix caching.
+
+A full KV block is identified by what determines its contents: every token before it and its own
+tokens. Chaining makes that cheap: a block's key is a digest of its parent block's key, a salt
+and its own token ids, so two sequences share block k's key exactly when their first
+(k + 1) * block_size tokens and their salts agree.
+
+    key(0) = sha256(b""      | salt | tokens[0:bs])
+    key(k) = sha256(key(k-1) | salt | tokens[k*bs:(k+1)*bs])
+
+The salt (`Request.cache_salt`, empty by default) isolates tenants or adapters: different salts
+never share a block. The digest is sha256, stable across processes and runs; Python's hash() is
+salted per process and collides far too easily to stand for KV contents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+
+def block_key(parent_key: bytes | None, token_ids: Sequence[int], salt: str = "") -> bytes:
+    """The key of one full block, chained on its parent's key (None for the first block)."""
+    h = hashlib.sha256()
+    h.update(parent_key or b"")
+    salt_bytes = salt.encode()
+    # Length prefixes keep the fields apart: no (salt, tokens) pair can mimic another.
+    h.update(struct.pack("<I", len(salt_bytes)))
+    h.update(salt_bytes)
+    h.update(struct.pack(f"<I{len(token_ids)}I", len(token_ids), *token_ids))
+    return h.digest()
+
+
+def extend_block_keys(keys: list[bytes], token_ids: Sequence[int], block_size: int,
+                      salt: str = "") -> list[bytes]:
+    """Append the keys of the full blocks of `token_ids` that `keys` does not cover yet.
+
+    `keys` must be the keys of the leading blocks of the same token sequence (as returned by an
+    earlier call); sequences only grow, so the existing keys stay valid. Returns `keys`."""
+    num_full = len(token_ids) // block_size
+    for k in range(len(keys), num_full):
+        parent = keys[k - 1] if k else None
+        keys.append(block_key(parent, token_ids[k * block_size:(k + 1) * block_size], salt))
+    return keys

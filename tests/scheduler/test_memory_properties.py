@@ -1,0 +1,211 @@
+"""Property-based tests (hypothesis) of the block manager and the scheduler.
+
+1. A state machine drives the BlockManager with random new / grow / fork / free / swap-out /
+   swap-in operations over a tiny alphabet (so prompts share prefixes and hit the cache) and
+   simulates the KV slots: every sequence must read back exactly its own tokens, no write may
+   land in a shared or cached block, and the pool invariants hold after every operation.
+2. Random workloads drive the Scheduler (add / step with synthetic results, EOS sometimes /
+   abort) on pools small enough to force preemption, with every preemption mode and prefix
+   caching on or off: every plan passes the KV-simulating PlanMirror, the invariants hold,
+   every request finishes within a bounded number of steps with the same tokens as an
+   uninterrupted run, and when all have ended no block is held or leaked.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from protos.plan import SamplingSpec
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.prefix_cache import extend_block_keys
+from scheduler_svc.request import Request, RequestStatus
+from scheduler_svc.scheduler import Scheduler
+from tests.scheduler.null_executor import PlanMirror, next_token
+
+BS = 2
+EOS = 1
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.bm = BlockManager(num_blocks=12, block_size=BS, num_cpu_blocks=6)
+        self.tokens: dict[str, list[int]] = {}  # every live sequence's tokens (all written)
+        self.gpu: dict[int, list] = {}
+        self.cpu: dict[int, list] = {}
+        self.next_id = 0
+
+    def _on_gpu(self) -> list[str]:
+        return sorted(self.bm.block_tables)
+
+    def _write(self, seq_id: str, start: int) -> None:
+        table, tokens = self.bm.block_tables[seq_id], self.tokens[seq_id]
+        for p in range(start, len(tokens)):
+            block_id = table[p // BS]
+            assert self.bm.ref_counts[block_id] == 1, "a write into a shared block"
+            assert block_id not in self.bm._key_of, "a write into a cached block"
+            self.gpu.setdefault(block_id, [None] * BS)[p % BS] = (tokens[p], p)
+        keys = extend_block_keys([], tokens, BS)
+        self.bm.cache_blocks(seq_id, keys)  # all written tokens count as computed
+
+    @rule(tokens=st.lists(st.integers(2, 3), min_size=1, max_size=9))
+    def new(self, tokens):
+        seq_id = f"s{self.next_id}"
+        self.next_id += 1
+        keys = extend_block_keys([], tokens, BS)
+        hits = self.bm.cached_prefix(keys[:(len(tokens) - 1) // BS])
+        if self.bm.allocate_new(seq_id, len(tokens), hits) is None:
+            return
+        self.tokens[seq_id] = list(tokens)
+        self._write(seq_id, len(hits) * BS)
+
+    @precondition(lambda self: self.bm.block_tables)
+    @rule(data=st.data(), extra=st.lists(st.integers(2, 3), min_size=1, max_size=4))
+    def grow(self, data, extra):
+        seq_id = data.draw(st.sampled_from(self._on_gpu()))
+        start = len(self.tokens[seq_id])
+        alloc = self.bm.allocate(seq_id, start + len(extra))
+        if alloc is None:
+            return
+        if alloc.copy is not None:
+            src, dst = alloc.copy
+            self.gpu[dst] = list(self.gpu[src])
+        self.tokens[seq_id] += extra
+        self._write(seq_id, start)
+
+    @precondition(lambda self: self.bm.block_tables)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self._on_gpu()))
+        child = f"s{self.next_id}"
+        self.next_id += 1
+        self.bm.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.bm.free(seq_id)
+        del self.tokens[seq_id]
+
+    @precondition(lambda self: self.bm.block_tables)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        seq_id = data.draw(st.sampled_from(self._on_gpu()))
+        for gpu_id, cpu_id in self.bm.swap_out([seq_id]) or []:
+            self.cpu[cpu_id] = list(self.gpu[gpu_id])
+
+    @precondition(lambda self: self.bm.cpu_tables)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.bm.cpu_tables)))
+        for cpu_id, gpu_id in self.bm.swap_in([seq_id]) or []:
+            self.gpu[gpu_id] = list(self.cpu[cpu_id])
+
+    @invariant()
+    def pools_are_consistent_and_every_sequence_reads_its_own_tokens(self):
+        self.bm.check_invariants()
+        for seq_id, tokens in self.tokens.items():
+            on_gpu = seq_id in self.bm.block_tables
+            table = self.bm.block_tables[seq_id] if on_gpu else self.bm.cpu_tables[seq_id]
+            slots = self.gpu if on_gpu else self.cpu
+            assert [slots[table[p // BS]][p % BS] for p in range(len(tokens))] == \
+                [(t, p) for p, t in enumerate(tokens)], seq_id
+
+    def teardown(self):
+        for seq_id in list(self.tokens):
+            self.bm.free(seq_id)
+        assert self.bm.num_free_blocks == 12 and self.bm.num_free_cpu_blocks == 6
+        assert self.bm.ref_counts == [0] * 12
+        self.bm.check_invariants()
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = settings(max_examples=60, stateful_step_count=40,
+                                            deadline=None)
+
+
+def null_sample(req_id: str, ids: list[int]) -> int:
+    """The null model, with an EOS now and then (a pure function of the tokens)."""
+    return EOS if (sum(ids) * 31 + len(ids)) % 11 == 0 else next_token(ids)
+
+
+def oracle(prompt: list[int], max_tokens: int, max_model_len: int) -> list[int]:
+    ids: list[int] = list(prompt)
+    while True:
+        token = null_sample("", ids)
+        ids.append(token)
+        if token == EOS or len(ids) - len(prompt) >= max_tokens or len(ids) >= max_model_len:
+            return ids[len(prompt):]
+
+
+PREFIXES = [[40 + i for i in range(9)], [90 + i % 3 for i in range(6)], []]
+
+op = st.one_of(
+    st.tuples(st.just("add"), st.integers(0, 2), st.integers(1, 24), st.integers(4, 16)),
+    st.tuples(st.just("add"), st.integers(0, 2), st.integers(1, 24), st.integers(4, 16)),
+    st.tuples(st.just("step")),
+    st.tuples(st.just("abort"), st.integers(0, 50)),
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op, min_size=8, max_size=50), num_blocks=st.integers(3, 10),
+       bs=st.sampled_from([2, 4]),
+       num_cpu_blocks=st.integers(0, 8), mode=st.sampled_from(["auto", "recompute", "swap"]),
+       caching=st.booleans(), max_num_seqs=st.integers(2, 4), extra_budget=st.integers(0, 12))
+def test_random_workloads_finish_exactly_and_leak_nothing(ops, num_blocks, bs, num_cpu_blocks,
+                                                          mode, caching, max_num_seqs,
+                                                          extra_budget):
+    max_model_len = num_blocks * bs  # every request fits the pool alone
+    sched = Scheduler(BlockManager(num_blocks, bs, num_cpu_blocks), max_num_seqs,
+                      max_num_seqs + extra_budget, max_model_len,
+                      enable_prefix_caching=caching, preemption_mode=mode)
+    mirror = PlanMirror(block_size=bs, sample=null_sample)
+    reqs: list[Request] = []
+    aborted: set[str] = set()
+
+    def one_step() -> None:
+        plan = sched.schedule()
+        assert plan is not None, "unfinished requests but nothing schedulable"
+        assert plan.num_scheduled_tokens <= sched.max_num_batched_tokens
+        sched.update(mirror.apply(plan))
+        sched.block_manager.check_invariants()
+
+    for o in ops:
+        if o[0] == "add":
+            _, prefix, suffix_len, max_tokens = o
+            prompt = (PREFIXES[prefix] + [60 + (len(reqs) * 7 + i) % 30
+                                          for i in range(suffix_len)])[:max_model_len - 1]
+            req = Request(req_id=f"r{len(reqs)}", prompt_token_ids=prompt,
+                          sampling=SamplingSpec(0.0), arrival=len(reqs),
+                          max_tokens=min(max_tokens, max_model_len - len(prompt)),
+                          eos_token_ids=frozenset({EOS}))
+            reqs.append(req)
+            sched.add_request(req)
+        elif o[0] == "step" and sched.has_unfinished():
+            one_step()
+        elif o[0] == "abort" and reqs:
+            req = reqs[o[1] % len(reqs)]
+            if sched.abort_request(req.req_id) is not None:
+                aborted.add(req.req_id)
+    bound = 10 * sum(r.num_prompt_tokens + r.max_tokens for r in reqs) + 10
+    num_steps = 0
+    while sched.has_unfinished():
+        assert num_steps < bound, "a request waits forever"
+        one_step()
+        num_steps += 1
+    for req in reqs:
+        if req.req_id in aborted:
+            assert req.status is RequestStatus.FINISHED_ABORTED
+        else:
+            assert req.output_token_ids == oracle(req.prompt_token_ids, req.max_tokens,
+                                                  max_model_len), req.req_id
+    bm = sched.block_manager
+    assert not bm.block_tables and not bm.cpu_tables
+    assert bm.num_free_blocks == num_blocks and bm.num_free_cpu_blocks == num_cpu_blocks
+    assert bm.ref_counts == [0] * num_blocks and bm.cpu_ref_counts == [0] * num_cpu_blocks
+    assert not sched.running and not sched.swapped and not sched.waiting
