@@ -26,6 +26,7 @@ from protos.plan import (
     Hello,
     Message,
     Reject,
+    SamplingSpec,
     Shutdown,
     StepPlan,
     StepResult,
@@ -50,14 +51,16 @@ from scheduler_svc.request import (
     SubmitParams,
 )
 from scheduler_svc.scheduler import Scheduler, StepOutput
+from scheduler_svc.sequence_group import BeamGroup, ParallelGroup, SequenceGroup
 from scheduler_svc.stats import StatsLogger
 from scheduler_svc.tokenizer import Tokenizer
 
 log = structlog.get_logger("folio.scheduler.engine")
 
 MAX_WAITING_REQUESTS = 65536  # beyond this, new requests get RESOURCE_EXHAUSTED
+# Cumulative ServerStats counters, kept across executor changes.
 COUNTERS = ("num_preemptions", "num_finished_requests", "num_prompt_tokens",
-            "num_generated_tokens", "num_steps")
+            "num_generated_tokens", "num_steps", "prefix_cache_queries", "prefix_cache_hits")
 NO_EXECUTOR = ("no executor connected; start one with `python -m executor_svc --model DIR "
                "--scheduler-address ADDR`, or wait until it has loaded the model")
 
@@ -97,7 +100,7 @@ class Engine:
         if num_prompt > info.max_model_len:
             raise InvalidRequest(f"prompt has {num_prompt} tokens but max_model_len is "
                                  f"{info.max_model_len}; shorten the prompt")
-        if params.req_id in self.scheduler.requests:
+        if params.req_id in self.scheduler.requests or params.req_id in self.scheduler.groups:
             raise DuplicateRequest(f"request_id {params.req_id!r} is already in use by a "
                                    "waiting or running request; pick another or leave it empty")
         if len(self.scheduler.waiting) >= MAX_WAITING_REQUESTS:
@@ -107,6 +110,8 @@ class Engine:
         max_tokens = max(1, info.max_model_len - num_prompt)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
+        if not params.sequence.is_single:
+            return self._submit_group(params, max_tokens)
         stream = RequestStream(IncrementalDetokenizer(self.tokenizer))
         req = Request(req_id=params.req_id, prompt_token_ids=list(params.prompt_token_ids),
                       sampling=params.sampling, max_tokens=max_tokens,
@@ -120,8 +125,63 @@ class Engine:
                   max_tokens=max_tokens)
         return stream
 
+    def _submit_group(self, params: SubmitParams, max_tokens: int) -> RequestStream:
+        """n > 1 or beam search: one stream whose n sequences share the prompt's blocks."""
+        seq, arrival = params.sequence, self._next_arrival
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()  # one gRPC stream for all n
+        streams = [RequestStream(IncrementalDetokenizer(self.tokenizer), queue)
+                   for _ in range(seq.n)]
+        stop_token_ids = frozenset(params.stop_token_ids)
+
+        def new_request(seq_id: str, prompt: list[int], sampling: SamplingSpec,
+                        stream: RequestStream | None, index: int) -> Request:
+            return Request(req_id=seq_id, prompt_token_ids=prompt, sampling=sampling,
+                           max_tokens=max_tokens, arrival=arrival,
+                           eos_token_ids=self.tokenizer.eos_token_ids,
+                           stop_token_ids=stop_token_ids, ignore_eos=params.ignore_eos,
+                           stream=stream, index=index)
+
+        group: SequenceGroup
+        if seq.is_beam_search:
+            self._check_beam_fits(params, max_tokens)
+            # A beam ends on the ids that would stop a sequence.
+            eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
+            group = BeamGroup(params.req_id, seq, params.prompt_token_ids, max_tokens,
+                              stop_token_ids | eos, self.executor.vocab_size, new_request,
+                              streams)
+        else:
+            group = ParallelGroup(params.req_id, seq, params.prompt_token_ids, params.sampling,
+                                  new_request, streams)
+        if taken := [m.req_id for m in group.members() if m.req_id in self.scheduler.requests]:
+            raise DuplicateRequest(f"request ids {taken} of this request's sequences are in "
+                                   "use; pick another request_id or leave it empty")
+        self._next_arrival += 1
+        self.scheduler.add_group(group)
+        self._wakeup.set()
+        log.debug("request queued", req_id=params.req_id, n=seq.n, beam_width=seq.beam_width,
+                  num_prompt_tokens=len(params.prompt_token_ids), max_tokens=max_tokens)
+        return streams[0]
+
+    def _check_beam_fits(self, params: SubmitParams, max_tokens: int) -> None:
+        """Beams wait for each other, so a search must fit the KV pool on its own: the prompt
+        once, plus each beam's generated tokens and one copied block at most."""
+        bm = self.scheduler.block_manager
+        width = params.sequence.beam_width
+        need = bm.blocks_for(len(params.prompt_token_ids)) + width * (bm.blocks_for(max_tokens)
+                                                                      + 1)
+        if need > bm.num_blocks:
+            raise InvalidRequest(f"beam search with beam_width {width} and max_tokens "
+                                 f"{max_tokens} may need {need} KV blocks, but the pool has "
+                                 f"{bm.num_blocks}; lower beam_width or max_tokens")
+
     def abort(self, req_id: str) -> bool:
-        """Abort a waiting or running request; its stream ends with an ABORT message."""
+        """Abort a waiting or running request; its stream ends with an ABORT message (one per
+        unfinished sequence of a group)."""
+        if self.scheduler is not None and req_id in self.scheduler.groups:
+            self._emit([StepOutput(r, [], True) for r in self.scheduler.abort_group(req_id)])
+            self._wakeup.set()
+            log.info("request aborted", req_id=req_id)
+            return True
         req = self.scheduler.abort_request(req_id) if self.scheduler else None
         if req is None:
             return False
@@ -162,10 +222,16 @@ class Engine:
         """ServerStats fields: counters cover every executor this server has had."""
         s = self.scheduler
         totals = {k: v + (getattr(s, k) if s else 0) for k, v in self._past_totals.items()}
+        bm = s.block_manager if s else None
+        queries = totals["prefix_cache_queries"]
         return dict(num_running=len(s.running) if s else 0,
                     num_waiting=len(s.waiting) if s else 0,
-                    kv_blocks_total=s.block_manager.num_blocks if s else 0,
-                    kv_blocks_free=s.block_manager.num_free_blocks if s else 0,
+                    num_swapped=len(s.swapped) if s else 0,
+                    kv_blocks_total=bm.num_blocks if bm else 0,
+                    kv_blocks_free=bm.num_free_blocks if bm else 0,
+                    swap_blocks_total=bm.num_cpu_blocks if bm else 0,
+                    swap_blocks_free=bm.num_free_cpu_blocks if bm else 0,
+                    prefix_cache_hit_rate=totals["prefix_cache_hits"] / queries if queries else 0.0,
                     executor_connected=self.executor is not None, **totals)
 
     def stop(self) -> None:
@@ -254,7 +320,8 @@ class Engine:
             stream.put(RequestOutput(
                 token_ids=out.new_token_ids, text=text,
                 finish_status=req.status if out.finished else None,
-                num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens))
+                num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+                num_cached_tokens=req.num_cached_tokens, index=req.index))
             if out.finished:
                 log.debug("request finished", req_id=req.req_id, status=req.status.value,
                           num_output_tokens=req.num_output_tokens)
@@ -292,19 +359,26 @@ class Engine:
                                        send_shutdown=True)
         info = ExecutorInfo.from_hello(identity, hello, self.config.max_model_len)
         self.executor, self._hello = info, hello
-        self.scheduler = Scheduler(BlockManager(info.num_kv_blocks, info.block_size),
-                                   self.config.max_num_seqs,
-                                   self.config.max_num_batched_tokens, info.max_model_len)
+        self.scheduler = Scheduler(
+            BlockManager(info.num_kv_blocks, info.block_size, max(0, hello.num_swap_blocks)),
+            self.config.max_num_seqs, self.config.max_num_batched_tokens, info.max_model_len,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            preemption_mode=self.config.preemption_mode)
         if not await self._send_quietly(identity, Welcome(PROTOCOL_VERSION)):
             self.executor = self.scheduler = self._hello = None
             return False
         log.info("executor connected", executor_id=hello.executor_id, model=hello.model_name,
-                 num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
+                 num_kv_blocks=info.num_kv_blocks, num_swap_blocks=hello.num_swap_blocks,
+                 block_size=info.block_size,
                  max_model_len=info.max_model_len, dtype=info.dtype, device=info.device,
                  random_weights=info.random_weights)
         if info.max_model_len < min(hello.max_model_len, self.config.max_model_len or 1 << 62):
             log.warning("max_model_len capped by the KV pool", max_model_len=info.max_model_len,
                         hint="give the executor more --kv-cache-memory or --num-kv-blocks")
+        if self.config.preemption_mode == "swap" and hello.num_swap_blocks <= 0:
+            log.warning("--preemption-mode swap, but the executor has no CPU swap pool: "
+                        "preempted requests will be recomputed",
+                        hint="start the executor with --swap-space GiB")
         if self._on_executor_change is not None:
             await self._on_executor_change(True)
         return True
@@ -320,7 +394,9 @@ class Engine:
             return
         self.executor, self.scheduler = None, None
         error = ExecutorUnavailable(reason)
-        for req in list(scheduler.requests.values()):
+        # Group outputs not scheduled yet (beam results, children before the fork) too.
+        for req in [*scheduler.requests.values(),
+                    *(r for g in scheduler.groups.values() for r in g.outputs)]:
             req.status = RequestStatus.FINISHED_ERROR
             if req.stream is not None:
                 req.stream.put(RequestOutput([], error=error))
@@ -333,7 +409,10 @@ class Engine:
             await self._on_executor_change(False)
 
     def _log_stats(self) -> None:
-        s = self.scheduler
-        self.stats.maybe_log(num_running=len(s.running) if s else 0,
-                             num_waiting=len(s.waiting) if s else 0,
-                             num_free_blocks=s.block_manager.num_free_blocks if s else 0)
+        stats = self.server_stats()
+        self.stats.maybe_log(num_running=stats["num_running"], num_waiting=stats["num_waiting"],
+                             num_swapped=stats["num_swapped"],
+                             num_free_blocks=stats["kv_blocks_free"],
+                             num_free_swap_blocks=stats["swap_blocks_free"],
+                             num_preemptions=stats["num_preemptions"],
+                             prefix_cache_hit_rate=stats["prefix_cache_hit_rate"])

@@ -11,11 +11,18 @@ import jinja2
 
 from protos.folio.v1 import generator_pb2 as pb
 from protos.plan import SamplingSpec
+from scheduler_svc.beam_search import EarlyStopping
 from scheduler_svc.errors import InvalidRequest
 from scheduler_svc.request import SubmitParams
+from scheduler_svc.sequence_params import MAX_BEAM_WIDTH, MAX_N, SequenceParams
 from scheduler_svc.tokenizer import ChatTurn, ModelDirError, Tokenizer
 
 MAX_SEED = 2**63 - 1  # the executor seeds a torch generator, which takes a signed 64-bit int
+EARLY_STOPPING = {
+    pb.EARLY_STOPPING_HEURISTIC: EarlyStopping.HEURISTIC,
+    pb.EARLY_STOPPING_TRUE: EarlyStopping.TRUE,
+    pb.EARLY_STOPPING_NEVER: EarlyStopping.NEVER,
+}
 
 
 def prompt_token_ids(msg: pb.GenerateRequest | pb.TokenizeRequest, tokenizer: Tokenizer
@@ -65,6 +72,29 @@ def sampling_spec(p: pb.SamplingParams) -> SamplingSpec:
                         seed=seed)
 
 
+def sequence_params(p: pb.SamplingParams) -> SequenceParams:
+    """n and beam search. n > 1 with temperature 0 is allowed: n identical greedy sequences
+    (cheap, as they share the prompt's blocks), which is what a client asking for it expects."""
+    n = p.n if p.HasField("n") else 1
+    beam_width = p.beam_width if p.HasField("beam_width") else 1
+    length_penalty = p.length_penalty if p.HasField("length_penalty") else 1.0
+    if not 1 <= n <= MAX_N:
+        raise InvalidRequest(f"n must be between 1 and {MAX_N} sequences, got {n}")
+    if not 1 <= beam_width <= MAX_BEAM_WIDTH:
+        raise InvalidRequest(f"beam_width must be between 1 (no beam search) and "
+                             f"{MAX_BEAM_WIDTH}, got {beam_width}")
+    if beam_width > 1 and n > beam_width:
+        raise InvalidRequest(f"beam search returns at most beam_width sequences: n = {n} > "
+                             f"beam_width = {beam_width}; raise beam_width or lower n")
+    if not math.isfinite(length_penalty):
+        raise InvalidRequest(f"length_penalty must be a finite number, got {length_penalty}")
+    if p.early_stopping not in EARLY_STOPPING:
+        raise InvalidRequest(f"unknown early_stopping value {p.early_stopping}; use "
+                             "HEURISTIC, TRUE or NEVER")
+    return SequenceParams(n=n, beam_width=beam_width, length_penalty=float(length_penalty),
+                          early_stopping=EARLY_STOPPING[p.early_stopping])
+
+
 def submit_params(msg: pb.GenerateRequest, tokenizer: Tokenizer) -> SubmitParams:
     p = msg.sampling
     sampling = sampling_spec(p)
@@ -76,4 +106,5 @@ def submit_params(msg: pb.GenerateRequest, tokenizer: Tokenizer) -> SubmitParams
         req_id=msg.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt_token_ids(msg, tokenizer),
         sampling=sampling, max_tokens=max_tokens,
-        stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos)
+        stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        sequence=sequence_params(p))

@@ -3,11 +3,14 @@
 Lifecycle:
 
     WAITING --schedule--> RUNNING --update--> FINISHED_STOPPED | FINISHED_LENGTH
-       ^                     |  \\--abort----> FINISHED_ABORTED
-       +----preempt----------+   \\--error---> FINISHED_ERROR
+       ^                   |  |  ^
+       +-preempt:recompute-+  |  +--swap in--+      unfinished --abort--> FINISHED_ABORTED
+                              +-preempt:swap-+-> SWAPPED     running --error--> FINISHED_ERROR
 
-A preempted request drops its KV blocks and goes back to the front of the waiting queue with
-num_computed_tokens = 0; when rescheduled it recomputes prompt + generated tokens.
+Preempted by recompute, a request drops its KV blocks and goes back to the front of the waiting
+queue with num_computed_tokens = 0; when rescheduled it recomputes prompt + generated tokens
+(less what the prefix cache still holds). Preempted by swap, its blocks move to the CPU pool and
+it keeps num_computed_tokens; swapped in, it resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ from dataclasses import dataclass, field
 
 from protos.plan import SamplingSpec
 from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.sequence_params import SequenceParams
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -30,7 +35,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.SWAPPED)
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,7 @@ class SubmitParams:
     max_tokens: int | None = None  # None = up to max_model_len
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    sequence: SequenceParams = SequenceParams()  # n > 1 or beam search: a sequence group
 
 
 @dataclass(frozen=True)
@@ -54,15 +60,19 @@ class RequestOutput:
     finish_status: RequestStatus | None = None  # set on the last output only
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: Exception | None = None
+    index: int = 0  # which of the request's n sequences this output belongs to
 
 
 class RequestStream:
-    """The engine's handle on one gRPC stream: a queue of outputs plus the detokenizer."""
+    """The engine's handle on one sequence of a gRPC stream: the stream's queue of outputs
+    (shared by the n sequences of a group) plus this sequence's detokenizer."""
 
-    def __init__(self, detokenizer: IncrementalDetokenizer | None):
+    def __init__(self, detokenizer: IncrementalDetokenizer | None,
+                 queue: asyncio.Queue[RequestOutput] | None = None):
         self.detokenizer = detokenizer
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.queue: asyncio.Queue[RequestOutput] = queue if queue is not None else asyncio.Queue()
 
     def put(self, output: RequestOutput) -> None:
         self.queue.put_nowait(output)
@@ -83,6 +93,17 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     stream: RequestStream | None = None
+    # Prefix caching: requests share cached blocks only under the same salt (not yet in the
+    # public API). `block_keys` holds the keys of the full blocks of all_token_ids so far.
+    cache_salt: str = ""
+    block_keys: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    # Sequence groups (scheduler_svc.sequence_group): the group this request serves, if any,
+    # and its sequence index; tokens the scheduler chose (beam search) that the executor does
+    # not hold yet, sent in the next CachedRequest.new_token_ids.
+    group: object | None = None
+    index: int = 0
+    pending_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

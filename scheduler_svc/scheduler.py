@@ -1,27 +1,55 @@
 """Continuous batching: which tokens of which requests the executor computes next.
 
 Every request carries `num_computed_tokens`; a step gives each scheduled request
-min(tokens it still lacks, token budget left). A decode lacks one token, a prompt lacks many, so
-prefill chunks and decodes share a step and a long prompt spreads over several steps.
+min(tokens it still lacks, token budget left), so prefill chunks and decodes share a step and a
+long prompt spreads over several steps. `max_num_batched_tokens` bounds every step. Order:
+
+1. running requests that decode (one token each), oldest first: streams never stall;
+2. running requests mid-prompt, oldest first, with what budget is left;
+3. (blocks) while the blocks those need exceed the free ones, preempt the newest running
+   request (by swap or recompute, see `_preemption_mode`); the oldest is never preempted
+   while another runs, so it always finishes, and a request fits the pool alone;
+4. swapped-out requests, oldest first, swapped back in (not in a step that preempted);
+5. waiting requests, FCFS (not after a preemption, nor while any request is swapped out),
+   each reusing every cached block of its leading tokens (prefix caching).
 
 Invariants between plans (one plan is in flight at a time):
-- `running` is sorted by arrival (oldest first), so `running[-1]` is the newest: the
-  preemption victim. `waiting` is FCFS with preempted requests put back at the front.
-- every running request has a block table covering its computed tokens; waiting ones have none.
+- `running` and `swapped` are sorted by arrival (oldest first); `waiting` is FCFS with
+  recompute-preempted requests put back at the front.
+- a running request has a GPU block table covering its computed tokens, a swapped one a CPU
+  table; waiting ones have none.
 - `_executor_req_ids` are the requests whose state the executor holds: sent as NewRequest and
   not since reported finished or preempted. Only these appear in CachedRequest, finished and
-  preempted lists.
+  preempted lists. A held request whose table changed under copy-on-write is re-sent as a
+  NewRequest (the executor replaces its copy), because CachedRequest can only append blocks.
+  So is a running request the executor does not hold yet: a sequence forked from another.
+- sequence groups (n > 1, beam search; `sequence_group.py`) run as ordinary requests, except
+  that a beam waiting for its siblings' logprobs lacks no token (it is skipped), and that
+  preempting a beam restarts its whole search.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import structlog
 
 from protos.plan import CachedRequest, NewRequest, StepPlan, StepResult
 from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.config import PREEMPTION_MODES
+from scheduler_svc.prefix_cache import extend_block_keys
 from scheduler_svc.request import Request, RequestStatus
+from scheduler_svc.sequence_group import (
+    BeamGroup,
+    SequenceGroup,
+    end_group,
+    on_hidden_sample,
+    restart_beam_search,
+)
+
+log = structlog.get_logger("folio.scheduler.scheduler")
 
 
 @dataclass(frozen=True)
@@ -33,27 +61,51 @@ class StepOutput:
     finished: bool
 
 
+@dataclass
+class _Step:
+    """The plan being built by one schedule() call."""
+
+    budget: int
+    new_reqs: list[NewRequest] = field(default_factory=list)
+    cached_reqs: list[CachedRequest] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swapped_out: list[Request] = field(default_factory=list)  # victims of this step's swap_out
+    preempted: bool = False
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int):
+                 max_num_batched_tokens: int, max_model_len: int, *,
+                 enable_prefix_caching: bool = True, preemption_mode: str = "auto"):
+        assert preemption_mode in PREEMPTION_MODES, preemption_mode
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.enable_prefix_caching = enable_prefix_caching
+        self.preemption_mode = preemption_mode
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.groups: dict[str, SequenceGroup] = {}  # n > 1 / beam search, by public id
         self._executor_req_ids: set[str] = set()
         self._pending_finished_ids: list[str] = []  # finished or aborted since the last plan
         self._pending_preempted_ids: list[str] = []
         self._next_step_id = 0
         self._in_flight: StepPlan | None = None
+        self._in_flight_swapped_out: list[Request] = []
         # Counters for stats.
         self.num_preemptions = 0
+        self.num_swap_outs = 0  # preemptions by swap (the rest recomputed)
         self.num_finished_requests = 0
-        self.num_prompt_tokens = 0
+        self.num_prompt_tokens = 0  # prompt tokens computed (cache hits are not)
         self.num_generated_tokens = 0
         self.num_steps = 0
+        self.prefix_cache_queries = 0  # tokens of admitted requests looked up in the cache
+        self.prefix_cache_hits = 0  # of those, tokens found cached
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -62,12 +114,26 @@ class Scheduler:
         self.requests[req.req_id] = req
         self.waiting.append(req)
 
+    def add_group(self, group: SequenceGroup) -> None:
+        """Queue the sequences of one public request (scheduler_svc.sequence_group)."""
+        assert group.req_id not in self.groups, f"duplicate request id {group.req_id}"
+        self.groups[group.req_id] = group
+        for req in group.initial_requests():
+            self.add_request(req)
+
     def abort_request(self, req_id: str) -> Request | None:
-        """Finish a waiting or running request as aborted; None if it is not unfinished."""
+        """Finish an unfinished request as aborted; None if there is no such request. A
+        group's sequences are aborted together, with `abort_group`."""
         req = self.requests.get(req_id)
-        if req is not None:
+        if req is not None and req.group is None:
             self._finish(req, RequestStatus.FINISHED_ABORTED)
-        return req
+            return req
+        return None
+
+    def abort_group(self, req_id: str) -> list[Request]:
+        """Abort every sequence of a group; returns its outputs that had not finished."""
+        group = self.groups.get(req_id)
+        return end_group(self, group, RequestStatus.FINISHED_ABORTED) if group else []
 
     def fail_requests(self, req_ids: list[str]) -> list[Request]:
         """Finish these requests with an error: their step failed, and the executor dropped
@@ -76,6 +142,9 @@ class Scheduler:
         for req in failed:
             self._executor_req_ids.discard(req.req_id)
             self._finish(req, RequestStatus.FINISHED_ERROR)
+        # A group cannot go on without one of its sequences: the whole request fails.
+        for group in {id(r.group): r.group for r in failed if r.group is not None}.values():
+            failed += end_group(self, group, RequestStatus.FINISHED_ERROR)
         return failed
 
     def has_unfinished(self) -> bool:
@@ -84,63 +153,31 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
-        """The next step's plan, or None when no token can be scheduled."""
+        """The next step's plan, or None when nothing can be scheduled."""
         assert self._in_flight is None, "schedule() called with a plan still in flight"
-        budget = self.max_num_batched_tokens
-        new_reqs: list[NewRequest] = []
-        cached_reqs: list[CachedRequest] = []
-        preempted_now = False
-
-        # 1. Running requests, oldest first: decodes (1 token) and unfinished prompt chunks.
-        index = 0
-        while index < len(self.running) and budget > 0:
-            req = self.running[index]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            new_block_ids = self.block_manager.allocate(req.req_id,
-                                                        req.num_computed_tokens + num_new)
-            while new_block_ids is None:
-                # Out of blocks: recompute-preempt the newest request (maybe `req` itself).
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted_now = True
-                if victim is req:
-                    break
-                new_block_ids = self.block_manager.allocate(req.req_id,
-                                                            req.num_computed_tokens + num_new)
-            if new_block_ids is None:
-                break  # `req` was the newest left and is now waiting
-            cached_reqs.append(CachedRequest(req.req_id, new_block_ids,
-                                             req.num_computed_tokens, num_new))
-            self._advance(req, num_new)
-            budget -= num_new
-            index += 1
-
-        # 2. Waiting requests, FCFS, while budget, sequence slots and blocks last. After a
-        #    preemption admitting more would only evict someone again next step.
-        while (self.waiting and budget > 0 and not preempted_now
-               and len(self.running) < self.max_num_seqs):
-            req = self.waiting[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self.block_manager.allocate(req.req_id, req.num_computed_tokens + num_new) is None:
-                break  # head-of-line waits for blocks; FCFS lets no one overtake it
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            bisect.insort(self.running, req, key=lambda r: r.arrival)
-            new_reqs.append(NewRequest(req.req_id, req.all_token_ids, req.sampling,
-                                       self.block_manager.block_table(req.req_id),
-                                       req.num_computed_tokens, num_new))
-            self._executor_req_ids.add(req.req_id)
-            self._advance(req, num_new)
-            budget -= num_new
-
-        if not new_reqs and not cached_reqs:
+        step = _Step(budget=self.max_num_batched_tokens)
+        # 1-2. Running requests get their tokens: decodes first, then prompt chunks.
+        wants = self._budget_running(step)
+        # 3. Blocks for them, preempting the newest running requests if need be.
+        wants = self._make_room(wants, step)
+        for req, num_new in wants:
+            self._schedule_running(req, num_new, step)
+        # 4-5. Only if nobody had to make room: swapped requests, then waiting ones.
+        if not step.preempted:
+            self._resume_swapped(step)
+        if not step.preempted and not self.swapped:
+            self._admit_waiting(step)
+        if not (step.new_reqs or step.cached_reqs or step.swap_out or step.block_copies):
             return None  # nothing to run; pending finished/preempted ids ride the next plan
-        plan = StepPlan(step_id=self._next_step_id, new_reqs=new_reqs, cached_reqs=cached_reqs,
+        plan = StepPlan(step_id=self._next_step_id, new_reqs=step.new_reqs,
+                        cached_reqs=step.cached_reqs,
                         finished_req_ids=self._pending_finished_ids,
-                        preempted_req_ids=self._pending_preempted_ids)
+                        preempted_req_ids=self._pending_preempted_ids,
+                        block_copies=step.block_copies, swap_out=step.swap_out,
+                        swap_in=step.swap_in)
         self._pending_finished_ids, self._pending_preempted_ids = [], []
         self._next_step_id += 1
-        self._in_flight = plan
+        self._in_flight, self._in_flight_swapped_out = plan, step.swapped_out
         return plan
 
     def update(self, result: StepResult) -> list[StepOutput]:
@@ -148,15 +185,27 @@ class Scheduler:
         plan = self._in_flight
         assert plan is not None and plan.step_id == result.step_id, \
             f"result for step {result.step_id} does not match the plan in flight"
-        self._in_flight = None
+        self._in_flight, self._in_flight_swapped_out = None, []
         self.num_steps += 1
+        if self.enable_prefix_caching:
+            # The step wrote its blocks: full ones become reusable, before anything is freed.
+            for req_id in [r.req_id for r in plan.new_reqs] + [r.req_id for r in plan.cached_reqs]:
+                req = self.requests.get(req_id)
+                if req is not None and req.status is RequestStatus.RUNNING:
+                    self._cache_computed_blocks(req)
         outputs: list[StepOutput] = []
+        logprobs = {r: list(zip(ids, lps, strict=True)) for r, ids, lps in result.logprobs}
         for req_id, token_ids in result.sampled:
             req = self.requests.get(req_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             if req.num_computed_tokens < req.num_tokens:
                 continue  # mid-prompt: the executor must not sample (protocol), ignore it
+            if req.group is not None and req not in req.group.outputs:
+                # A parallel-sampling parent or a beam: its draw is no client's token.
+                outputs += [StepOutput(r, list(r.output_token_ids), True)
+                            for r in on_hidden_sample(self, req, logprobs.get(req_id))]
+                continue
             new_token_ids: list[int] = []
             for token_id in token_ids:
                 req.output_token_ids.append(token_id)
@@ -166,20 +215,198 @@ class Scheduler:
                     break
             self.num_generated_tokens += len(new_token_ids)
             outputs.append(StepOutput(req, new_token_ids, req.is_finished))
+            if req.group is not None and req.group.is_done():
+                self.groups.pop(req.group.req_id, None)
         return outputs
 
     def abandon_in_flight(self) -> list[str]:
-        """The in-flight step failed: forget it and return the ids it scheduled."""
+        """The in-flight step failed: forget it and return the ids it scheduled. Requests it
+        swapped out may hold no KV on the CPU: they start over by recompute."""
         plan, self._in_flight = self._in_flight, None
         if plan is None:
             return []
+        for req in self._in_flight_swapped_out:
+            if req.status is RequestStatus.SWAPPED:
+                self.swapped.remove(req)
+                self.block_manager.free(req.req_id)
+                req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
+                self.waiting.appendleft(req)
+        self._in_flight_swapped_out = []
         return [r.req_id for r in plan.new_reqs] + [r.req_id for r in plan.cached_reqs]
 
+    # ---- the phases of schedule() ----------------------------------------------------------
+
+    def _budget_running(self, step: _Step) -> list[tuple[Request, int]]:
+        """Token budget for running requests: decodes first, then prompt chunks."""
+        lacking = [(req, req.num_tokens - req.num_computed_tokens) for req in self.running]
+        decodes = [(req, n) for req, n in lacking if n == 1]
+        prefills = [(req, n) for req, n in lacking if n > 1]
+        wants: list[tuple[Request, int]] = []
+        for req, num_lacking in decodes + prefills:
+            if step.budget == 0:
+                break
+            num_new = min(num_lacking, step.budget)
+            wants.append((req, num_new))
+            step.budget -= num_new
+        return wants
+
+    def _make_room(self, wants: list[tuple[Request, int]], step: _Step
+                   ) -> list[tuple[Request, int]]:
+        """Preempt the newest running requests until the blocks `wants` need are free."""
+        bm = self.block_manager
+        while sum(bm.num_blocks_needed(r.req_id, r.num_computed_tokens + n)
+                  for r, n in wants) > bm.num_free_blocks:
+            victim = self.running[-1]  # non-empty: wants only holds running requests
+            self._preempt(victim, step)
+            # Not just the victim: preempting a beam ends all beams of its search.
+            wants = [(r, n) for r, n in wants if r.status is RequestStatus.RUNNING]
+        return wants
+
+    def _schedule_running(self, req: Request, num_new: int, step: _Step) -> None:
+        alloc = self.block_manager.allocate(req.req_id, req.num_computed_tokens + num_new)
+        assert alloc is not None, "_make_room left too few blocks"
+        if alloc.copy is not None:
+            step.block_copies.append(alloc.copy)
+        if alloc.copy is None and req.req_id in self._executor_req_ids:
+            step.cached_reqs.append(CachedRequest(req.req_id, alloc.new_block_ids,
+                                                  req.num_computed_tokens, num_new,
+                                                  req.pending_token_ids))
+            req.pending_token_ids = []
+        else:  # forked, or copy-on-write replaced a block the executor has: the whole table
+            step.new_reqs.append(self._new_request(req, num_new))
+        self._advance(req, num_new)  # budget: taken in _budget_running
+
+    def _resume_swapped(self, step: _Step) -> None:
+        """Swap requests back in, oldest first, while their blocks and a token fit."""
+        bm = self.block_manager
+        while self.swapped and step.budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.swapped[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
+            target = req.num_computed_tokens + num_new
+            num_growth = max(0, bm.blocks_for(target) - len(bm.cpu_tables[req.req_id]))
+            if bm.num_swap_in_blocks([req.req_id]) + num_growth > bm.num_free_blocks:
+                break  # the oldest goes first; younger ones wait behind it
+            self.swapped.pop(0)
+            step.swap_in.extend(bm.swap_in([req.req_id]))
+            alloc = bm.allocate(req.req_id, target)
+            if alloc.copy is not None:
+                step.block_copies.append(alloc.copy)
+            self._start_running(req)
+            step.new_reqs.append(self._new_request(req, num_new))
+            self._advance(req, num_new)
+            step.budget -= num_new
+
+    def _admit_waiting(self, step: _Step) -> None:
+        """Admit waiting requests FCFS while budget, sequence slots and blocks last."""
+        bm = self.block_manager
+        while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            cached_block_ids = self._cached_prefix(req)
+            num_cached = len(cached_block_ids) * bm.block_size
+            num_new = min(req.num_tokens - num_cached, step.budget)
+            if bm.allocate_new(req.req_id, num_cached + num_new, cached_block_ids) is None:
+                break  # head-of-line waits for blocks; FCFS lets no one overtake it
+            self.waiting.popleft()
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += num_cached
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = num_cached
+            req.num_computed_tokens = num_cached
+            self._start_running(req)
+            step.new_reqs.append(self._new_request(req, num_new))
+            self._advance(req, num_new)
+            step.budget -= num_new
+
+    # ---- preemption ------------------------------------------------------------------------
+
+    def _preemption_mode(self, req: Request) -> str:
+        """Swap or recompute? Recompute costs ~num_computed_tokens x the model's FLOPs per
+        token (plus attention, quadratic in length); a swap moves num_blocks x bytes per block
+        over PCIe twice (out and back in), and per token that is several times cheaper than
+        recomputing on any model worth serving. So `auto` swaps whenever the CPU pool has room
+        and the victim has at least one full block of computed KV; a shorter context is cheap
+        to recompute and not worth a round trip or CPU space. `swap` swaps whenever the pool
+        has room; `recompute` never swaps. Without room in the CPU pool, recompute."""
+        bm = self.block_manager
+        if self.preemption_mode == "recompute" or bm.num_cpu_blocks == 0:
+            return "recompute"
+        if bm.num_swap_out_blocks([req.req_id]) > bm.num_free_cpu_blocks:
+            return "recompute"
+        if self.preemption_mode == "swap" or req.num_computed_tokens >= bm.block_size:
+            return "swap"
+        return "recompute"
+
+    def _preempt(self, req: Request, step: _Step) -> None:
+        if isinstance(req.group, BeamGroup):
+            # Beams share blocks and wait for each other every step: resumed one by one they
+            # could hold blocks forever. The search restarts instead; greedy, it replays.
+            log.info("beam search preempted: restarting it", req_id=req.group.req_id,
+                     num_beams=len(req.group.beams))
+            restart_beam_search(self, req.group)
+            self.num_preemptions += 1
+            step.preempted = True
+            return
+        mode = self._preemption_mode(req)
+        log.info("request preempted", req_id=req.req_id, mode=mode,
+                 num_computed_tokens=req.num_computed_tokens)
+        self.running.remove(req)
+        if mode == "swap":
+            step.swap_out.extend(self.block_manager.swap_out([req.req_id]))
+            step.swapped_out.append(req)
+            req.status = RequestStatus.SWAPPED
+            bisect.insort(self.swapped, req, key=lambda r: r.arrival)
+            self.num_swap_outs += 1
+        else:
+            self.block_manager.free(req.req_id)
+            req.status = RequestStatus.WAITING
+            req.num_computed_tokens = 0
+            self.waiting.appendleft(req)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        step.preempted = True
+        if req.req_id in self._executor_req_ids:
+            self._executor_req_ids.discard(req.req_id)
+            self._pending_preempted_ids.append(req.req_id)
+
     # ---- helpers ---------------------------------------------------------------------------
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """Blocks of the prefix cache holding `req`'s leading tokens. At least the last token
+        is left to compute, so the request samples; only full blocks are ever shared."""
+        if not self.enable_prefix_caching:
+            return []
+        keys = self._block_keys(req, req.num_tokens)
+        return self.block_manager.cached_prefix(
+            keys[:(req.num_tokens - 1) // self.block_manager.block_size])
+
+    def _cache_computed_blocks(self, req: Request) -> None:
+        num_full = req.num_computed_tokens // self.block_manager.block_size
+        self.block_manager.cache_blocks(req.req_id,
+                                        self._block_keys(req, req.num_computed_tokens)[:num_full])
+
+    def _block_keys(self, req: Request, num_tokens: int) -> list[bytes]:
+        """`req.block_keys`, extended to cover (at least) its first `num_tokens` tokens."""
+        if num_tokens // self.block_manager.block_size > len(req.block_keys):
+            extend_block_keys(req.block_keys, req.all_token_ids, self.block_manager.block_size,
+                              req.cache_salt)
+        return req.block_keys
+
+    def _new_request(self, req: Request, num_new: int) -> NewRequest:
+        self._executor_req_ids.add(req.req_id)
+        req.pending_token_ids = []  # all_token_ids carries them
+        return NewRequest(req.req_id, req.all_token_ids, req.sampling,
+                          self.block_manager.block_table(req.req_id), req.num_computed_tokens,
+                          num_new)
+
+    def _start_running(self, req: Request) -> None:
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=lambda r: r.arrival)
 
     def _advance(self, req: Request, num_new: int) -> None:
         # Tokens count as computed once scheduled: only one plan is in flight, and a failed
         # step fails its requests, so the count never has to roll back.
+        assert num_new >= 1
         prompt_end = min(req.num_computed_tokens + num_new, req.num_prompt_tokens)
         self.num_prompt_tokens += max(0, prompt_end - req.num_computed_tokens)
         req.num_computed_tokens += num_new
@@ -193,27 +420,18 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
-        self.block_manager.free(req.req_id)
-        req.status = RequestStatus.WAITING
-        req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        self.waiting.appendleft(req)
-        self.num_preemptions += 1
-        if req.req_id in self._executor_req_ids:
-            self._executor_req_ids.discard(req.req_id)
-            self._pending_preempted_ids.append(req.req_id)
-
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
+        elif req.status is RequestStatus.SWAPPED:
+            self.swapped.remove(req)
         req.status = status
         self.block_manager.free(req.req_id)
         del self.requests[req.req_id]
-        self.num_finished_requests += 1
+        if req.group is None or req in req.group.outputs:  # not a parent or a beam
+            self.num_finished_requests += 1
         if req.req_id in self._executor_req_ids:
             self._executor_req_ids.discard(req.req_id)
             self._pending_finished_ids.append(req.req_id)

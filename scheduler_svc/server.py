@@ -82,6 +82,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         params = inputs.submit_params(request, self.tokenizer)
         stream = self.engine.submit(params)
+        num_open = params.sequence.n  # sequences (n > 1, beams) whose last message is due
         done = False
         try:
             while True:
@@ -90,15 +91,19 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                     done = True  # the engine already dropped the request
                     raise out.error
                 response = pb.GenerateResponse(request_id=params.req_id,
-                                               token_ids=out.token_ids, text=out.text)
+                                               token_ids=out.token_ids, text=out.text,
+                                               index=out.index)
                 if out.finish_status is not None:
-                    done = True
+                    num_open -= 1
+                    done = num_open == 0
                     response.finish_reason = FINISH_REASONS[out.finish_status]
                     response.usage.prompt_tokens = out.num_prompt_tokens
                     response.usage.completion_tokens = out.num_output_tokens
-                    response.usage.cached_tokens = 0  # no prefix cache yet
+                    response.usage.cached_tokens = out.num_cached_tokens
                     yield response
-                    return
+                    if done:
+                        return
+                    continue
                 yield response
         finally:
             if not done:  # client cancelled or went away: free the request's blocks now

@@ -18,8 +18,10 @@ from tests.scheduler.null_executor import PlanMirror
 EOS = 1
 
 
-def make_scheduler(num_blocks=32, block_size=4, max_num_seqs=8, budget=64, max_model_len=64):
-    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, max_model_len)
+def make_scheduler(num_blocks=32, block_size=4, max_num_seqs=8, budget=64, max_model_len=64,
+                   num_cpu_blocks=0, **kw):
+    return Scheduler(BlockManager(num_blocks, block_size, num_cpu_blocks), max_num_seqs, budget,
+                     max_model_len, **kw)
 
 
 def make_request(req_id: str, num_prompt: int, arrival: int, max_tokens: int = 100, **kw):
@@ -120,9 +122,11 @@ def uninterrupted_outputs(prompts: dict[str, int], max_tokens: int) -> dict[str,
     return {req.req_id: req.output_token_ids for req in reqs}
 
 
-def test_preempts_newest_by_recompute_and_resumes_with_generated_tokens():
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_preempts_newest_by_recompute_and_resumes_with_generated_tokens(prefix_caching):
     # 4 blocks of 4 tokens: two 7-token prompts fill the pool once each has 8 tokens.
-    sched = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=2, max_model_len=16)
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=2, max_model_len=16,
+                           enable_prefix_caching=prefix_caching)
     mirror = PlanMirror(block_size=4)
     old, new, late = (make_request("old", 7, 0, max_tokens=6), make_request("new", 7, 1, 6),
                       make_request("late", 3, 2, max_tokens=2))
@@ -132,7 +136,8 @@ def test_preempts_newest_by_recompute_and_resumes_with_generated_tokens():
     step(sched, mirror)  # both decode into the last slot of their second block
     plan = step(sched, mirror)  # "old" needs a third block: the newest running one goes
     assert plan.preempted_req_ids == ["new"]
-    assert [(c.req_id, c.new_block_ids) for c in plan.cached_reqs] == [("old", [2])]
+    # "new" held blocks 2 and 3; freed tail first, so block 3 is handed out first.
+    assert [(c.req_id, c.new_block_ids) for c in plan.cached_reqs] == [("old", [3])]
     assert plan.new_reqs == []  # no admissions in a step that preempted
     assert [r.req_id for r in sched.waiting] == ["new", "late"]  # requeued at the front
     assert new.num_computed_tokens == 0 and new.num_output_tokens == 2
@@ -142,7 +147,9 @@ def test_preempts_newest_by_recompute_and_resumes_with_generated_tokens():
     plans = run_to_end(sched, mirror)
     resumed = next(n for p in plans for n in p.new_reqs if n.req_id == "new")
     assert resumed.token_ids == new.prompt_token_ids + generated_before
-    assert resumed.num_computed_tokens == 0
+    # With prefix caching, "new"'s first block (full, computed, freed last) survived in the
+    # evictable pool: the resumed request skips it.
+    assert resumed.num_computed_tokens == (4 if prefix_caching else 0)
     assert sched.num_preemptions >= 1
     # Recompute is invisible in the output: same tokens as a run with a roomy pool.
     expected = uninterrupted_outputs({"old": 7, "new": 7, "late": 3}, max_tokens=6)
@@ -210,3 +217,24 @@ def test_result_for_an_aborted_request_is_ignored():
     assert [o.req.req_id for o in outputs] == ["b"]
     assert a.output_token_ids == []
     sched.block_manager.check_invariants()
+
+
+def test_copy_on_write_resends_the_request_with_its_new_table():
+    sched, mirror = make_scheduler(block_size=4), PlanMirror(block_size=4)
+    req = make_request("a", 6, 0, max_tokens=4)
+    sched.add_request(req)
+    step(sched, mirror)  # blocks [0, 1]; block 1 holds positions 4 and 5
+    # A sibling sequence (as n > 1 or beam search create) now shares both blocks.
+    sched.block_manager.fork("a", "sibling")
+    plan = step(sched, mirror)
+    # Writing position 6 into the shared, partly filled block 1 copies it first; the executor
+    # only appends blocks for cached requests, so "a" is re-sent whole with its new table.
+    assert plan.block_copies == [(1, 2)]
+    assert plan.cached_reqs == []
+    assert [(n.req_id, n.block_ids, n.num_computed_tokens, n.num_scheduled_tokens)
+            for n in plan.new_reqs] == [("a", [0, 2], 6, 1)]
+    assert sched.block_manager.block_table("sibling") == [0, 1]
+    assert mirror.num_copied == 1
+    sched.block_manager.free("sibling")
+    run_to_end(sched, mirror)
+    assert req.output_token_ids == uninterrupted_outputs({"a": 6}, max_tokens=4)["a"]

@@ -1,0 +1,252 @@
+"""Sequence groups: one public request served by several scheduler requests on shared blocks.
+
+Parallel sampling (n > 1):
+
+    parent "<id>/prompt" computes prompt[:-1] ──fork──> "<id>/0" .. "<id>/n-1"
+    (its sampled token is thrown away)                  each computes the last prompt token,
+                                                        samples with its own seed, streams with
+                                                        its index and finishes on its own
+
+The children share every prompt block (ref counts); writing the last prompt token into the
+partly filled last block, every child but the last one to write gets its own copy of it
+(copy-on-write in `BlockManager.allocate`; none is needed if prompt[:-1] fills its blocks). After
+the fork every child is an ordinary request: preemption, swap and stop rules apply unchanged.
+
+Beam search (beam_width > 1): the beams "<id>/beam<k>" are greedy requests that return their
+top logprobs and do not append what they sample (protocol v2, `append_sampled=False`). Once
+every live beam has reported for the current length, `BeamSearch.step` picks the next beams;
+a beam picked once continues with its token (`CachedRequest.new_token_ids`), a beam picked
+several times forks (the fork shares its blocks), a beam not picked finishes. When the search
+ends, the best n hypotheses go to the client, one final message per index. If any beam is
+preempted, the whole search restarts from the prompt (`BeamGroup.restart`): beams share blocks
+and wait for each other, so resuming them one by one could hold blocks forever; a greedy
+search replays the same beams, so the answer does not change.
+
+The group's `outputs[i]` is the Request whose stream carries index i: a child for parallel
+sampling, a result holder (never scheduled) for beam search. Hidden requests (the parent, the
+beams) have no stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from protos.plan import SamplingSpec
+from scheduler_svc.beam_search import BeamSearch
+from scheduler_svc.request import Request, RequestStatus, RequestStream
+from scheduler_svc.sequence_params import SequenceParams, sequence_seed
+
+if TYPE_CHECKING:
+    from scheduler_svc.scheduler import Scheduler
+
+# (req_id, token ids, sampling, stream or None, index) -> a WAITING Request of this group
+RequestFactory = Callable[[str, list[int], SamplingSpec, RequestStream | None, int], Request]
+
+
+@dataclass
+class BeamDecision:
+    """What the scheduler does after a beam step, in this order."""
+
+    forks: list[tuple[Request, Request]] = field(default_factory=list)  # (parent, child)
+    continues: list[tuple[Request, int]] = field(default_factory=list)  # (beam, next token)
+    dropped: list[Request] = field(default_factory=list)  # finish silently, free blocks
+    finals: list[Request] = field(default_factory=list)  # filled result holders (search done)
+
+
+class ParallelGroup:
+    def __init__(self, req_id: str, params: SequenceParams, prompt_token_ids: list[int],
+                 sampling: SamplingSpec, new_request: RequestFactory,
+                 streams: list[RequestStream]):
+        self.req_id = req_id
+        self.outputs = [
+            new_request(f"{req_id}/{i}", list(prompt_token_ids),
+                        replace(sampling, seed=sequence_seed(sampling.seed, i)), streams[i], i)
+            for i in range(params.n)]
+        self.parent: Request | None = None
+        if len(prompt_token_ids) > 1:  # a one-token prompt has nothing to share
+            self.parent = new_request(f"{req_id}/prompt", list(prompt_token_ids[:-1]),
+                                      SamplingSpec(temperature=0.0), None, 0)
+        for req in self.members():
+            req.group = self
+
+    def members(self) -> list[Request]:
+        return ([self.parent] if self.parent else []) + self.outputs
+
+    def initial_requests(self) -> list[Request]:
+        """What joins the waiting queue: the parent, or every child if there is none."""
+        return [self.parent] if self.parent else list(self.outputs)
+
+    def is_done(self) -> bool:
+        return all(r.is_finished for r in self.outputs)
+
+
+class BeamGroup:
+    def __init__(self, req_id: str, params: SequenceParams, prompt_token_ids: list[int],
+                 max_tokens: int, stop_token_ids: frozenset[int], vocab_size: int,
+                 new_request: RequestFactory, streams: list[RequestStream]):
+        self.req_id = req_id
+        self.params = params
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.max_tokens = max_tokens
+        self.stop_token_ids = stop_token_ids
+        self._new_request = new_request
+        self._vocab_size = vocab_size
+        # Result holders: never scheduled, filled when the search ends.
+        self.outputs = [new_request(f"{req_id}/{i}", list(prompt_token_ids),
+                                    SamplingSpec(temperature=0.0), streams[i], i)
+                        for i in range(params.n)]
+        for req in self.outputs:
+            req.group = self
+        self.num_restarts = 0
+        self.num_cached_tokens = 0  # prompt tokens the root beam found in the prefix cache
+        self._start()
+
+    def _start(self) -> None:
+        self.search = BeamSearch(self.params.beam_width, self.max_tokens, self.stop_token_ids,
+                                 self.params.length_penalty, self.params.early_stopping)
+        self._num_beams_made = 0
+        self._reported: dict[str, list[tuple[int, float]]] = {}
+        self.beams: list[Request] = [self._new_beam(self.prompt_token_ids, [])]
+
+    def _new_beam(self, prompt: list[int], output_token_ids: list[int]) -> Request:
+        # Enough logprobs for every candidate the search may keep; temperature 0 so the
+        # executor's own (discarded) draw consumes no randomness.
+        spec = SamplingSpec(temperature=0.0, append_sampled=False,
+                            num_logprobs=min(self.search.num_candidates, self._vocab_size))
+        beam = self._new_request(f"{self.req_id}/beam{self.num_restarts}.{self._num_beams_made}",
+                                 list(prompt), spec, None, 0)
+        beam.output_token_ids = list(output_token_ids)
+        beam.group = self
+        self._num_beams_made += 1
+        return beam
+
+    def members(self) -> list[Request]:
+        return self.beams + self.outputs
+
+    def initial_requests(self) -> list[Request]:
+        return list(self.beams)
+
+    def is_done(self) -> bool:
+        return all(r.is_finished for r in self.outputs)
+
+    def restart(self) -> Request:
+        """Forget every beam (the caller frees them) and start over from the prompt; returns
+        the new root beam for the waiting queue."""
+        self.num_restarts += 1
+        self._start()
+        return self.beams[0]
+
+    def on_logprobs(self, beam: Request, pairs: list[tuple[int, float]]) -> BeamDecision | None:
+        """Record beam's top logprobs; once every live beam has reported, run one step."""
+        assert beam in self.beams, f"{beam.req_id} is not a live beam"
+        if not beam.output_token_ids:  # the root, first report after its prompt
+            self.num_cached_tokens = beam.num_cached_tokens
+        self._reported[beam.req_id] = pairs
+        if len(self._reported) < len(self.beams):
+            return None  # the others have not been computed yet this round
+        next_beams = self.search.step([self._reported[b.req_id] for b in self.beams])
+        self._reported.clear()
+        decision = BeamDecision()
+        if self.search.done:
+            decision.dropped, self.beams = self.beams, []
+            decision.finals = self._fill_outputs()
+            return decision
+        claimed: set[int] = set()
+        new_beams: list[Request] = []
+        for nb in next_beams:
+            parent = self.beams[nb.parent]
+            if nb.parent not in claimed:
+                claimed.add(nb.parent)
+                decision.continues.append((parent, nb.token_id))
+                new_beams.append(parent)
+            else:
+                child = self._new_beam(parent.prompt_token_ids,
+                                       parent.output_token_ids + [nb.token_id])
+                decision.forks.append((parent, child))
+                new_beams.append(child)
+        decision.dropped = [b for i, b in enumerate(self.beams) if i not in claimed]
+        self.beams = new_beams
+        return decision
+
+    def _fill_outputs(self) -> list[Request]:
+        best = self.search.best(len(self.outputs))
+        for holder in self.outputs:
+            holder.num_cached_tokens = self.num_cached_tokens
+        for holder, hyp in zip(self.outputs, best, strict=False):
+            holder.output_token_ids = list(hyp.token_ids)
+            holder.status = (RequestStatus.FINISHED_STOPPED if hyp.stopped
+                             else RequestStatus.FINISHED_LENGTH)
+        for holder in self.outputs[len(best):]:  # only with a vocabulary smaller than 2k
+            holder.status = RequestStatus.FINISHED_LENGTH
+        return list(self.outputs)
+
+
+SequenceGroup = ParallelGroup | BeamGroup
+
+
+# ---- what the scheduler does with groups (kept here so scheduler.py stays about batching) ----
+
+def fork_sequence(sched: Scheduler, parent: Request, child: Request) -> None:
+    """`child` takes over `parent`'s computed tokens on shared blocks (ref counts + 1) and runs
+    from the next step, sent to the executor as a new request with the forked table."""
+    assert child.req_id not in sched.requests, f"request id {child.req_id} is in use"
+    sched.block_manager.fork(parent.req_id, child.req_id)
+    child.num_computed_tokens = parent.num_computed_tokens
+    child.num_cached_tokens = parent.num_cached_tokens
+    child.block_keys = list(parent.block_keys)  # the child's tokens extend the parent's
+    sched.requests[child.req_id] = child
+    sched._start_running(child)
+
+
+def on_hidden_sample(sched: Scheduler, req: Request,
+                     logprobs: list[tuple[int, float]] | None) -> list[Request]:
+    """A parallel-sampling parent or a beam finished computing its tokens: fork the children,
+    or feed the beam search. Returns the group outputs that are now complete."""
+    group = req.group
+    if isinstance(group, ParallelGroup):
+        for child in group.outputs:
+            fork_sequence(sched, req, child)
+        sched._finish(req, RequestStatus.FINISHED_STOPPED)  # its draw is discarded
+        return []
+    assert isinstance(group, BeamGroup) and logprobs, f"beam {req.req_id} without logprobs"
+    decision = group.on_logprobs(req, logprobs)
+    if decision is None:
+        return []
+    for parent, child in decision.forks:  # before the parents grow: children copy their KV
+        fork_sequence(sched, parent, child)
+    for beam, token_id in decision.continues:
+        beam.output_token_ids.append(token_id)
+        beam.pending_token_ids.append(token_id)
+    for beam in decision.dropped:
+        sched._finish(beam, RequestStatus.FINISHED_ABORTED)
+    sched.num_generated_tokens += len(decision.forks) + len(decision.continues)
+    if decision.finals:
+        sched.groups.pop(group.req_id, None)
+        sched.num_finished_requests += len(decision.finals)
+    return decision.finals
+
+
+def restart_beam_search(sched: Scheduler, group: BeamGroup) -> None:
+    """Preemption of a beam: free every beam, and queue the search again from its prompt."""
+    for beam in group.beams:
+        if sched.requests.get(beam.req_id) is beam:
+            sched._finish(beam, RequestStatus.FINISHED_ABORTED)
+    root = group.restart()
+    assert root.req_id not in sched.requests, f"request id {root.req_id} is in use"
+    sched.requests[root.req_id] = root
+    sched.waiting.appendleft(root)
+
+
+def end_group(sched: Scheduler, group: SequenceGroup, status: RequestStatus) -> list[Request]:
+    """Finish every sequence of `group` with `status` (abort, error); returns the outputs that
+    had not finished, each of which owes its stream a last message."""
+    sched.groups.pop(group.req_id, None)
+    pending = [r for r in group.outputs if not r.is_finished]
+    for req in group.members():
+        if sched.requests.get(req.req_id) is req:
+            sched._finish(req, status)
+    for req in pending:  # result holders and children not forked yet were never scheduled
+        req.status = status
+    return pending
