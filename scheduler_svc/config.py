@@ -109,7 +109,8 @@ def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentPars
     p.add_argument("--executor-address", help="ZeroMQ endpoint the scheduler binds for the "
                    f"executor (default {DEFAULT_EXECUTOR_ADDRESS})")
     p.add_argument("--max-num-seqs", type=int, default=256,
-                   help="most sequences in one step (default 256)")
+                   help="most running sequences; a request with n > 1 or beam search counts "
+                   "all of its sequences (default 256)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step, prefill chunks included (default 2048)")
     p.add_argument("--max-model-len", type=int, help="cap on prompt + generated tokens")

@@ -7,6 +7,11 @@ can wait on "a message or new work" without racing two readers on the socket.
     handlers --submit/abort--> Scheduler <--schedule/update-- loop --StepPlan--> executor
        ^                                                       |   <--StepResult--
        +------------- RequestStream queues <-- outputs --------+
+
+The engine holds the state that changes with the executor (its ExecutorInfo and a Scheduler
+made for it) and moves it through connect / replace / lose. What needs none of that state lives
+beside it: checks of a request against the executor (`inputs.py`), the Hello check, the new
+Scheduler and the connection log (`handshake.py`), ServerStats and the stats line (`stats.py`).
 """
 
 from __future__ import annotations
@@ -32,17 +37,11 @@ from protos.plan import (
     StepResult,
     Welcome,
 )
-from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.errors import (
-    DuplicateRequest,
-    ExecutorFailed,
-    ExecutorUnavailable,
-    InvalidRequest,
-    Overloaded,
-)
-from scheduler_svc.handshake import ExecutorInfo, check_hello
+from scheduler_svc.errors import DuplicateRequest, ExecutorFailed, ExecutorUnavailable, Overloaded
+from scheduler_svc.handshake import ExecutorInfo, check_hello, log_connected, new_scheduler
+from scheduler_svc.inputs import check_beam_fits, check_for_executor
 from scheduler_svc.request import (
     Request,
     RequestOutput,
@@ -52,15 +51,12 @@ from scheduler_svc.request import (
 )
 from scheduler_svc.scheduler import Scheduler, StepOutput
 from scheduler_svc.sequence_group import BeamGroup, ParallelGroup, SequenceGroup
-from scheduler_svc.stats import StatsLogger
+from scheduler_svc.stats import COUNTERS, StatsLogger, retire_counters, server_stats
 from scheduler_svc.tokenizer import Tokenizer
 
 log = structlog.get_logger("folio.scheduler.engine")
 
 MAX_WAITING_REQUESTS = 65536  # beyond this, new requests get RESOURCE_EXHAUSTED
-# Cumulative ServerStats counters, kept across executor changes.
-COUNTERS = ("num_preemptions", "num_finished_requests", "num_prompt_tokens",
-            "num_generated_tokens", "num_steps", "prefix_cache_queries", "prefix_cache_hits")
 NO_EXECUTOR = ("no executor connected; start one with `python -m executor_svc --model DIR "
                "--scheduler-address ADDR`, or wait until it has loaded the model")
 
@@ -89,27 +85,14 @@ class Engine:
         """Queue a request; raise a FolioError the client can act on when it cannot run."""
         if self.scheduler is None or self.executor is None:
             raise ExecutorUnavailable(NO_EXECUTOR)
-        info, num_prompt = self.executor, len(params.prompt_token_ids)
-        if num_prompt == 0:
-            raise InvalidRequest("the prompt is empty; send at least one token")
-        for name, ids in (("prompt", params.prompt_token_ids), ("stop", params.stop_token_ids)):
-            if (bad := next((t for t in ids if t >= info.vocab_size), None)) is not None:
-                raise InvalidRequest(f"{name} token id {bad} is out of range: the model's "
-                                     f"vocabulary has {info.vocab_size} tokens "
-                                     f"(ids 0..{info.vocab_size - 1})")
-        if num_prompt > info.max_model_len:
-            raise InvalidRequest(f"prompt has {num_prompt} tokens but max_model_len is "
-                                 f"{info.max_model_len}; shorten the prompt")
+        max_tokens = check_for_executor(params, self.executor.vocab_size,
+                                        self.executor.max_model_len)
         if params.req_id in self.scheduler.requests or params.req_id in self.scheduler.groups:
             raise DuplicateRequest(f"request_id {params.req_id!r} is already in use by a "
                                    "waiting or running request; pick another or leave it empty")
         if len(self.scheduler.waiting) >= MAX_WAITING_REQUESTS:
             raise Overloaded(f"{len(self.scheduler.waiting)} requests are already waiting; "
                              "retry later")
-        # At least one token is always generated, even for a prompt of max_model_len tokens.
-        max_tokens = max(1, info.max_model_len - num_prompt)
-        if params.max_tokens is not None:
-            max_tokens = min(max_tokens, params.max_tokens)
         if not params.sequence.is_single:
             return self._submit_group(params, max_tokens)
         stream = RequestStream(IncrementalDetokenizer(self.tokenizer))
@@ -121,7 +104,7 @@ class Engine:
         self._next_arrival += 1
         self.scheduler.add_request(req)
         self._wakeup.set()
-        log.debug("request queued", req_id=req.req_id, num_prompt_tokens=num_prompt,
+        log.debug("request queued", req_id=req.req_id, num_prompt_tokens=req.num_prompt_tokens,
                   max_tokens=max_tokens)
         return stream
 
@@ -143,7 +126,7 @@ class Engine:
 
         group: SequenceGroup
         if seq.is_beam_search:
-            self._check_beam_fits(params, max_tokens)
+            check_beam_fits(params, max_tokens, self.scheduler.block_manager)
             # A beam ends on the ids that would stop a sequence.
             eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
             group = BeamGroup(params.req_id, seq, params.prompt_token_ids, max_tokens,
@@ -161,18 +144,6 @@ class Engine:
         log.debug("request queued", req_id=params.req_id, n=seq.n, beam_width=seq.beam_width,
                   num_prompt_tokens=len(params.prompt_token_ids), max_tokens=max_tokens)
         return streams[0]
-
-    def _check_beam_fits(self, params: SubmitParams, max_tokens: int) -> None:
-        """Beams wait for each other, so a search must fit the KV pool on its own: the prompt
-        once, plus each beam's generated tokens and one copied block at most."""
-        bm = self.scheduler.block_manager
-        width = params.sequence.beam_width
-        need = bm.blocks_for(len(params.prompt_token_ids)) + width * (bm.blocks_for(max_tokens)
-                                                                      + 1)
-        if need > bm.num_blocks:
-            raise InvalidRequest(f"beam search with beam_width {width} and max_tokens "
-                                 f"{max_tokens} may need {need} KV blocks, but the pool has "
-                                 f"{bm.num_blocks}; lower beam_width or max_tokens")
 
     def abort(self, req_id: str) -> bool:
         """Abort a waiting or running request; its stream ends with an ABORT message (one per
@@ -220,19 +191,7 @@ class Engine:
 
     def server_stats(self) -> dict[str, int | bool]:
         """ServerStats fields: counters cover every executor this server has had."""
-        s = self.scheduler
-        totals = {k: v + (getattr(s, k) if s else 0) for k, v in self._past_totals.items()}
-        bm = s.block_manager if s else None
-        queries = totals["prefix_cache_queries"]
-        return dict(num_running=len(s.running) if s else 0,
-                    num_waiting=len(s.waiting) if s else 0,
-                    num_swapped=len(s.swapped) if s else 0,
-                    kv_blocks_total=bm.num_blocks if bm else 0,
-                    kv_blocks_free=bm.num_free_blocks if bm else 0,
-                    swap_blocks_total=bm.num_cpu_blocks if bm else 0,
-                    swap_blocks_free=bm.num_free_cpu_blocks if bm else 0,
-                    prefix_cache_hit_rate=totals["prefix_cache_hits"] / queries if queries else 0.0,
-                    executor_connected=self.executor is not None, **totals)
+        return server_stats(self.scheduler, self._past_totals, self.executor is not None)
 
     def stop(self) -> None:
         self._stopping = True
@@ -359,26 +318,11 @@ class Engine:
                                        send_shutdown=True)
         info = ExecutorInfo.from_hello(identity, hello, self.config.max_model_len)
         self.executor, self._hello = info, hello
-        self.scheduler = Scheduler(
-            BlockManager(info.num_kv_blocks, info.block_size, max(0, hello.num_swap_blocks)),
-            self.config.max_num_seqs, self.config.max_num_batched_tokens, info.max_model_len,
-            enable_prefix_caching=self.config.enable_prefix_caching,
-            preemption_mode=self.config.preemption_mode)
+        self.scheduler = new_scheduler(info, hello, self.config)
         if not await self._send_quietly(identity, Welcome(PROTOCOL_VERSION)):
             self.executor = self.scheduler = self._hello = None
             return False
-        log.info("executor connected", executor_id=hello.executor_id, model=hello.model_name,
-                 num_kv_blocks=info.num_kv_blocks, num_swap_blocks=hello.num_swap_blocks,
-                 block_size=info.block_size,
-                 max_model_len=info.max_model_len, dtype=info.dtype, device=info.device,
-                 random_weights=info.random_weights)
-        if info.max_model_len < min(hello.max_model_len, self.config.max_model_len or 1 << 62):
-            log.warning("max_model_len capped by the KV pool", max_model_len=info.max_model_len,
-                        hint="give the executor more --kv-cache-memory or --num-kv-blocks")
-        if self.config.preemption_mode == "swap" and hello.num_swap_blocks <= 0:
-            log.warning("--preemption-mode swap, but the executor has no CPU swap pool: "
-                        "preempted requests will be recomputed",
-                        hint="start the executor with --swap-space GiB")
+        log_connected(info, hello, self.config)
         if self._on_executor_change is not None:
             await self._on_executor_change(True)
         return True
@@ -400,9 +344,7 @@ class Engine:
             req.status = RequestStatus.FINISHED_ERROR
             if req.stream is not None:
                 req.stream.put(RequestOutput([], error=error))
-        for name in COUNTERS:
-            self._past_totals[name] += getattr(scheduler, name)
-        self._past_totals["num_finished_requests"] += len(scheduler.requests)
+        retire_counters(self._past_totals, scheduler)
         if send_shutdown or self._stopping:
             await self._send_quietly(info.identity, Shutdown())
         if self._on_executor_change is not None:

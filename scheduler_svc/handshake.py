@@ -1,11 +1,23 @@
-"""Checking an executor's Hello, and the model facts the scheduler keeps from it."""
+"""Connecting an executor: checking its Hello, the model facts the scheduler keeps from it, and
+the fresh Scheduler (with a BlockManager sized by the Hello) that serves it.
+
+`Engine._handshake` runs these steps and answers Welcome or Reject; a new executor replaces a
+connected one, whose requests fail, because its KV state is gone with it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import structlog
+
 from protos.plan import PROTOCOL_VERSION, Hello
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.tokenizer import Tokenizer
+
+log = structlog.get_logger("folio.scheduler.engine")  # part of the engine's connection log
 
 
 @dataclass(frozen=True)
@@ -54,3 +66,28 @@ def check_hello(hello: Hello, tokenizer: Tokenizer) -> str | None:
         return (f"the scheduler's tokenizer has {tokenizer.vocab_size} tokens but the "
                 f"executor's model only {hello.vocab_size}; start both on the same model")
     return None
+
+
+def new_scheduler(info: ExecutorInfo, hello: Hello, config: SchedulerConfig) -> Scheduler:
+    """The scheduler for a newly connected executor: its KV pool and CPU swap pool, empty."""
+    return Scheduler(
+        BlockManager(info.num_kv_blocks, info.block_size, max(0, hello.num_swap_blocks)),
+        config.max_num_seqs, config.max_num_batched_tokens, info.max_model_len,
+        enable_prefix_caching=config.enable_prefix_caching,
+        preemption_mode=config.preemption_mode)
+
+
+def log_connected(info: ExecutorInfo, hello: Hello, config: SchedulerConfig) -> None:
+    """Log a connected executor, with a hint for each way it serves less than was asked."""
+    log.info("executor connected", executor_id=hello.executor_id, model=hello.model_name,
+             num_kv_blocks=info.num_kv_blocks, num_swap_blocks=hello.num_swap_blocks,
+             block_size=info.block_size,
+             max_model_len=info.max_model_len, dtype=info.dtype, device=info.device,
+             random_weights=info.random_weights)
+    if info.max_model_len < min(hello.max_model_len, config.max_model_len or 1 << 62):
+        log.warning("max_model_len capped by the KV pool", max_model_len=info.max_model_len,
+                    hint="give the executor more --kv-cache-memory or --num-kv-blocks")
+    if config.preemption_mode == "swap" and hello.num_swap_blocks <= 0:
+        log.warning("--preemption-mode swap, but the executor has no CPU swap pool: "
+                    "preempted requests will be recomputed",
+                    hint="start the executor with --swap-space GiB")

@@ -1,11 +1,18 @@
 """Public API messages -> validated scheduler inputs. Raises InvalidRequest with a sentence the
-client can act on; checks that need the executor's facts (vocab, max_model_len) live in
-`Engine.submit`."""
+client can act on. `submit_params` checks what the message alone determines; `check_for_executor`
+and `check_beam_fits` what needs the connected executor's facts (vocab, max_model_len, the KV
+pool), at `Engine.submit`.
+
+A client's request_id may not contain "/": the scheduler names a request's sequences
+`<id>/<i>`, `<id>/prompt` and `<id>/beam<r>.<k>` (scheduler_svc.sequence_group), so a client
+id with a "/" could collide with another request's sequences.
+"""
 
 from __future__ import annotations
 
 import math
 import uuid
+from typing import TYPE_CHECKING
 
 import jinja2
 
@@ -16,6 +23,9 @@ from scheduler_svc.errors import InvalidRequest
 from scheduler_svc.request import SubmitParams
 from scheduler_svc.sequence_params import MAX_BEAM_WIDTH, MAX_N, SequenceParams
 from scheduler_svc.tokenizer import ChatTurn, ModelDirError, Tokenizer
+
+if TYPE_CHECKING:
+    from scheduler_svc.block_manager import BlockManager
 
 MAX_SEED = 2**63 - 1  # the executor seeds a torch generator, which takes a signed 64-bit int
 EARLY_STOPPING = {
@@ -102,9 +112,45 @@ def submit_params(msg: pb.GenerateRequest, tokenizer: Tokenizer) -> SubmitParams
     if max_tokens == 0:
         raise InvalidRequest("max_tokens must be at least 1 (leave it unset for no limit "
                              "below max_model_len)")
+    if "/" in msg.request_id:
+        raise InvalidRequest(f"request_id {msg.request_id!r} may not contain '/': it is "
+                             "reserved for the ids of a request's sequences; pick another "
+                             "request_id or leave it empty")
     return SubmitParams(
         req_id=msg.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt_token_ids(msg, tokenizer),
         sampling=sampling, max_tokens=max_tokens,
         stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
         sequence=sequence_params(p))
+
+
+def check_for_executor(params: SubmitParams, vocab_size: int, max_model_len: int) -> int:
+    """Check the token ids and prompt length against the executor's model; returns the
+    request's max_tokens, capped so that prompt + output fits max_model_len."""
+    num_prompt = len(params.prompt_token_ids)
+    if num_prompt == 0:
+        raise InvalidRequest("the prompt is empty; send at least one token")
+    for name, ids in (("prompt", params.prompt_token_ids), ("stop", params.stop_token_ids)):
+        if (bad := next((t for t in ids if t >= vocab_size), None)) is not None:
+            raise InvalidRequest(f"{name} token id {bad} is out of range: the model's "
+                                 f"vocabulary has {vocab_size} tokens "
+                                 f"(ids 0..{vocab_size - 1})")
+    if num_prompt > max_model_len:
+        raise InvalidRequest(f"prompt has {num_prompt} tokens but max_model_len is "
+                             f"{max_model_len}; shorten the prompt")
+    # At least one token is always generated, even for a prompt of max_model_len tokens.
+    max_tokens = max(1, max_model_len - num_prompt)
+    if params.max_tokens is not None:
+        max_tokens = min(max_tokens, params.max_tokens)
+    return max_tokens
+
+
+def check_beam_fits(params: SubmitParams, max_tokens: int, bm: BlockManager) -> None:
+    """Beams wait for each other, so a search must fit the KV pool on its own: the prompt
+    once, plus each beam's generated tokens and one copied block at most."""
+    width = params.sequence.beam_width
+    need = bm.blocks_for(len(params.prompt_token_ids)) + width * (bm.blocks_for(max_tokens) + 1)
+    if need > bm.num_blocks:
+        raise InvalidRequest(f"beam search with beam_width {width} and max_tokens "
+                             f"{max_tokens} may need {need} KV blocks, but the pool has "
+                             f"{bm.num_blocks}; lower beam_width or max_tokens")

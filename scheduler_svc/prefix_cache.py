@@ -11,6 +11,10 @@ and its own token ids, so two sequences share block k's key exactly when their f
 The salt (`Request.cache_salt`, empty by default) isolates tenants or adapters: different salts
 never share a block. The digest is sha256, stable across processes and runs; Python's hash() is
 salted per process and collides far too easily to stand for KV contents.
+
+The functions at the end are the scheduler's use of the keys: a request's keys grow with its
+tokens (`Request.block_keys`), an admitted request starts from the cached blocks of its leading
+tokens, and a step's full computed blocks are offered to the cache.
 """
 
 from __future__ import annotations
@@ -18,6 +22,11 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler_svc.block_manager import BlockManager
+    from scheduler_svc.request import Request
 
 
 def block_key(parent_key: bytes | None, token_ids: Sequence[int], salt: str = "") -> bytes:
@@ -43,3 +52,26 @@ def extend_block_keys(keys: list[bytes], token_ids: Sequence[int], block_size: i
         parent = keys[k - 1] if k else None
         keys.append(block_key(parent, token_ids[k * block_size:(k + 1) * block_size], salt))
     return keys
+
+
+# ---- a request's blocks and the cache (the scheduler's side) ---------------------------------
+
+def request_block_keys(req: Request, num_tokens: int, block_size: int) -> list[bytes]:
+    """`req.block_keys`, extended to cover (at least) its first `num_tokens` tokens."""
+    if num_tokens // block_size > len(req.block_keys):
+        extend_block_keys(req.block_keys, req.all_token_ids, block_size, req.cache_salt)
+    return req.block_keys
+
+
+def cached_prefix(bm: BlockManager, req: Request) -> list[int]:
+    """Blocks of the prefix cache holding `req`'s leading tokens. At least the last token is
+    left to compute, so the request samples; only full blocks are ever shared."""
+    keys = request_block_keys(req, req.num_tokens, bm.block_size)
+    return bm.cached_prefix(keys[:(req.num_tokens - 1) // bm.block_size])
+
+
+def cache_computed_blocks(bm: BlockManager, req: Request) -> None:
+    """Offer `req`'s full, computed blocks to the cache (after the step that wrote them)."""
+    num_full = req.num_computed_tokens // bm.block_size
+    bm.cache_blocks(req.req_id, request_block_keys(req, req.num_computed_tokens,
+                                                   bm.block_size)[:num_full])

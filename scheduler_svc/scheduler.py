@@ -7,11 +7,12 @@ long prompt spreads over several steps. `max_num_batched_tokens` bounds every st
 1. running requests that decode (one token each), oldest first: streams never stall;
 2. running requests mid-prompt, oldest first, with what budget is left;
 3. (blocks) while the blocks those need exceed the free ones, preempt the newest running
-   request (by swap or recompute, see `_preemption_mode`); the oldest is never preempted
-   while another runs, so it always finishes, and a request fits the pool alone;
-4. swapped-out requests, oldest first, swapped back in (not in a step that preempted);
+   request, by swap or recompute (`preemption.py`: policy and mechanics); the oldest is never
+   preempted while another runs, so it always finishes, and a request fits the pool alone;
+4. swapped-out requests, oldest first, swapped back in (not in a step that preempted;
+   `preemption.resume_swapped`);
 5. waiting requests, FCFS (not after a preemption, nor while any request is swapped out),
-   each reusing every cached block of its leading tokens (prefix caching).
+   each reusing every cached block of its leading tokens (prefix caching, `prefix_cache.py`).
 
 Invariants between plans (one plan is in flight at a time):
 - `running` and `swapped` are sorted by arrival (oldest first); `waiting` is FCFS with
@@ -23,9 +24,13 @@ Invariants between plans (one plan is in flight at a time):
   preempted lists. A held request whose table changed under copy-on-write is re-sent as a
   NewRequest (the executor replaces its copy), because CachedRequest can only append blocks.
   So is a running request the executor does not hold yet: a sequence forked from another.
-- sequence groups (n > 1, beam search; `sequence_group.py`) run as ordinary requests, except
-  that a beam waiting for its siblings' logprobs lacks no token (it is skipped), and that
-  preempting a beam restarts its whole search.
+- sequence groups (n > 1, beam search; `sequence_group.py`, which also holds what the scheduler
+  does with them) run as ordinary requests, except that a beam waiting for its siblings'
+  logprobs lacks no token (it is skipped), and that preempting a beam restarts its whole search.
+- admissions (4-5) keep the running requests within `max_num_seqs` sequence slots, a group
+  counting what it forks into (`num_seq_slots`: n for a parallel-sampling parent, beam_width
+  for a beam search), so forks never push the running sequences past the cap. The one
+  exception: a request wider than the cap is admitted when nothing else runs (it runs alone).
 """
 
 from __future__ import annotations
@@ -34,22 +39,18 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-import structlog
-
 from protos.plan import CachedRequest, NewRequest, StepPlan, StepResult
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import PREEMPTION_MODES
-from scheduler_svc.prefix_cache import extend_block_keys
+from scheduler_svc.preemption import make_room, resume_swapped, undo_swap_outs
+from scheduler_svc.prefix_cache import cache_computed_blocks, cached_prefix
 from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.sequence_group import (
-    BeamGroup,
     SequenceGroup,
     end_group,
+    num_seq_slots,
     on_hidden_sample,
-    restart_beam_search,
 )
-
-log = structlog.get_logger("folio.scheduler.scheduler")
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class _Step:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swapped_out: list[Request] = field(default_factory=list)  # victims of this step's swap_out
     preempted: bool = False
+    num_seq_slots: int = 0  # of max_num_seqs, held by the running requests (num_seq_slots)
 
 
 class Scheduler:
@@ -159,12 +161,13 @@ class Scheduler:
         # 1-2. Running requests get their tokens: decodes first, then prompt chunks.
         wants = self._budget_running(step)
         # 3. Blocks for them, preempting the newest running requests if need be.
-        wants = self._make_room(wants, step)
+        wants = make_room(self, wants, step)
         for req, num_new in wants:
             self._schedule_running(req, num_new, step)
         # 4-5. Only if nobody had to make room: swapped requests, then waiting ones.
+        step.num_seq_slots = num_seq_slots(self.running)
         if not step.preempted:
-            self._resume_swapped(step)
+            resume_swapped(self, step)
         if not step.preempted and not self.swapped:
             self._admit_waiting(step)
         if not (step.new_reqs or step.cached_reqs or step.swap_out or step.block_copies):
@@ -192,7 +195,7 @@ class Scheduler:
             for req_id in [r.req_id for r in plan.new_reqs] + [r.req_id for r in plan.cached_reqs]:
                 req = self.requests.get(req_id)
                 if req is not None and req.status is RequestStatus.RUNNING:
-                    self._cache_computed_blocks(req)
+                    cache_computed_blocks(self.block_manager, req)
         outputs: list[StepOutput] = []
         logprobs = {r: list(zip(ids, lps, strict=True)) for r, ids, lps in result.logprobs}
         for req_id, token_ids in result.sampled:
@@ -225,12 +228,7 @@ class Scheduler:
         plan, self._in_flight = self._in_flight, None
         if plan is None:
             return []
-        for req in self._in_flight_swapped_out:
-            if req.status is RequestStatus.SWAPPED:
-                self.swapped.remove(req)
-                self.block_manager.free(req.req_id)
-                req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
-                self.waiting.appendleft(req)
+        undo_swap_outs(self, self._in_flight_swapped_out)
         self._in_flight_swapped_out = []
         return [r.req_id for r in plan.new_reqs] + [r.req_id for r in plan.cached_reqs]
 
@@ -250,21 +248,9 @@ class Scheduler:
             step.budget -= num_new
         return wants
 
-    def _make_room(self, wants: list[tuple[Request, int]], step: _Step
-                   ) -> list[tuple[Request, int]]:
-        """Preempt the newest running requests until the blocks `wants` need are free."""
-        bm = self.block_manager
-        while sum(bm.num_blocks_needed(r.req_id, r.num_computed_tokens + n)
-                  for r, n in wants) > bm.num_free_blocks:
-            victim = self.running[-1]  # non-empty: wants only holds running requests
-            self._preempt(victim, step)
-            # Not just the victim: preempting a beam ends all beams of its search.
-            wants = [(r, n) for r, n in wants if r.status is RequestStatus.RUNNING]
-        return wants
-
     def _schedule_running(self, req: Request, num_new: int, step: _Step) -> None:
         alloc = self.block_manager.allocate(req.req_id, req.num_computed_tokens + num_new)
-        assert alloc is not None, "_make_room left too few blocks"
+        assert alloc is not None, "make_room left too few blocks"
         if alloc.copy is not None:
             step.block_copies.append(alloc.copy)
         if alloc.copy is None and req.req_id in self._executor_req_ids:
@@ -276,32 +262,14 @@ class Scheduler:
             step.new_reqs.append(self._new_request(req, num_new))
         self._advance(req, num_new)  # budget: taken in _budget_running
 
-    def _resume_swapped(self, step: _Step) -> None:
-        """Swap requests back in, oldest first, while their blocks and a token fit."""
-        bm = self.block_manager
-        while self.swapped and step.budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.swapped[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
-            target = req.num_computed_tokens + num_new
-            num_growth = max(0, bm.blocks_for(target) - len(bm.cpu_tables[req.req_id]))
-            if bm.num_swap_in_blocks([req.req_id]) + num_growth > bm.num_free_blocks:
-                break  # the oldest goes first; younger ones wait behind it
-            self.swapped.pop(0)
-            step.swap_in.extend(bm.swap_in([req.req_id]))
-            alloc = bm.allocate(req.req_id, target)
-            if alloc.copy is not None:
-                step.block_copies.append(alloc.copy)
-            self._start_running(req)
-            step.new_reqs.append(self._new_request(req, num_new))
-            self._advance(req, num_new)
-            step.budget -= num_new
-
     def _admit_waiting(self, step: _Step) -> None:
         """Admit waiting requests FCFS while budget, sequence slots and blocks last."""
         bm = self.block_manager
-        while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and step.budget > 0:
             req = self.waiting[0]
-            cached_block_ids = self._cached_prefix(req)
+            if not self._fits_seq_cap(req, step):
+                break  # FCFS: a group waits for its sequence slots, no one overtakes it
+            cached_block_ids = cached_prefix(bm, req) if self.enable_prefix_caching else []
             num_cached = len(cached_block_ids) * bm.block_size
             num_new = min(req.num_tokens - num_cached, step.budget)
             if bm.allocate_new(req.req_id, num_cached + num_new, cached_block_ids) is None:
@@ -314,83 +282,12 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
             req.num_computed_tokens = num_cached
             self._start_running(req)
+            step.num_seq_slots += num_seq_slots([req])
             step.new_reqs.append(self._new_request(req, num_new))
             self._advance(req, num_new)
             step.budget -= num_new
 
-    # ---- preemption ------------------------------------------------------------------------
-
-    def _preemption_mode(self, req: Request) -> str:
-        """Swap or recompute? Recompute costs ~num_computed_tokens x the model's FLOPs per
-        token (plus attention, quadratic in length); a swap moves num_blocks x bytes per block
-        over PCIe twice (out and back in), and per token that is several times cheaper than
-        recomputing on any model worth serving. So `auto` swaps whenever the CPU pool has room
-        and the victim has at least one full block of computed KV; a shorter context is cheap
-        to recompute and not worth a round trip or CPU space. `swap` swaps whenever the pool
-        has room; `recompute` never swaps. Without room in the CPU pool, recompute."""
-        bm = self.block_manager
-        if self.preemption_mode == "recompute" or bm.num_cpu_blocks == 0:
-            return "recompute"
-        if bm.num_swap_out_blocks([req.req_id]) > bm.num_free_cpu_blocks:
-            return "recompute"
-        if self.preemption_mode == "swap" or req.num_computed_tokens >= bm.block_size:
-            return "swap"
-        return "recompute"
-
-    def _preempt(self, req: Request, step: _Step) -> None:
-        if isinstance(req.group, BeamGroup):
-            # Beams share blocks and wait for each other every step: resumed one by one they
-            # could hold blocks forever. The search restarts instead; greedy, it replays.
-            log.info("beam search preempted: restarting it", req_id=req.group.req_id,
-                     num_beams=len(req.group.beams))
-            restart_beam_search(self, req.group)
-            self.num_preemptions += 1
-            step.preempted = True
-            return
-        mode = self._preemption_mode(req)
-        log.info("request preempted", req_id=req.req_id, mode=mode,
-                 num_computed_tokens=req.num_computed_tokens)
-        self.running.remove(req)
-        if mode == "swap":
-            step.swap_out.extend(self.block_manager.swap_out([req.req_id]))
-            step.swapped_out.append(req)
-            req.status = RequestStatus.SWAPPED
-            bisect.insort(self.swapped, req, key=lambda r: r.arrival)
-            self.num_swap_outs += 1
-        else:
-            self.block_manager.free(req.req_id)
-            req.status = RequestStatus.WAITING
-            req.num_computed_tokens = 0
-            self.waiting.appendleft(req)
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        step.preempted = True
-        if req.req_id in self._executor_req_ids:
-            self._executor_req_ids.discard(req.req_id)
-            self._pending_preempted_ids.append(req.req_id)
-
     # ---- helpers ---------------------------------------------------------------------------
-
-    def _cached_prefix(self, req: Request) -> list[int]:
-        """Blocks of the prefix cache holding `req`'s leading tokens. At least the last token
-        is left to compute, so the request samples; only full blocks are ever shared."""
-        if not self.enable_prefix_caching:
-            return []
-        keys = self._block_keys(req, req.num_tokens)
-        return self.block_manager.cached_prefix(
-            keys[:(req.num_tokens - 1) // self.block_manager.block_size])
-
-    def _cache_computed_blocks(self, req: Request) -> None:
-        num_full = req.num_computed_tokens // self.block_manager.block_size
-        self.block_manager.cache_blocks(req.req_id,
-                                        self._block_keys(req, req.num_computed_tokens)[:num_full])
-
-    def _block_keys(self, req: Request, num_tokens: int) -> list[bytes]:
-        """`req.block_keys`, extended to cover (at least) its first `num_tokens` tokens."""
-        if num_tokens // self.block_manager.block_size > len(req.block_keys):
-            extend_block_keys(req.block_keys, req.all_token_ids, self.block_manager.block_size,
-                              req.cache_salt)
-        return req.block_keys
 
     def _new_request(self, req: Request, num_new: int) -> NewRequest:
         self._executor_req_ids.add(req.req_id)
@@ -398,6 +295,12 @@ class Scheduler:
         return NewRequest(req.req_id, req.all_token_ids, req.sampling,
                           self.block_manager.block_table(req.req_id), req.num_computed_tokens,
                           num_new)
+
+    def _fits_seq_cap(self, req: Request, step: _Step) -> bool:
+        """Room under `max_num_seqs` for `req` and the sequences it forks into. With nothing
+        running anything fits, so a group wider than the cap still runs (alone)."""
+        return not self.running or \
+            step.num_seq_slots + num_seq_slots([req]) <= self.max_num_seqs
 
     def _start_running(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING

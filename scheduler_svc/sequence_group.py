@@ -29,7 +29,7 @@ beams) have no stream.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -187,6 +187,24 @@ SequenceGroup = ParallelGroup | BeamGroup
 
 
 # ---- what the scheduler does with groups (kept here so scheduler.py stays about batching) ----
+
+def num_seq_slots(reqs: Iterable[Request]) -> int:
+    """How many of `max_num_seqs` these requests hold: a group counts what it grows to, so
+    that forks cannot push the running sequences past the cap. A parallel-sampling parent
+    stands for its n children, a beam search for beam_width beams (however many are live)."""
+    num_slots, searches = 0, set()
+    for req in reqs:
+        group = req.group
+        if isinstance(group, BeamGroup):
+            if id(group) not in searches:
+                searches.add(id(group))
+                num_slots += group.params.beam_width
+        elif isinstance(group, ParallelGroup) and req is group.parent:
+            num_slots += len(group.outputs)
+        else:
+            num_slots += 1
+    return num_slots
+
 
 def fork_sequence(sched: Scheduler, parent: Request, child: Request) -> None:
     """`child` takes over `parent`'s computed tokens on shared blocks (ref counts + 1) and runs

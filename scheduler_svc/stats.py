@@ -1,13 +1,48 @@
-"""The periodic INFO stats line: queue sizes, free KV and swap blocks, preemptions, the prefix
-cache's hit rate (cumulative) and throughput since the last line."""
+"""Server statistics: the GetServerStats fields, cumulative across executors, and the periodic
+INFO stats line (queue sizes, free KV and swap blocks, preemptions, the prefix cache's hit rate
+and throughput since the last line)."""
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import structlog
 
+if TYPE_CHECKING:
+    from scheduler_svc.scheduler import Scheduler
+
 log = structlog.get_logger("folio.scheduler.stats")
+
+# Cumulative ServerStats counters (Scheduler attributes), kept across executor changes.
+COUNTERS = ("num_preemptions", "num_finished_requests", "num_prompt_tokens",
+            "num_generated_tokens", "num_steps", "prefix_cache_queries", "prefix_cache_hits")
+
+
+def server_stats(s: Scheduler | None, past_totals: dict[str, int], executor_connected: bool
+                 ) -> dict[str, int | bool]:
+    """ServerStats fields: `past_totals` holds the counters of schedulers retired with their
+    executor (`retire_counters`), so the counters cover every executor this server has had."""
+    totals = {k: v + (getattr(s, k) if s else 0) for k, v in past_totals.items()}
+    bm = s.block_manager if s else None
+    queries = totals["prefix_cache_queries"]
+    return dict(num_running=len(s.running) if s else 0,
+                num_waiting=len(s.waiting) if s else 0,
+                num_swapped=len(s.swapped) if s else 0,
+                kv_blocks_total=bm.num_blocks if bm else 0,
+                kv_blocks_free=bm.num_free_blocks if bm else 0,
+                swap_blocks_total=bm.num_cpu_blocks if bm else 0,
+                swap_blocks_free=bm.num_free_cpu_blocks if bm else 0,
+                prefix_cache_hit_rate=totals["prefix_cache_hits"] / queries if queries else 0.0,
+                executor_connected=executor_connected, **totals)
+
+
+def retire_counters(past_totals: dict[str, int], scheduler: Scheduler) -> None:
+    """Add a scheduler's counters to `past_totals` as it goes with its executor; its unfinished
+    requests end (with an error) and count as finished."""
+    for name in COUNTERS:
+        past_totals[name] += getattr(scheduler, name)
+    past_totals["num_finished_requests"] += len(scheduler.requests)
 
 
 class StatsLogger:

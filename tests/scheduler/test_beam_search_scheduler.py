@@ -131,3 +131,24 @@ def test_abort_mid_search_frees_every_beam():
     assert all(r.status is RequestStatus.FINISHED_ABORTED for r in aborted)
     assert not sched.has_unfinished()
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_a_beam_search_holds_beam_width_sequence_slots():
+    # Two searches of width 4 under max_num_seqs = 6: admitted together, their forks would
+    # run 8 beams; the second waits for the first instead, and both answers are unchanged.
+    sched, mirror = make_scheduler(max_num_seqs=6), KVMirror(BLOCK_SIZE)
+    sched.add_group(make_beam_group("b1", CASES[2], arrival=0))
+    sched.add_group(make_beam_group("b2", CASES[3], prompt=PROMPT[::-1], arrival=1))
+    peak = 0
+
+    def watch(_):
+        nonlocal peak
+        peak = max(peak, len(sched.running))
+
+    tokens, finished, _ = run(sched, mirror, on_step=watch)
+    got = {key: (tokens[key], finished[key]) for key in finished}
+    assert peak == 4
+    assert {k: v for k, v in got.items() if k[0] == "b1"} == \
+        {("b1", i): v for i, v in direct(CASES[2]).items()}
+    assert {k: v for k, v in got.items() if k[0] == "b2"} == \
+        {("b2", i): v for i, v in direct(CASES[3], PROMPT[::-1]).items()}

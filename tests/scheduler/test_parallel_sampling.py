@@ -19,9 +19,10 @@ EOS = 1
 BLOCK_SIZE = 4
 
 
-def make_scheduler(num_blocks=64, budget=64, max_model_len=128, **kwargs) -> Scheduler:
+def make_scheduler(num_blocks=64, budget=64, max_model_len=128, max_num_seqs=32,
+                   **kwargs) -> Scheduler:
     return Scheduler(BlockManager(num_blocks, BLOCK_SIZE, kwargs.pop("num_cpu_blocks", 0)),
-                     max_num_seqs=32, max_num_batched_tokens=budget,
+                     max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                      max_model_len=max_model_len, **kwargs)
 
 
@@ -183,3 +184,40 @@ def test_abort_before_and_after_the_fork_frees_everything():
                                   sampling=SamplingSpec(0.0), max_tokens=1))
         sched.update(mirror.apply(sched.schedule()))  # tells the executor to drop them all
         assert set(mirror.reqs) <= {"next"}
+
+
+def test_forks_stay_within_max_num_seqs():
+    # Admitted one by one, the two parents and the plain request would fork into 7 sequences.
+    sched, mirror = make_scheduler(max_num_seqs=4), KVMirror(BLOCK_SIZE)
+    sched.add_group(make_group("a", num_prompt=6, n=3, arrival=0))
+    sched.add_group(make_group("b", num_prompt=7, n=3, arrival=1))
+    sched.add_request(Request(req_id="c", prompt_token_ids=[30, 31, 32], sampling=SamplingSpec(),
+                              max_tokens=4, arrival=2, eos_token_ids=frozenset({EOS})))
+    peak = 0
+
+    def watch(_):
+        nonlocal peak
+        peak = max(peak, len(sched.running))
+
+    tokens, _, _ = run(sched, mirror, on_step=watch)
+    assert peak == 4  # "a"'s three and "c", never "b"'s three next to "a"'s
+    assert sorted(tokens) == [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1), ("b", 2),
+                              ("c", 0)]
+
+
+def test_a_group_wider_than_max_num_seqs_runs_alone():
+    sched, mirror = make_scheduler(max_num_seqs=2), KVMirror(BLOCK_SIZE)
+    sched.add_request(Request(req_id="c", prompt_token_ids=[30, 31, 32], sampling=SamplingSpec(),
+                              max_tokens=4, arrival=0, eos_token_ids=frozenset({EOS})))
+    sched.add_group(make_group("g", num_prompt=6, n=3, arrival=1))
+    sched.add_request(Request(req_id="d", prompt_token_ids=[33, 34], sampling=SamplingSpec(),
+                              max_tokens=4, arrival=2, eos_token_ids=frozenset({EOS})))
+    alone = []
+
+    def watch(_):
+        if any(r.group is not None for r in sched.running):
+            alone.append(all(r.group is not None for r in sched.running))
+
+    tokens, _, _ = run(sched, mirror, on_step=watch)
+    assert alone and all(alone)  # "g" waits for "c", and "d" waits for "g"
+    assert len(tokens) == 5

@@ -9,99 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.channel import ExecutorEnd, SchedulerEnd
+from protos.channel import ExecutorEnd
 from protos.folio.v1 import generator_pb2 as pb
-from protos.folio.v1 import generator_pb2_grpc as pb_grpc
 from protos.plan import PROTOCOL_VERSION, Reject, Welcome
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.server import SchedulerServer
 from scheduler_svc.tokenizer import ChatTurn
-from tests.scheduler.null_executor import NullExecutor, make_hello, next_token
+from tests.scheduler.grpc_harness import (
+    NOT_SERVING,
+    SERVING,
+    Harness,
+    collect,
+    gen_request,
+    null_continuation,
+)
+from tests.scheduler.null_executor import make_hello
 
 pytestmark = pytest.mark.timeout(60)
-
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-@dataclass
-class Harness:
-    server: SchedulerServer
-    executor_address: str
-    stub: pb_grpc.GeneratorStub
-    health: health_pb2_grpc.HealthStub
-    executors: list[NullExecutor]
-
-    def connect(self, **kwargs) -> NullExecutor:
-        ex = NullExecutor(self.executor_address, **kwargs)
-        self.executors.append(ex)
-        ex.start()
-        return ex
-
-    async def health_status(self, service: str = "") -> int:
-        resp = await self.health.Check(health_pb2.HealthCheckRequest(service=service))
-        return resp.status
-
-    async def wait_health(self, status: int, timeout: float = 10.0) -> None:
-        deadline = asyncio.get_running_loop().time() + timeout
-        while await self.health_status() != status:
-            assert asyncio.get_running_loop().time() < deadline, "health never changed"
-            await asyncio.sleep(0.02)
-
-    async def serve(self, **kwargs) -> NullExecutor:
-        ex = self.connect(**kwargs)
-        await self.wait_health(SERVING)
-        return ex
-
-    async def stats(self) -> pb.ServerStats:
-        return await self.stub.GetServerStats(pb.GetServerStatsRequest())
-
-
-@pytest.fixture
-async def harness(tiny_model_dir, tiny_tokenizer):
-    config = SchedulerConfig(model=str(tiny_model_dir), port=0, executor_timeout_s=2.0,
-                             stats_interval_s=0.5)
-    channel = SchedulerEnd("tcp://127.0.0.1:*")
-    server = SchedulerServer(config, tiny_tokenizer, channel)
-    await server.start()
-    grpc_channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    h = Harness(server, channel.address, pb_grpc.GeneratorStub(grpc_channel),
-                health_pb2_grpc.HealthStub(grpc_channel), [])
-    try:
-        yield h
-    finally:
-        await server.stop(grace_s=0.5)
-        await grpc_channel.close()
-        for ex in h.executors:
-            ex.stop()
-            assert ex.violation is None, f"plan protocol violated: {ex.violation}"
-        channel.close()
-
-
-def gen_request(ids=None, **sampling) -> pb.GenerateRequest:
-    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids or [5, 6, 7]),
-                              sampling=pb.SamplingParams(**sampling))
-
-
-async def collect(call) -> list[pb.GenerateResponse]:
-    """Every remaining message (read() style, so it can follow an earlier call.read())."""
-    responses = []
-    while (resp := await call.read()) is not grpc.aio.EOF:
-        responses.append(resp)
-    return responses
-
-
-def null_continuation(prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(next_token(ids))
-    return ids[len(prompt):]
 
 
 async def test_unavailable_before_an_executor_connects(harness):

@@ -1,0 +1,71 @@
+"""The gRPC test harness: the real SchedulerServer on 127.0.0.1 with null-model executors
+(tests.scheduler.null_executor) over real ZeroMQ. The `harness` fixture is in conftest.py."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.folio.v1 import generator_pb2 as pb
+from protos.folio.v1 import generator_pb2_grpc as pb_grpc
+from scheduler_svc.server import SchedulerServer
+from tests.scheduler.null_executor import NullExecutor, next_token
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass
+class Harness:
+    server: SchedulerServer
+    executor_address: str
+    stub: pb_grpc.GeneratorStub
+    health: health_pb2_grpc.HealthStub
+    executors: list[NullExecutor]
+
+    def connect(self, **kwargs) -> NullExecutor:
+        ex = NullExecutor(self.executor_address, **kwargs)
+        self.executors.append(ex)
+        ex.start()
+        return ex
+
+    async def health_status(self, service: str = "") -> int:
+        resp = await self.health.Check(health_pb2.HealthCheckRequest(service=service))
+        return resp.status
+
+    async def wait_health(self, status: int, timeout: float = 10.0) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while await self.health_status() != status:
+            assert asyncio.get_running_loop().time() < deadline, "health never changed"
+            await asyncio.sleep(0.02)
+
+    async def serve(self, **kwargs) -> NullExecutor:
+        ex = self.connect(**kwargs)
+        await self.wait_health(SERVING)
+        return ex
+
+    async def stats(self) -> pb.ServerStats:
+        return await self.stub.GetServerStats(pb.GetServerStatsRequest())
+
+
+def gen_request(ids=None, **sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids or [5, 6, 7]),
+                              sampling=pb.SamplingParams(**sampling))
+
+
+async def collect(call) -> list[pb.GenerateResponse]:
+    """Every remaining message (read() style, so it can follow an earlier call.read())."""
+    responses = []
+    while (resp := await call.read()) is not grpc.aio.EOF:
+        responses.append(resp)
+    return responses
+
+
+def null_continuation(prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(next_token(ids))
+    return ids[len(prompt):]
