@@ -243,6 +243,10 @@ def environment(argv: list[str]) -> dict:
 
 
 async def run_all(args, sizes: dict) -> list[dict]:
+    # As `python -m scheduler_svc` does once start-up is done (the collector's tuning).
+    from scheduler_svc.cli import tune_garbage_collector
+
+    tune_garbage_collector()
     rows = []
     gc.callbacks.append(GC_CLOCK)
     try:

@@ -44,11 +44,13 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class Allocation:
+class Allocation(NamedTuple):
+    """What one `allocate` call did. A NamedTuple, not a frozen dataclass: one is made per
+    running request per step, and a frozen dataclass's __init__ costs several times more."""
+
     new_block_ids: list[int]  # appended to the table
     copy: tuple[int, int] | None = None  # (src, dst): dst replaced the shared last block src
 
@@ -99,9 +101,12 @@ class BlockManager:
 
     def num_blocks_needed(self, seq_id: str, num_tokens: int) -> int:
         """Free blocks that `allocate(seq_id, num_tokens)` would take."""
-        table = self.block_tables.get(seq_id, [])
-        return max(0, self.blocks_for(num_tokens) - len(table)) + int(
-            self._needs_copy(seq_id, num_tokens))
+        num_fresh, needs_copy = self._growth(seq_id, num_tokens)
+        return num_fresh + needs_copy
+
+    def num_offered(self, seq_id: str) -> int:
+        """How many of the table's leading blocks were already offered to the prefix cache."""
+        return self._num_offered.get(seq_id, 0)
 
     # ---- growing and freeing ---------------------------------------------------------------
 
@@ -109,19 +114,22 @@ class BlockManager:
         """Grow `seq_id`'s table to hold `num_tokens` tokens in total; None (nothing changed)
         when too few blocks are free: the caller decides whom to preempt."""
         assert seq_id not in self.cpu_tables, f"{seq_id} is swapped out"
-        if self.num_blocks_needed(seq_id, num_tokens) > self.num_free_blocks:
+        num_fresh, needs_copy = self._growth(seq_id, num_tokens)
+        if num_fresh + needs_copy > self.num_free_blocks:
             return None
         table = self.block_tables.setdefault(seq_id, [])
         copy = None
-        if self._needs_copy(seq_id, num_tokens):
+        if needs_copy:
             src, dst = table[-1], self._take_free_block()
             self.ref_counts[src] -= 1  # > 0 still: the other holders keep it
             table[-1] = dst
             copy = (src, dst)
-        new_block_ids = [self._take_free_block()
-                         for _ in range(self.blocks_for(num_tokens) - len(table))]
+        new_block_ids = []  # usually stays empty: a decode writes into its last block
+        for _ in range(num_fresh):
+            new_block_ids.append(self._take_free_block())
         table.extend(new_block_ids)
-        self._num_tokens[seq_id] = max(num_tokens, self._num_tokens.get(seq_id, 0))
+        if num_tokens > self._num_tokens.get(seq_id, 0):
+            self._num_tokens[seq_id] = num_tokens
         return Allocation(new_block_ids, copy)
 
     def cached_prefix(self, keys: Iterable[bytes]) -> list[int]:
@@ -246,11 +254,19 @@ class BlockManager:
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _needs_copy(self, seq_id: str, num_tokens: int) -> bool:
+    def _growth(self, seq_id: str, num_tokens: int) -> tuple[int, bool]:
+        """What growing `seq_id`'s GPU table to `num_tokens` tokens takes: (fresh blocks to
+        append, whether its partly filled last block is shared and must be copied first).
+        Computed once per call of allocate / num_blocks_needed: it is on every step's path."""
+        num_fresh = -(-num_tokens // self.block_size)  # blocks_for(num_tokens)
         table = self.block_tables.get(seq_id)
+        if not table:
+            return num_fresh, False
+        num_fresh -= len(table)
         have = self._num_tokens.get(seq_id, 0)
-        return (bool(table) and num_tokens > have and have % self.block_size != 0
-                and self.ref_counts[table[-1]] > 1)
+        needs_copy = (num_tokens > have and have % self.block_size != 0
+                      and self.ref_counts[table[-1]] > 1)
+        return max(0, num_fresh), needs_copy
 
     def _take_free_block(self) -> int:
         if self._free:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import subprocess
@@ -59,6 +60,27 @@ def default_model_dir() -> str:
     return lines[-1].strip()
 
 
+GC_GEN0_THRESHOLD = 10_000  # net container allocations per young collection (default 700)
+
+
+def tune_garbage_collector() -> None:
+    """Call once, after start-up has loaded everything long-lived (modules, the tokenizer).
+
+    1. Freeze what is alive now: it lives as long as the process, yet every full collection
+       walked it (~40k objects, 6-17 ms on the benchmark machine, hitting ~1 step in 50 at 256
+       running requests). Frozen objects are never examined again.
+    2. Raise the young generation's threshold. It counts allocations minus deallocations of
+       containers, so a step's plan, outputs and their lists, alive together for a moment,
+       crossed the default 700 about 3 times per step at 256 running requests, and every
+       ~10th of those collections went on to an older generation (full collections: 6 per
+       300 steps). At 10k a step's peak never crosses it; a heap that really grows (new
+       requests) still triggers collections, and cyclic garbage waits a little longer."""
+    gc.collect()  # garbage from start-up is freed, not frozen
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
+
+
 def main(argv: list[str] | None = None, *, spawn_executor: bool = False) -> int:
     config = config_from_argv(argv, prog="folio serve" if spawn_executor else None)
     configure_logging(config.log_format, config.log_level)
@@ -81,6 +103,7 @@ async def _serve(config: SchedulerConfig, spawn_executor: bool) -> int:
     except (ModelDirError, OSError, ValueError) as e:
         log.error("cannot load the model's tokenizer", error=str(e))
         return 1
+    tune_garbage_collector()
     address = config.executor_address or (
         "tcp://127.0.0.1:*" if spawn_executor else DEFAULT_EXECUTOR_ADDRESS)
     try:

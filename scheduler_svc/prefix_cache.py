@@ -73,5 +73,7 @@ def cached_prefix(bm: BlockManager, req: Request) -> list[int]:
 def cache_computed_blocks(bm: BlockManager, req: Request) -> None:
     """Offer `req`'s full, computed blocks to the cache (after the step that wrote them)."""
     num_full = req.num_computed_tokens // bm.block_size
+    if num_full <= bm.num_offered(req.req_id):
+        return  # no block filled up since the last offer (most decode steps): nothing to key
     bm.cache_blocks(req.req_id, request_block_keys(req, req.num_computed_tokens,
                                                    bm.block_size)[:num_full])

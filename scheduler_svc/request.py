@@ -94,7 +94,8 @@ class Request:
     num_preemptions: int = 0
     stream: RequestStream | None = None
     # Prefix caching: requests share cached blocks only under the same salt (not yet in the
-    # public API). `block_keys` holds the keys of the full blocks of all_token_ids so far.
+    # public API). `block_keys` holds the keys of the leading full blocks of all_token_ids,
+    # extended only when needed (`prefix_cache.request_block_keys`), not at every token.
     cache_salt: str = ""
     block_keys: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission

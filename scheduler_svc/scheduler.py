@@ -38,6 +38,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from protos.plan import CachedRequest, NewRequest, StepPlan, StepResult
 from scheduler_svc.block_manager import BlockManager
@@ -53,9 +54,9 @@ from scheduler_svc.sequence_group import (
 )
 
 
-@dataclass(frozen=True)
-class StepOutput:
-    """What one step produced for one request."""
+class StepOutput(NamedTuple):
+    """What one step produced for one request (immutable; a NamedTuple because one is made per
+    sampled request per step, and a frozen dataclass's __init__ costs several times more)."""
 
     req: Request
     new_token_ids: list[int]
@@ -192,8 +193,8 @@ class Scheduler:
         self.num_steps += 1
         if self.enable_prefix_caching:
             # The step wrote its blocks: full ones become reusable, before anything is freed.
-            for req_id in [r.req_id for r in plan.new_reqs] + [r.req_id for r in plan.cached_reqs]:
-                req = self.requests.get(req_id)
+            for scheduled in (*plan.new_reqs, *plan.cached_reqs):
+                req = self.requests.get(scheduled.req_id)
                 if req is not None and req.status is RequestStatus.RUNNING:
                     cache_computed_blocks(self.block_manager, req)
         outputs: list[StepOutput] = []
@@ -210,14 +211,16 @@ class Scheduler:
                             for r in on_hidden_sample(self, req, logprobs.get(req_id))]
                 continue
             new_token_ids: list[int] = []
+            finished = False
             for token_id in token_ids:
                 req.output_token_ids.append(token_id)
                 new_token_ids.append(token_id)
                 if (status := self._stop_status(req, token_id)) is not None:
                     self._finish(req, status)
+                    finished = True
                     break
             self.num_generated_tokens += len(new_token_ids)
-            outputs.append(StepOutput(req, new_token_ids, req.is_finished))
+            outputs.append(StepOutput(req, new_token_ids, finished))
             if req.group is not None and req.group.is_done():
                 self.groups.pop(req.group.req_id, None)
         return outputs
@@ -236,9 +239,14 @@ class Scheduler:
 
     def _budget_running(self, step: _Step) -> list[tuple[Request, int]]:
         """Token budget for running requests: decodes first, then prompt chunks."""
-        lacking = [(req, req.num_tokens - req.num_computed_tokens) for req in self.running]
-        decodes = [(req, n) for req, n in lacking if n == 1]
-        prefills = [(req, n) for req, n in lacking if n > 1]
+        decodes: list[tuple[Request, int]] = []
+        prefills: list[tuple[Request, int]] = []
+        for req in self.running:  # one pass: it runs every step over every running request
+            num_lacking = req.num_tokens - req.num_computed_tokens
+            if num_lacking == 1:
+                decodes.append((req, 1))
+            elif num_lacking > 1:
+                prefills.append((req, num_lacking))
         wants: list[tuple[Request, int]] = []
         for req, num_lacking in decodes + prefills:
             if step.budget == 0:
@@ -310,8 +318,9 @@ class Scheduler:
         # Tokens count as computed once scheduled: only one plan is in flight, and a failed
         # step fails its requests, so the count never has to roll back.
         assert num_new >= 1
-        prompt_end = min(req.num_computed_tokens + num_new, req.num_prompt_tokens)
-        self.num_prompt_tokens += max(0, prompt_end - req.num_computed_tokens)
+        if req.num_computed_tokens < len(req.prompt_token_ids):  # a prompt chunk
+            prompt_end = min(req.num_computed_tokens + num_new, len(req.prompt_token_ids))
+            self.num_prompt_tokens += prompt_end - req.num_computed_tokens
         req.num_computed_tokens += num_new
 
     def _stop_status(self, req: Request, token_id: int) -> RequestStatus | None:
@@ -319,7 +328,9 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if token_id in req.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        num_output_tokens = len(req.output_token_ids)  # once: checked for every sampled token
+        if (num_output_tokens >= req.max_tokens
+                or len(req.prompt_token_ids) + num_output_tokens >= self.max_model_len):
             return RequestStatus.FINISHED_LENGTH
         return None
 
