@@ -1,4 +1,4 @@
-"""HF transformers as the oracle for end-to-end greedy runs, plus the prompts the tests send."""
+"""HF transformers as the oracle (greedy and beam search), plus the prompts the tests send."""
 
 from __future__ import annotations
 
@@ -40,6 +40,28 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
                                  min_new_tokens=0, eos_token_id=None)
             outputs.append(out[0, len(prompt):].tolist())
     return outputs
+
+
+def hf_beam_search(model, prompt: list[int], beam_width: int, n: int, length_penalty: float,
+                   early_stopping: bool | str, stop_ids, max_new_tokens: int):
+    """HF `generate(num_beams=beam_width, do_sample=False, num_return_sequences=n)`.
+
+    `early_stopping` in HF's terms (False, True or "never"). Returns the n best beams' generated
+    ids (each up to its stop token), their sequence scores, and HF's per-step scores."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=beam_width,
+            num_return_sequences=n, length_penalty=length_penalty, early_stopping=early_stopping,
+            max_new_tokens=max_new_tokens, eos_token_id=sorted(stop_ids) or None,
+            pad_token_id=model.config.pad_token_id, return_dict_in_generate=True,
+            output_scores=True)
+    lengths = (out.beam_indices != -1).sum(dim=1).tolist()
+    sequences = [out.sequences[i, len(prompt):len(prompt) + lengths[i]].tolist()
+                 for i in range(n)]
+    return sequences, out.sequences_scores.tolist(), out.scores
 
 
 def mismatch_report(model, prompt: list[int], expected: list[int], got: list[int]) -> str:

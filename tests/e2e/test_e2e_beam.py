@@ -16,7 +16,7 @@ import pytest
 from client import AsyncFolioClient
 from tests.checkpoints import make_checkpoint
 from tests.e2e.e2e_util import wait_idle
-from tests.e2e.hf_oracle import hf_greedy, load_hf_model, random_prompts
+from tests.e2e.hf_oracle import hf_beam_search, hf_greedy, load_hf_model, random_prompts
 
 BLOCK_SIZE = 16
 MAX_TOKENS = 12
@@ -51,18 +51,8 @@ def server(folio_server, checkpoint):
 
 
 def hf_beams(model, prompt, beam_width, n, length_penalty, early_stopping, stop_ids):
-    import torch
-
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=beam_width,
-            num_return_sequences=n, length_penalty=length_penalty,
-            early_stopping=HF_EARLY_STOPPING[early_stopping], max_new_tokens=MAX_TOKENS,
-            eos_token_id=sorted(stop_ids) or None, pad_token_id=model.config.pad_token_id,
-            return_dict_in_generate=True)
-    lengths = (out.beam_indices != -1).sum(dim=1).tolist()
-    return [out.sequences[i, len(prompt):len(prompt) + lengths[i]].tolist() for i in range(n)]
+    return hf_beam_search(model, prompt, beam_width, n, length_penalty,
+                          HF_EARLY_STOPPING[early_stopping], stop_ids, MAX_TOKENS)[0]
 
 
 async def folio_beams(client, prompt, beam_width, n, length_penalty, early_stopping,

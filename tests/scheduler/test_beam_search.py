@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 
 from scheduler_svc.beam_search import BeamSearch, EarlyStopping  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
+from tests.e2e import hf_oracle  # noqa: E402
 
 ARCHS = ("llama2", "qwen3")
 HF_EARLY_STOPPING = {EarlyStopping.HEURISTIC: False, EarlyStopping.TRUE: True,
@@ -53,18 +54,8 @@ def frequent_stop_ids(model, prompt: list[int]) -> frozenset[int]:
 
 
 def hf_beam_search(model, prompt, beam_width, n, length_penalty, early_stopping, stop_ids):
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=beam_width,
-            num_return_sequences=n, length_penalty=length_penalty,
-            early_stopping=HF_EARLY_STOPPING[early_stopping], max_new_tokens=MAX_NEW_TOKENS,
-            eos_token_id=sorted(stop_ids) or None, pad_token_id=4,
-            return_dict_in_generate=True, output_scores=True)
-    lengths = (out.beam_indices != -1).sum(dim=1).tolist()
-    sequences = [out.sequences[i, len(prompt):len(prompt) + lengths[i]].tolist()
-                 for i in range(n)]
-    return sequences, out.sequences_scores.tolist(), out.scores
+    return hf_oracle.hf_beam_search(model, prompt, beam_width, n, length_penalty,
+                                    HF_EARLY_STOPPING[early_stopping], stop_ids, MAX_NEW_TOKENS)
 
 
 def top_pairs(logprobs, k: int) -> list[tuple[int, float]]:
