@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("folio.scheduler.stats")
 
 # Cumulative ServerStats counters (Scheduler attributes), kept across executor changes.
-COUNTERS = ("num_preemptions", "num_finished_requests", "num_prompt_tokens",
+COUNTERS = ("num_preemptions", "num_swap_outs", "num_finished_requests", "num_prompt_tokens",
             "num_generated_tokens", "num_steps", "prefix_cache_queries", "prefix_cache_hits")
 
 

@@ -148,6 +148,8 @@ async def test_forced_preemption_keeps_greedy_exact(folio_server, checkpoint, hf
     assert_hf_exact(hf_model, prompts, completions)
     assert stats["num_preemptions"] > 0, stats
     assert events and {e["mode"] for e in events} == {mode}, events
+    swap_outs = stats["num_swap_outs"]
+    assert (swap_outs == stats["num_preemptions"]) if mode == "swap" else swap_outs == 0, stats
     if mode == "swap":
         assert stats["swap_blocks_total"] > 0
     # Nothing left behind: every GPU and CPU block is free again.
