@@ -99,14 +99,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
     scaled = logits / temperature[:, None]  # [num_rows, vocab]
     noise = _exponential_noise(batch, num_rows, vocab, logits.device)
+    sampled_ids = (scaled.softmax(dim=-1) / noise).argmax(dim=-1)  # [num_rows]
     if batch.any_filter:
-        # Work in sorted order; a stable sort keeps ties in index order, like argmax.
+        # Work in sorted order; a stable sort keeps ties in index order, like argmax. Each
+        # token keeps its own noise there. Rows without a filter keep the draw above: the
+        # sorted path's sums round differently, and a row's draw must not depend on whether
+        # another row in the batch needed this path.
         sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)
         probs = _filter_sorted(sorted_logits, batch.top_k, batch.top_p).softmax(dim=-1)
-        choice = (probs / noise).argmax(dim=-1, keepdim=True)  # [num_rows, 1]
-        sampled_ids = sorted_ids.gather(1, choice).squeeze(1)
-    else:
-        sampled_ids = (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
+        choice = (probs / noise.gather(1, sorted_ids)).argmax(dim=-1, keepdim=True)
+        filtered_ids = sorted_ids.gather(1, choice).squeeze(1)  # [num_rows]
+        has_filter = (batch.top_k > 0) | (batch.top_p < 1.0)
+        sampled_ids = torch.where(has_filter, filtered_ids, sampled_ids)
     return torch.where(is_greedy, greedy_ids, sampled_ids)  # [num_rows]
 
 

@@ -54,6 +54,21 @@ def test_seeded_draws_reproduce_and_ignore_batch_composition():
     assert len(draws) > 5
 
 
+def test_an_unfiltered_seeded_row_draws_the_same_next_to_a_filtered_one():
+    # A row without top-k/top-p is sampled on the sorted path when another row needs it; its
+    # draw must not change with that (a resumed or preempted stream meets other batches).
+    torch.manual_seed(3)
+    logits = torch.randn(2, 2000)
+    spec = SamplingSpec(temperature=1.0, seed=77)
+    for index in range(40):
+        alone = _sample(logits[:1], [spec], [index])
+        beside_top_p = _sample(logits, [spec, SamplingSpec(temperature=1.0, top_p=0.9)],
+                               [index, 5])
+        beside_top_k = _sample(logits.flip(0), [SamplingSpec(temperature=0.8, top_k=4), spec],
+                               [5, index])
+        assert alone[0] == beside_top_p[0] == beside_top_k[1], index
+
+
 def test_unseeded_draws_follow_the_distribution():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]])).repeat(6000, 1)
     ids = _sample(logits, [SamplingSpec(temperature=1.0)] * 6000)
