@@ -26,6 +26,8 @@ def null_executor(address: str, num_kv_blocks: int) -> int:
     silent scheduler, 3 if torch was imported (this process must measure the channel only)."""
     end = ExecutorEnd(address)
     try:
+        if not end.wait_connected(PEER_TIMEOUT_MS):
+            return 2
         end.send(Hello(PROTOCOL_VERSION, f"null-executor-{os.getpid()}", "null-model",
                        "NullModelExecutor", VOCAB_SIZE, MODEL_MAX_LEN, BLOCK_SIZE, num_kv_blocks,
                        0, "none", "cpu", random_weights=True))  # fmt: skip

@@ -50,7 +50,6 @@ from importlib import metadata
 from pathlib import Path
 
 import zmq
-import zmq.asyncio
 
 from bench.null_executor import BLOCK_SIZE, VOCAB_SIZE
 from protos.channel import SchedulerEnd, decode, encode
@@ -151,8 +150,7 @@ async def run_case(workload: str, num_running: int, sizes: dict, address: str) -
         return Request(req_id, prompt, SamplingSpec(temperature=0.0), max_tokens,
                        next(arrivals), ignore_eos=True)  # fmt: skip
 
-    ctx = zmq.asyncio.Context()
-    end = SchedulerEnd(address, ctx)
+    end = SchedulerEnd(address)
     peer = None
     try:
         peer = start_null_executor(end.address, kv_blocks_needed(num_running, sizes,
@@ -191,7 +189,6 @@ async def run_case(workload: str, num_running: int, sizes: dict, address: str) -
             peer.kill()  # by pid: only the process this case started
             peer.wait()
         end.close()
-        ctx.destroy(linger=0)
     return summarize(workload, num_running, samples, num_long, hello, peer_rc)
 
 

@@ -26,6 +26,10 @@ A StepPlan is a diff against what the executor already holds:
   before the forward pass (copy-on-write, and swapping between the GPU and the CPU pool), in
   this order: swap_out, then swap_in, then block_copies.
 
+Decoding is strict: every field's type is checked (``from_wire`` raises TypeError or
+ValueError, which the codec turns into ``channel.ProtocolError``), so a malformed message is
+refused whole and never reaches the code that acts on it.
+
 Invariant: for every scheduled request, num_computed_tokens + num_scheduled_tokens <= the number
 of tokens the executor holds for it; the executor samples a token exactly when that sum equals
 the number of tokens it holds (prompt fully computed, or a decode step).
@@ -36,7 +40,67 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+
+
+# ---- strict field readers: exact types (bool is not an int here), or TypeError -------------
+
+def _int(v: object) -> int:
+    if type(v) is not int:
+        raise TypeError(f"expected an int, got {type(v).__name__}")
+    return v
+
+
+def _nat(v: object) -> int:
+    if type(v) is not int or v < 0:
+        raise TypeError(f"expected an int >= 0, got {v!r:.40}")
+    return v
+
+
+def _float(v: object) -> float:
+    if type(v) is float or type(v) is int:
+        return float(v)
+    raise TypeError(f"expected a number, got {type(v).__name__}")
+
+
+def _bool(v: object) -> bool:
+    if type(v) is not bool:
+        raise TypeError(f"expected a bool, got {type(v).__name__}")
+    return v
+
+
+def _str(v: object) -> str:
+    if type(v) is not str:
+        raise TypeError(f"expected a string, got {type(v).__name__}")
+    return v
+
+
+def _list(v: object, n: int | None = None) -> list:
+    if type(v) is not list:
+        raise TypeError(f"expected a list, got {type(v).__name__}")
+    if n is not None and len(v) != n:
+        raise ValueError(f"expected {n} fields, got {len(v)}")
+    return v
+
+
+def _nats(v: object) -> list[int]:
+    """A list of ints >= 0 (token ids, block ids), returned as is (msgpack made it)."""
+    if type(v) is not list:
+        raise TypeError(f"expected a list of ints, got {type(v).__name__}")
+    for x in v:
+        if type(x) is not int or x < 0:
+            raise TypeError(f"expected ints >= 0 in a list, got {x!r:.40}")
+    return v
+
+
+def _strs(v: object) -> list[str]:
+    if type(v) is not list or not all(type(x) is str for x in v):
+        raise TypeError("expected a list of strings")
+    return v
+
+
+def _pairs(v: object) -> list[tuple[int, int]]:
+    return [(_nat(a), _nat(b)) for a, b in (_list(p, 2) for p in _list(v))]
 
 
 @dataclass(frozen=True)
@@ -60,7 +124,11 @@ class SamplingSpec:
 
     @classmethod
     def from_wire(cls, w: list) -> SamplingSpec:
-        return cls(float(w[0]), float(w[1]), int(w[2]), w[3], int(w[4]), bool(w[5]))
+        _list(w, 6)
+        seed = w[3]
+        if seed is not None and type(seed) is not int:
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+        return cls(_float(w[0]), _float(w[1]), _nat(w[2]), seed, _nat(w[4]), _bool(w[5]))
 
 
 @dataclass(frozen=True)
@@ -78,7 +146,9 @@ class NewRequest:
 
     @classmethod
     def from_wire(cls, w: list) -> NewRequest:
-        return cls(w[0], list(w[1]), SamplingSpec.from_wire(w[2]), list(w[3]), w[4], w[5])
+        _list(w, 6)
+        return cls(_str(w[0]), _nats(w[1]), SamplingSpec.from_wire(w[2]), _nats(w[3]),
+                   _nat(w[4]), _nat(w[5]))
 
 
 @dataclass(frozen=True, init=False)
@@ -111,11 +181,22 @@ class CachedRequest:
 
     @classmethod
     def from_wire(cls, w: list) -> CachedRequest:
-        return cls(w[0], w[1], w[2], w[3], w[4])  # lists msgpack just made: no copies needed
-
-
-def _pairs(w: list) -> list[tuple[int, int]]:
-    return [(int(a), int(b)) for a, b in w]
+        # Checked inline, not through the helpers: one per running request per step.
+        if type(w) is not list or len(w) != 5:
+            raise TypeError("a CachedRequest is a list of 5 fields")
+        req_id, block_ids, num_computed, num_scheduled, token_ids = w
+        if (type(req_id) is not str or type(num_computed) is not int
+                or type(num_scheduled) is not int or num_computed < 0 or num_scheduled < 0):
+            raise TypeError(f"malformed CachedRequest {w!r:.80}")
+        if block_ids:
+            _nats(block_ids)
+        elif type(block_ids) is not list:
+            raise TypeError("CachedRequest.new_block_ids must be a list")
+        if token_ids:
+            _nats(token_ids)
+        elif type(token_ids) is not list:
+            raise TypeError("CachedRequest.new_token_ids must be a list")
+        return cls(req_id, block_ids, num_computed, num_scheduled, token_ids)
 
 
 @dataclass(frozen=True)
@@ -144,7 +225,9 @@ class Hello:
 
     @classmethod
     def from_wire(cls, w: list) -> Hello:
-        return cls(*w[1:])
+        _list(w, 13)
+        return cls(_int(w[1]), _str(w[2]), _str(w[3]), _str(w[4]), _nat(w[5]), _nat(w[6]),
+                   _nat(w[7]), _nat(w[8]), _nat(w[9]), _str(w[10]), _str(w[11]), _bool(w[12]))
 
 
 @dataclass(frozen=True)
@@ -159,22 +242,29 @@ class Welcome:
 
     @classmethod
     def from_wire(cls, w: list) -> Welcome:
-        return cls(w[1])
+        _list(w, 2)
+        return cls(_int(w[1]))
 
 
 @dataclass(frozen=True)
 class Reject:
-    """Scheduler -> executor: handshake refused; `reason` is a sentence for the operator."""
+    """Scheduler -> executor: handshake refused; `reason` is a sentence for the operator.
+
+    retry=False: the executor cannot serve this scheduler (version, model); it exits.
+    retry=True: not now (another executor is connected, or the scheduler does not know this
+    connection): the executor keeps sending Hello, and drops any state it holds."""
 
     TAG: ClassVar[int] = 3
     reason: str
+    retry: bool = False
 
     def to_wire(self) -> list:
-        return [self.TAG, self.reason]
+        return [self.TAG, self.reason, self.retry]
 
     @classmethod
     def from_wire(cls, w: list) -> Reject:
-        return cls(w[1])
+        _list(w, 3)
+        return cls(_str(w[1]), _bool(w[2]))
 
 
 @dataclass(frozen=True)
@@ -188,6 +278,9 @@ class StepPlan:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src gpu, dst gpu)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
+    # Drop every request the executor holds before applying this plan: the scheduler rebuilt
+    # its state (after an internal error) and re-sends what still runs as new requests.
+    reset: bool = False
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -201,19 +294,21 @@ class StepPlan:
                 self.finished_req_ids, self.preempted_req_ids,
                 [list(p) for p in self.block_copies],
                 [list(p) for p in self.swap_out],
-                [list(p) for p in self.swap_in]]
+                [list(p) for p in self.swap_in], self.reset]
 
     @classmethod
     def from_wire(cls, w: list) -> StepPlan:
+        _list(w, 10)
         return cls(
-            step_id=w[1],
-            new_reqs=[NewRequest.from_wire(r) for r in w[2]],
-            cached_reqs=[CachedRequest.from_wire(r) for r in w[3]],
-            finished_req_ids=list(w[4]),
-            preempted_req_ids=list(w[5]),
+            step_id=_nat(w[1]),
+            new_reqs=[NewRequest.from_wire(r) for r in _list(w[2])],
+            cached_reqs=[CachedRequest.from_wire(r) for r in _list(w[3])],
+            finished_req_ids=_strs(w[4]),
+            preempted_req_ids=_strs(w[5]),
             block_copies=_pairs(w[6]),
             swap_out=_pairs(w[7]),
             swap_in=_pairs(w[8]),
+            reset=_bool(w[9]),
         )
 
 
@@ -239,8 +334,20 @@ class StepResult:
 
     @classmethod
     def from_wire(cls, w: list) -> StepResult:
-        return cls(w[1], [(r, ids) for r, ids in w[2]], w[3],  # msgpack made fresh lists
-                   [(r, list(ids), [float(x) for x in lps]) for r, ids, lps in w[4]])
+        _list(w, 5)
+        sampled = []
+        for entry in _list(w[2]):  # one per sampled request per step: checked inline
+            if type(entry) is not list or len(entry) != 2 or type(entry[0]) is not str:
+                raise TypeError(f"malformed sampled entry {entry!r:.80}")
+            sampled.append((entry[0], _nats(entry[1])))  # msgpack made fresh lists
+        logprobs = []
+        for entry in _list(w[4]):
+            req_id, ids, lps = _list(entry, 3)
+            ids, lps = _nats(ids), [_float(x) for x in _list(lps)]
+            if len(ids) != len(lps):
+                raise ValueError("logprobs: as many token ids as values")
+            logprobs.append((_str(req_id), ids, lps))
+        return cls(_nat(w[1]), sampled, _float(w[3]), logprobs)
 
 
 @dataclass(frozen=True)
@@ -256,7 +363,8 @@ class ExecutorError:
 
     @classmethod
     def from_wire(cls, w: list) -> ExecutorError:
-        return cls(w[1], w[2])
+        _list(w, 3)
+        return cls(_nat(w[1]), _str(w[2]))
 
 
 @dataclass(frozen=True)
@@ -270,6 +378,7 @@ class Shutdown:
 
     @classmethod
     def from_wire(cls, w: list) -> Shutdown:
+        _list(w, 1)
         return cls()
 
 

@@ -1,0 +1,183 @@
+"""The channel's codec against hostile bytes, and its keys and address rules.
+
+Whatever a peer sends, `decode` either returns a message whose every field has its declared
+type or raises ProtocolError: nothing else escapes, so a reader cannot be killed by input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protos.channel import (
+    ChannelKeys,
+    ProtocolError,
+    check_insecure_address,
+    decode,
+    encode,
+    is_loopback,
+    read_secret,
+)
+from protos.plan import (
+    CachedRequest,
+    ExecutorError,
+    Hello,
+    NewRequest,
+    Reject,
+    SamplingSpec,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    Welcome,
+)
+from tests.test_protos import MESSAGES
+
+# Anything msgpack can carry (maps included: they must be refused too).
+wire_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats()
+    | st.text(max_size=8) | st.binary(max_size=8),
+    lambda children: st.lists(children, max_size=5)
+    | st.dictionaries(st.text(max_size=3), children, max_size=3),
+    max_leaves=20)
+
+
+def check_types(msg) -> None:
+    """Every field of a decoded message has its annotated type (recursively)."""
+    hints = typing.get_type_hints(type(msg))
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        hint = hints[f.name]
+        origin = typing.get_origin(hint)
+        if hint is bool:
+            assert type(value) is bool, (f.name, value)
+        elif hint is int:
+            assert type(value) is int, (f.name, value)
+        elif hint is float:
+            assert type(value) is float, (f.name, value)
+        elif hint is str:
+            assert type(value) is str, (f.name, value)
+        elif origin is list:
+            assert type(value) is list, (f.name, value)
+            for item in value:
+                if dataclasses.is_dataclass(item):
+                    check_types(item)
+        elif dataclasses.is_dataclass(value):
+            check_types(value)
+
+
+def mutations(wire: list) -> list[list]:
+    """The wire form with one position (at any depth) replaced, for each position."""
+    out = []
+
+    def walk(node, path):
+        if isinstance(node, list):
+            for i, child in enumerate(node):
+                walk(child, path + [i])
+        if path and path != [0]:
+            out.append(path)
+
+    walk(wire, [])
+    return out
+
+
+def replaced(wire, path, value):
+    if not path:
+        return value
+    copy = list(wire)
+    if path[0] == len(copy):
+        return copy + [value]
+    copy[path[0]] = replaced(copy[path[0]], path[1:], value)
+    return copy
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_any_field_of_any_type_is_refused_or_well_typed(msg, data):
+    wire = msg.to_wire()
+    paths = mutations(wire) or [[len(wire)]]  # Shutdown: [tag] alone; append a field
+    for path in data.draw(st.lists(st.sampled_from(paths), min_size=1, max_size=6)):
+        frame = msgpack.packb(replaced(wire, path, data.draw(wire_values)), use_bin_type=True)
+        try:
+            decoded = decode(frame)
+        except ProtocolError:
+            continue
+        check_types(decoded)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200) | wire_values.map(lambda v: msgpack.packb(v, use_bin_type=True)))
+def test_arbitrary_frames_never_raise_anything_but_protocol_error(frame):
+    try:
+        check_types(decode(frame))
+    except ProtocolError:
+        pass
+
+
+@pytest.mark.parametrize("wire", [
+    [Hello.TAG, "3", "e", "m", "a", 1, 2, 3, 4, 5, "f", "cpu", False],  # version as a string
+    [Hello.TAG, 3, "e", "m", "a", -1, 2, 3, 4, 5, "f", "cpu", False],  # negative vocab
+    [Hello.TAG, 3, "e", "m", "a", 1, 2, 3, 4, 5, "f", "cpu", 1],  # bool as an int
+    [Welcome.TAG],  # too few fields
+    [Reject.TAG, "why", "yes"],
+    [StepPlan.TAG, 0, [], [], [], [], [], [], [], "no"],
+    [StepPlan.TAG, 0, [["r", [1], ["hot", 1.0, 0, None, 0, True], [0], 0, 1]], [], [], [], [],
+     [], [], False],  # a NewRequest whose SamplingSpec has a string temperature
+    [StepResult.TAG, 0, [["r", [1.5]]], 0.0, []],
+    [StepResult.TAG, 0, [["r", [1]]], 0.0, [["r", [1, 2], [0.0]]]],  # ids/logprobs mismatch
+    [StepResult.TAG, 0, [["r", [1], "extra"]], 0.0, []],
+    [ExecutorError.TAG, -1, "m"],
+    [Shutdown.TAG, 1],
+])
+def test_wrong_types_are_refused(wire):
+    with pytest.raises(ProtocolError):
+        decode(msgpack.packb(wire, use_bin_type=True))
+
+
+def test_valid_extremes_still_decode():
+    plan = StepPlan(7, [NewRequest("r", [0, 2**31], SamplingSpec(0.0, 1.0, 0, -(2**63)), [0], 0,
+                                   2)], [CachedRequest("c", [], 0, 1, [])], reset=True)
+    assert decode(encode(plan)) == plan
+
+
+def test_keys_from_one_secret_are_stable_and_distinct():
+    a, b = ChannelKeys.from_secret("s" * 20), ChannelKeys.from_secret("s" * 20)
+    other = ChannelKeys.from_secret("t" * 20)
+    assert a == b and a != other
+    assert len({a.server_public, a.client_public, a.server_secret, a.client_secret}) == 4
+    with pytest.raises(ValueError, match="too short"):
+        ChannelKeys.from_secret("short")
+
+
+def test_secret_from_file_wins_over_the_environment(tmp_path):
+    path = tmp_path / "secret"
+    path.write_text("from-the-file-0123456789\n")
+    env = {"FOLIO_CHANNEL_SECRET": "from-the-env-0123456789"}
+    assert read_secret(str(path), env) == "from-the-file-0123456789"
+    assert read_secret(None, env) == "from-the-env-0123456789"
+    assert read_secret(None, {}) is None
+    with pytest.raises(ValueError, match="cannot read the channel secret file"):
+        read_secret(str(tmp_path / "missing"), env)
+    (tmp_path / "empty").write_text("  \n")
+    with pytest.raises(ValueError, match="is empty"):
+        read_secret(str(tmp_path / "empty"), env)
+
+
+@pytest.mark.parametrize("address, loopback", [
+    ("tcp://127.0.0.1:5557", True), ("tcp://localhost:5557", True), ("tcp://[::1]:5557", True),
+    ("ipc:///tmp/folio.sock", True), ("tcp://0.0.0.0:5557", False),
+    ("tcp://10.1.2.3:5557", False), ("tcp://scheduler:5557", False), ("tcp://*:5557", False),
+])
+def test_only_loopback_addresses_may_go_without_a_secret(address, loopback):
+    assert is_loopback(address) is loopback
+    if loopback:
+        check_insecure_address(address, allow_insecure=False)
+    else:
+        with pytest.raises(ValueError, match="--insecure-channel"):
+            check_insecure_address(address, allow_insecure=False)
+        check_insecure_address(address, allow_insecure=True)
