@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: console in a terminal, json otherwise")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     p.add_argument("--hub-cache-dir", default=None, help="where hub downloads go")
+    p.add_argument("--channel-secret-file", default=None,
+                   help="file holding the scheduler channel's shared secret (default: "
+                        "$FOLIO_CHANNEL_SECRET; none: an unauthenticated channel)")
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="exit when this process is gone (folio serve passes its own pid)")
     return p
 
 
@@ -61,6 +66,8 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
         log_format=log_format,
         log_level=args.log_level,
         hub_cache_dir=args.hub_cache_dir,
+        channel_secret_file=args.channel_secret_file,
+        parent_pid=args.parent_pid,
     )
 
 

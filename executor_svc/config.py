@@ -46,6 +46,8 @@ class ExecutorConfig:
     log_format: str = "console"
     log_level: str = "info"
     hub_cache_dir: str | None = None
+    channel_secret_file: str | None = None  # None: $FOLIO_CHANNEL_SECRET, else no auth
+    parent_pid: int | None = None  # exit when this process is gone
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -29,7 +29,14 @@ from executor_svc.loader import (
 from executor_svc.model_config import ModelConfig
 from executor_svc.runner import ModelRunner
 from executor_svc.swap import SwapPool, num_swap_blocks_for
-from protos.channel import ExecutorEnd, ProtocolError
+from protos.channel import (
+    AuthFailed,
+    BadMessage,
+    ChannelKeys,
+    ExecutorEnd,
+    SchedulerLost,
+    read_secret,
+)
 from protos.plan import (
     PROTOCOL_VERSION,
     ExecutorError,
@@ -107,28 +114,31 @@ def build_executor(cfg: ExecutorConfig) -> Executor:
 
 
 def handshake(end: ExecutorEnd, hello: Hello) -> int | None:
-    """Send Hello until the scheduler answers: None once welcomed, else the exit code."""
+    """Send Hello until the scheduler answers: None once welcomed, else the exit code.
+
+    A scheduler that is not there yet, a refusal that says "retry" (another executor is
+    connected) and a lost connection all lead to the next Hello; only a final Reject or a
+    Shutdown ends the executor."""
     attempt = 0
     while True:
-        end.send(hello)
+        sent = end.send(hello)  # False while no connection is up: nothing queues
         attempt += 1
         # The first Hello at INFO; retries while the scheduler is not up yet at DEBUG.
         (log.info if attempt == 1 else log.debug)(
-            "hello sent", attempt=attempt, num_kv_blocks=hello.num_kv_blocks,
-            num_swap_blocks=hello.num_swap_blocks, max_model_len=hello.max_model_len)
+            "hello sent" if sent else "waiting for the scheduler", attempt=attempt,
+            num_kv_blocks=hello.num_kv_blocks, num_swap_blocks=hello.num_swap_blocks,
+            max_model_len=hello.max_model_len)
         deadline = time.monotonic() + HELLO_RETRY_S
         while (left := deadline - time.monotonic()) > 0:
-            try:
-                msg = end.recv(timeout_ms=max(1, int(left * 1000)))
-            except ProtocolError as e:
-                log.error("undecodable message from the scheduler", error=str(e))
-                continue
+            msg = end.recv(timeout_ms=max(1, int(left * 1000)))
             match msg:
                 case None:
                     break
                 case Welcome(protocol_version=version):
                     log.info("welcomed by the scheduler", protocol_version=version)
                     return None
+                case Reject(reason=reason, retry=True):
+                    _warn_once("scheduler asks to retry", reason=reason)
                 case Reject(reason=reason):
                     log.error("scheduler rejected this executor", reason=reason)
                     print(f"executor rejected by the scheduler: {reason}", file=sys.stderr)
@@ -136,34 +146,61 @@ def handshake(end: ExecutorEnd, hello: Hello) -> int | None:
                 case Shutdown():
                     log.info("shutdown requested before the handshake completed")
                     return EXIT_OK
+                case AuthFailed(reason=reason):
+                    _warn_once("cannot connect to the scheduler", reason=reason, level="error")
+                case SchedulerLost():
+                    log.info("connection to the scheduler lost; retrying")
+                case BadMessage(reason=reason):
+                    log.error("undecodable message from the scheduler", error=reason)
                 case _:
-                    log.warning("ignoring message before the handshake",
-                                message=type(msg).__name__)
+                    log.debug("ignoring message before the handshake",
+                              message=type(msg).__name__)
 
 
-def serve(end: ExecutorEnd, runner: ModelRunner) -> int:
-    """Answer plans until Shutdown."""
+def serve(end: ExecutorEnd, runner: ModelRunner) -> int | None:
+    """Answer plans until Shutdown (an exit code) or until the scheduler is lost (None: the
+    caller drops every request and says Hello again, to this scheduler or its successor)."""
     stats = _Stats()
     while True:
-        try:
-            msg = end.recv(timeout_ms=int(STATS_INTERVAL_S * 1000))
-        except ProtocolError as e:
-            # No step id to answer with; the scheduler's own timeout has to notice.
-            log.error("undecodable message from the scheduler", error=str(e))
-            continue
+        msg = end.recv(timeout_ms=int(STATS_INTERVAL_S * 1000))
         match msg:
             case None:
                 pass
             case StepPlan():
+                if msg.reset:
+                    runner.requests.clear()
                 end.send(_step(runner, msg, stats))
             case Shutdown():
                 log.info("shutdown requested by the scheduler")
                 return EXIT_OK
+            case SchedulerLost():
+                log.warning("lost the scheduler; dropping every request and reconnecting")
+                return None
+            case Reject(reason=reason):
+                # The scheduler does not know this connection (it restarted, or declared us
+                # lost after a step that took too long): start over with Hello.
+                log.warning("the scheduler no longer knows this executor; reconnecting",
+                            reason=reason)
+                return None
             case Welcome():
                 log.debug("extra welcome (answer to a resent hello)")
+            case BadMessage(reason=reason):
+                # No step id to answer with; the scheduler's own timeout has to notice.
+                log.error("undecodable message from the scheduler", error=reason)
             case _:
                 log.warning("ignoring unexpected message", message=type(msg).__name__)
         stats.maybe_log(len(runner.requests))
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(event: str, level: str = "warning", **fields) -> None:
+    """The handshake loop repeats every HELLO_RETRY_S: say each distinct thing once."""
+    key = event + repr(sorted(fields.items()))
+    if key not in _warned:
+        _warned.add(key)
+        getattr(log, level)(event, **fields)
 
 
 def _step(runner: ModelRunner, plan: StepPlan, stats: _Stats) -> StepResult | ExecutorError:
@@ -218,13 +255,25 @@ def run(cfg: ExecutorConfig) -> int:
         log.error("executor failed to start", error=str(e))
         print(f"executor failed to start: {e}", file=sys.stderr)
         return EXIT_FAILED
-    end = ExecutorEnd(cfg.scheduler_address)
     try:
-        log.info("connecting to the scheduler", address=cfg.scheduler_address)
-        exit_code = handshake(end, executor.hello)
-        if exit_code is not None:
-            return exit_code
-        return serve(end, executor.runner)
+        secret = read_secret(cfg.channel_secret_file)
+        keys = ChannelKeys.from_secret(secret) if secret is not None else None
+    except ValueError as e:
+        log.error("executor failed to start", error=str(e))
+        print(f"executor failed to start: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    end = ExecutorEnd(cfg.scheduler_address, keys)
+    try:
+        log.info("connecting to the scheduler", address=cfg.scheduler_address,
+                 channel_authenticated=keys is not None)
+        while True:
+            exit_code = handshake(end, executor.hello)
+            if exit_code is not None:
+                return exit_code
+            exit_code = serve(end, executor.runner)
+            if exit_code is not None:
+                return exit_code
+            executor.runner.requests.clear()  # the next scheduler starts from nothing
     except KeyboardInterrupt:
         log.info("interrupted")
         return 130

@@ -1,13 +1,13 @@
 """`python -m scheduler_svc` and `folio serve`: start the gRPC server and the engine loop.
 
-With spawn_executor=True (`folio serve`) the scheduler also starts the executor as a child
-process on the address it bound, and ends it on shutdown (SIGTERM, then SIGKILL).
+With spawn_executor=True (`folio serve`) the scheduler also runs the executor as a child
+process on the address it bound, with a fresh channel secret, restarts it when it dies
+(`supervisor.py`), and ends it on shutdown. SIGTERM and SIGINT stop the server within ~2 s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import signal
@@ -17,16 +17,20 @@ import sys
 import structlog
 import zmq
 
-from protos.channel import SchedulerEnd
+from protos.channel import (
+    SECRET_ENV,
+    ChannelKeys,
+    SchedulerEnd,
+    check_insecure_address,
+    generate_secret,
+    read_secret,
+)
 from scheduler_svc.config import DEFAULT_EXECUTOR_ADDRESS, SchedulerConfig, config_from_argv
 from scheduler_svc.server import SchedulerServer
+from scheduler_svc.supervisor import ExecutorSupervisor
 from scheduler_svc.tokenizer import ModelDirError, Tokenizer, resolve_model_dir
 
 log = structlog.get_logger("folio.scheduler")
-
-CHILD_EXIT_GRACE_S = 3.0  # after Shutdown, before SIGTERM
-CHILD_STOP_TIMEOUT_S = 10.0  # after SIGTERM, before SIGKILL
-
 
 def _add_service(_logger, _method, event_dict):
     event_dict.setdefault("service", "scheduler")
@@ -90,29 +94,84 @@ def main(argv: list[str] | None = None, *, spawn_executor: bool = False) -> int:
         return 130
 
 
-async def _serve(config: SchedulerConfig, spawn_executor: bool) -> int:
+async def _until_stopped(stop: asyncio.Event, work):
+    """Run `work` unless SIGTERM/SIGINT comes first; then None (and `work` is cancelled)."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
     try:
-        model = config.model
-        if model is None:
-            if not spawn_executor:
-                log.error("--model is required: pass a checkpoint directory or hub id")
-                return 2
-            model = await asyncio.to_thread(default_model_dir)
-        model_dir = await asyncio.to_thread(resolve_model_dir, model)
-        tokenizer = await asyncio.to_thread(Tokenizer, model_dir)
-    except (ModelDirError, OSError, ValueError) as e:
-        log.error("cannot load the model's tokenizer", error=str(e))
-        return 1
-    tune_garbage_collector()
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if not task.done():
+        task.cancel()
+        return None
+    return task.result()
+
+
+def _channel_secret(config: SchedulerConfig, spawn_executor: bool, address: str) -> str | None:
+    secret = read_secret(config.channel_secret_file)
+    if secret is None and spawn_executor:
+        return generate_secret()  # our own child: nobody else gets in
+    if secret is None:
+        check_insecure_address(address, config.insecure_channel)
+        log.warning("the executor channel is not authenticated: any local process can act as "
+                    "the executor", address=address,
+                    hint=f"set ${SECRET_ENV} or --channel-secret-file on both services")
+    return secret
+
+
+async def _serve(config: SchedulerConfig, spawn_executor: bool) -> int:
+    # Signals first: the tokenizer can take seconds to load, and as a container's PID 1 the
+    # default SIGTERM action does not apply.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        return await _serve_until(config, spawn_executor, stop)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def _serve_until(config: SchedulerConfig, spawn_executor: bool, stop: asyncio.Event
+                       ) -> int:
+    if config.model is None and not spawn_executor:
+        log.error("--model is required: pass a checkpoint directory or hub id")
+        return 2
     address = config.executor_address or (
         "tcp://127.0.0.1:*" if spawn_executor else DEFAULT_EXECUTOR_ADDRESS)
     try:
-        channel = SchedulerEnd(address)
+        secret = _channel_secret(config, spawn_executor, address)
+        keys = ChannelKeys.from_secret(secret) if secret is not None else None
+    except ValueError as e:
+        log.error("cannot set up the executor channel", error=str(e))
+        return 2
+    try:
+        loaded = await _until_stopped(stop, _load_tokenizer(config, spawn_executor))
+    except (ModelDirError, OSError, ValueError) as e:
+        log.error("cannot load the model's tokenizer", error=str(e))
+        return 1
+    if loaded is None:
+        log.info("stopped before start-up completed")
+        return 0
+    model_dir, tokenizer = loaded
+    tune_garbage_collector()
+    try:
+        channel = SchedulerEnd(address, keys)
     except zmq.ZMQError as e:
         log.error("cannot bind the executor address", address=address, error=str(e))
         return 1
+    supervisor = None
+    if spawn_executor:
+        supervisor = ExecutorSupervisor(str(model_dir), channel.address, config.executor_flags(),
+                                        secret, config.executor_max_restarts,
+                                        config.log_format, config.log_level)
     try:
-        server = SchedulerServer(config, tokenizer, channel)
+        server = SchedulerServer(
+            config, tokenizer, channel,
+            on_executor_change=supervisor.on_executor_change if supervisor else None,
+            shutdown_executor_on_stop=spawn_executor)
     except RuntimeError as e:
         channel.close()
         log.error("cannot bind the gRPC port; is another server running there?",
@@ -120,68 +179,41 @@ async def _serve(config: SchedulerConfig, spawn_executor: bool) -> int:
         return 1
     await server.start()
     log.info("scheduler listening", grpc_address=f"{config.host}:{server.port}",
-             executor_address=channel.address, model_dir=str(model_dir))
-    child = None
+             executor_address=channel.address, model_dir=str(model_dir),
+             channel_authenticated=keys is not None)
     try:
-        if spawn_executor:
-            child = await _spawn_executor(config, str(model_dir), channel.address)
-        return await _wait_for_shutdown(server, child)
+        return await _wait_for_shutdown(server, supervisor, stop)
     finally:
         await server.stop()
-        if child is not None:
-            await _end_child(child)
+        if supervisor is not None:
+            await supervisor.stop()
         channel.close()
         log.info("scheduler stopped")
 
 
-async def _spawn_executor(config: SchedulerConfig, model_dir: str, address: str
-                          ) -> asyncio.subprocess.Process:
-    cmd = [sys.executable, "-m", "executor_svc", "--model", model_dir,
-           "--scheduler-address", address, "--log-format", config.log_format,
-           "--log-level", config.log_level,
-           *config.executor_flags()]
-    child = await asyncio.create_subprocess_exec(*cmd)
-    log.info("executor started", pid=child.pid, args=" ".join(cmd[3:]))
-    return child
+async def _load_tokenizer(config: SchedulerConfig, spawn_executor: bool):
+    model = config.model
+    if model is None:
+        model = await asyncio.to_thread(default_model_dir)
+    model_dir = await asyncio.to_thread(resolve_model_dir, model)
+    return model_dir, await asyncio.to_thread(Tokenizer, model_dir)
 
 
-async def _wait_for_shutdown(server: SchedulerServer,
-                             child: asyncio.subprocess.Process | None) -> int:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    waits = {asyncio.create_task(stop.wait()), asyncio.create_task(server.wait_engine())}
-    child_wait = asyncio.create_task(child.wait()) if child is not None else None
-    if child_wait is not None:
-        waits.add(child_wait)
+async def _wait_for_shutdown(server: SchedulerServer, supervisor: ExecutorSupervisor | None,
+                             stop: asyncio.Event) -> int:
+    waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(server.wait_engine())}
+    supervised = asyncio.ensure_future(supervisor.run()) if supervisor is not None else None
+    if supervised is not None:
+        waits.add(supervised)
     try:
         done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for task in waits:
-            task.cancel()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-    if child_wait is not None and child_wait in done:
-        # Nobody restarts a child we own: without it the server can only refuse work.
-        log.error("executor exited; shutting down", returncode=child.returncode)
-        return 1
+            if task is not supervised:
+                task.cancel()
+    if supervised is not None and supervised in done:
+        return supervised.result()  # it gave up on the executor: the server cannot serve
+    if supervised is not None:
+        supervised.cancel()  # no restarts from here; server.stop() then supervisor.stop()
     log.info("shutting down")
     return 0
-
-
-async def _end_child(child: asyncio.subprocess.Process) -> None:
-    """The engine has sent Shutdown: give the child a moment to exit on its own, then
-    SIGTERM, then SIGKILL."""
-    for action, timeout in ((None, CHILD_EXIT_GRACE_S), (child.terminate, CHILD_STOP_TIMEOUT_S),
-                            (child.kill, None)):
-        if child.returncode is not None:
-            break
-        if action is not None:
-            if action == child.kill:
-                log.warning("executor ignored SIGTERM; killing it", pid=child.pid)
-            with contextlib.suppress(ProcessLookupError):
-                action()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(child.wait(), timeout)
-    log.info("executor ended", returncode=child.returncode)

@@ -39,7 +39,14 @@ class SchedulerConfig:
     executor_timeout_s: float = 120.0
     stats_interval_s: float = 10.0
     enable_prefix_caching: bool = True
-    preemption_mode: str = "auto"  # see Scheduler._preemption_mode
+    preemption_mode: str = "auto"  # see preemption.preemption_mode
+    # Fault tolerance: how long requests of a lost executor wait for the next one; the
+    # executor channel's secret (None: $FOLIO_CHANNEL_SECRET, else an unauthenticated channel,
+    # allowed on loopback only unless insecure_channel); serve: restarts of a crashed executor.
+    resume_timeout_s: float = 120.0
+    channel_secret_file: str | None = None
+    insecure_channel: bool = False
+    executor_max_restarts: int = 5
     # Executor flags, used only when the scheduler spawns the executor (serve).
     block_size: int | None = None
     num_kv_blocks: int | None = None
@@ -67,6 +74,12 @@ class SchedulerConfig:
         if self.executor_timeout_s <= 0:
             raise ValueError("--executor-timeout must be a positive number of seconds, "
                              f"got {self.executor_timeout_s}")
+        if not 0 < self.resume_timeout_s < 1e9:
+            raise ValueError("--resume-timeout must be a positive number of seconds, "
+                             f"got {self.resume_timeout_s}")
+        if self.executor_max_restarts < 0:
+            raise ValueError("--executor-max-restarts must be >= 0, "
+                             f"got {self.executor_max_restarts}")
         if self.stats_interval_s <= 0:
             raise ValueError("--stats-interval must be a positive number of seconds, "
                              f"got {self.stats_interval_s}")
@@ -128,6 +141,18 @@ def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentPars
                    help="how to free KV blocks when they run out: auto (swap a long context "
                    "to the executor's CPU pool if it has room, else recompute), recompute, or "
                    "swap (default auto)")
+    f = p.add_argument_group("fault tolerance and the executor channel")
+    f.add_argument("--resume-timeout", dest="resume_timeout_s", type=float, default=120.0,
+                   help="seconds the requests of a lost executor wait for the next one before "
+                   "failing with UNAVAILABLE (default 120)")
+    f.add_argument("--channel-secret-file",
+                   help="file holding the executor channel's shared secret (default: "
+                   "$FOLIO_CHANNEL_SECRET; serve generates one for its executor)")
+    f.add_argument("--insecure-channel", action="store_true",
+                   help="accept unauthenticated executors on a non-loopback address")
+    f.add_argument("--executor-max-restarts", type=int, default=5,
+                   help="serve: restarts of a crashed executor in a row before the server "
+                   "gives up and exits (default 5; 0 = never restart)")
     g = p.add_argument_group("executor flags (passed through by serve)")
     g.add_argument("--block-size", type=int)
     g.add_argument("--num-kv-blocks", type=int)

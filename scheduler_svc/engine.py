@@ -1,17 +1,25 @@
-"""The engine loop: handshake with the executor, then schedule -> plan -> result -> outputs.
+"""The engine loop: executor connections, then schedule -> plan -> result -> outputs, forever.
 
 One asyncio task runs the loop; gRPC handlers call `submit`/`abort` from the same event loop,
-so no locks are needed. A reader task moves every channel message into `_inbox`, so the loop
-can wait on "a message or new work" without racing two readers on the socket.
+so no locks are needed. A reader task moves every channel event into `_inbox`, so the loop can
+wait on "an event or new work" without racing two readers on the socket.
 
-    handlers --submit/abort--> Scheduler <--schedule/update-- loop --StepPlan--> executor
-       ^                                                       |   <--StepResult--
-       +------------- RequestStream queues <-- outputs --------+
+    handlers --submit/abort--> Registry --admit--> Scheduler <--schedule/update-- loop
+       ^                          ^                                  | StepPlan / StepResult
+       +-- client queues <-- OutputProcessor <-- StepOutputs --------+  (ZeroMQ, executor)
 
-The engine holds the state that changes with the executor (its ExecutorInfo and a Scheduler
-made for it) and moves it through connect / replace / lose. What needs none of that state lives
-beside it: checks of a request against the executor (`inputs.py`), the Hello check, the new
-Scheduler and the connection log (`handshake.py`), ServerStats and the stats line (`stats.py`).
+Failure model (what survives what):
+- a bad request: refused at submit with a status; nothing else notices.
+- a bad channel message: logged (rate-limited) and dropped; the reader never dies.
+- a failed step (ExecutorError): the requests of that step end with INTERNAL.
+- the executor's death (connection closed, heartbeat silence, or no result within
+  --executor-timeout): health goes NOT_SERVING at once, the Scheduler is dropped, and every
+  request waits in the registry, its stream open. The next executor to connect gets every
+  unfinished request again, recomputed from prompt + streamed tokens (no token lost, none
+  repeated). A request still waiting after --resume-timeout ends with UNAVAILABLE.
+- a bug in the scheduler (an exception in this loop): the requests of the step involved end
+  with INTERNAL; the Scheduler is rebuilt from the registry and the executor told to drop its
+  state; every other request resumes as after an executor loss, on the same executor.
 """
 
 from __future__ import annotations
@@ -24,142 +32,127 @@ from collections.abc import Awaitable, Callable
 import structlog
 import zmq
 
-from protos.channel import ProtocolError, SchedulerEnd
+from protos.channel import AuthFailed, BadMessage, PeerLost, SchedulerEnd
 from protos.plan import (
     PROTOCOL_VERSION,
     ExecutorError,
     Hello,
     Message,
     Reject,
-    SamplingSpec,
     Shutdown,
     StepPlan,
     StepResult,
     Welcome,
 )
+from scheduler_svc.admission import admit
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.errors import DuplicateRequest, ExecutorFailed, ExecutorUnavailable, Overloaded
-from scheduler_svc.handshake import ExecutorInfo, check_hello, log_connected, new_scheduler
-from scheduler_svc.inputs import check_beam_fits, check_for_executor
-from scheduler_svc.request import (
-    Request,
-    RequestOutput,
-    RequestStatus,
-    RequestStream,
-    SubmitParams,
+from scheduler_svc.errors import (
+    DuplicateRequest,
+    ExecutorFailed,
+    ExecutorUnavailable,
+    FolioError,
+    Overloaded,
 )
-from scheduler_svc.scheduler import Scheduler, StepOutput
-from scheduler_svc.sequence_group import BeamGroup, ParallelGroup, SequenceGroup
+from scheduler_svc.handshake import ExecutorInfo, check_hello, log_connected, new_scheduler
+from scheduler_svc.inputs import check_for_executor
+from scheduler_svc.log_limit import LogLimiter
+from scheduler_svc.output_processor import OutputProcessor
+from scheduler_svc.registry import ClientRequest, Registry, SequenceOutput
+from scheduler_svc.request import RequestStatus, SubmitParams
+from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.stats import COUNTERS, StatsLogger, retire_counters, server_stats
 from scheduler_svc.tokenizer import Tokenizer
 
 log = structlog.get_logger("folio.scheduler.engine")
 
 MAX_WAITING_REQUESTS = 65536  # beyond this, new requests get RESOURCE_EXHAUSTED
+MAX_INBOX = 4096  # queued channel events; beyond it, only the connected executor's are kept
 NO_EXECUTOR = ("no executor connected; start one with `python -m executor_svc --model DIR "
                "--scheduler-address ADDR`, or wait until it has loaded the model")
+ANOTHER_EXECUTOR = ("another executor is connected to this scheduler; this one is refused "
+                    "while it serves (it will be welcomed if that one is lost)")
+UNKNOWN_EXECUTOR = "this scheduler has no handshake with this connection; send Hello"
+
+# (connected, reason) -> None: health, and the supervisor of a spawned executor.
+ExecutorCallback = Callable[[bool, str], Awaitable[None]]
 
 
 class Engine:
     def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer, channel: SchedulerEnd,
-                 on_executor_change: Callable[[bool], Awaitable[None]] | None = None):
+                 on_executor_change: ExecutorCallback | None = None,
+                 shutdown_executor_on_stop: bool = False):
         self.config = config
         self.tokenizer = tokenizer
         self.channel = channel
+        self.registry = Registry()
+        self.outputs = OutputProcessor(self.registry)
         self.executor: ExecutorInfo | None = None
         self.scheduler: Scheduler | None = None
         self._hello: Hello | None = None  # the connected executor's Hello
         self._on_executor_change = on_executor_change
-        self._inbox: asyncio.Queue[tuple[bytes, Message]] = asyncio.Queue()
+        self._shutdown_executor_on_stop = shutdown_executor_on_stop
+        self._inbox: asyncio.Queue = asyncio.Queue()
         self._wakeup = asyncio.Event()
         self._stopping = False
         self._next_arrival = 0
+        self._next_step_id = 0
+        self.num_executor_losses = 0
         self.stats = StatsLogger(config.stats_interval_s)
+        self._warn = LogLimiter(log)
         # Counters of schedulers retired with their executor, for cumulative ServerStats.
         self._past_totals = dict.fromkeys(COUNTERS, 0)
 
     # ---- called by gRPC handlers -----------------------------------------------------------
 
-    def submit(self, params: SubmitParams) -> RequestStream:
-        """Queue a request; raise a FolioError the client can act on when it cannot run."""
+    def submit(self, params: SubmitParams) -> ClientRequest:
+        """Queue a request; raise a FolioError the client can act on when it cannot run.
+        The returned request's `queue` receives its stream's messages."""
         if self.scheduler is None or self.executor is None:
             raise ExecutorUnavailable(NO_EXECUTOR)
         max_tokens = check_for_executor(params, self.executor.vocab_size,
                                         self.executor.max_model_len)
-        if params.req_id in self.scheduler.requests or params.req_id in self.scheduler.groups:
+        if params.req_id in self.registry:
             raise DuplicateRequest(f"request_id {params.req_id!r} is already in use by a "
                                    "waiting or running request; pick another or leave it empty")
         if len(self.scheduler.waiting) >= MAX_WAITING_REQUESTS:
             raise Overloaded(f"{len(self.scheduler.waiting)} requests are already waiting; "
                              "retry later")
-        if not params.sequence.is_single:
-            return self._submit_group(params, max_tokens)
-        stream = RequestStream(IncrementalDetokenizer(self.tokenizer))
-        req = Request(req_id=params.req_id, prompt_token_ids=list(params.prompt_token_ids),
-                      sampling=params.sampling, max_tokens=max_tokens,
-                      arrival=self._next_arrival, eos_token_ids=self.tokenizer.eos_token_ids,
-                      stop_token_ids=frozenset(params.stop_token_ids),
-                      ignore_eos=params.ignore_eos, stream=stream)
+        client = ClientRequest(
+            params.req_id, params, max_tokens, self._next_arrival,
+            [SequenceOutput(i, IncrementalDetokenizer(self.tokenizer))
+             for i in range(params.sequence.n)])
+        admit(self.scheduler, client, self.executor, self.tokenizer.eos_token_ids)
         self._next_arrival += 1
-        self.scheduler.add_request(req)
+        self.registry.add(client)
         self._wakeup.set()
-        log.debug("request queued", req_id=req.req_id, num_prompt_tokens=req.num_prompt_tokens,
-                  max_tokens=max_tokens)
-        return stream
-
-    def _submit_group(self, params: SubmitParams, max_tokens: int) -> RequestStream:
-        """n > 1 or beam search: one stream whose n sequences share the prompt's blocks."""
-        seq, arrival = params.sequence, self._next_arrival
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()  # one gRPC stream for all n
-        streams = [RequestStream(IncrementalDetokenizer(self.tokenizer), queue)
-                   for _ in range(seq.n)]
-        stop_token_ids = frozenset(params.stop_token_ids)
-
-        def new_request(seq_id: str, prompt: list[int], sampling: SamplingSpec,
-                        stream: RequestStream | None, index: int) -> Request:
-            return Request(req_id=seq_id, prompt_token_ids=prompt, sampling=sampling,
-                           max_tokens=max_tokens, arrival=arrival,
-                           eos_token_ids=self.tokenizer.eos_token_ids,
-                           stop_token_ids=stop_token_ids, ignore_eos=params.ignore_eos,
-                           stream=stream, index=index)
-
-        group: SequenceGroup
-        if seq.is_beam_search:
-            check_beam_fits(params, max_tokens, self.scheduler.block_manager)
-            # A beam ends on the ids that would stop a sequence.
-            eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
-            group = BeamGroup(params.req_id, seq, params.prompt_token_ids, max_tokens,
-                              stop_token_ids | eos, self.executor.vocab_size, new_request,
-                              streams)
-        else:
-            group = ParallelGroup(params.req_id, seq, params.prompt_token_ids, params.sampling,
-                                  new_request, streams)
-        if taken := [m.req_id for m in group.members() if m.req_id in self.scheduler.requests]:
-            raise DuplicateRequest(f"request ids {taken} of this request's sequences are in "
-                                   "use; pick another request_id or leave it empty")
-        self._next_arrival += 1
-        self.scheduler.add_group(group)
-        self._wakeup.set()
-        log.debug("request queued", req_id=params.req_id, n=seq.n, beam_width=seq.beam_width,
+        log.debug("request queued", req_id=client.req_id, n=params.sequence.n,
+                  beam_width=params.sequence.beam_width,
                   num_prompt_tokens=len(params.prompt_token_ids), max_tokens=max_tokens)
-        return streams[0]
+        return client
 
     def abort(self, req_id: str) -> bool:
-        """Abort a waiting or running request; its stream ends with an ABORT message (one per
-        unfinished sequence of a group)."""
-        if self.scheduler is not None and req_id in self.scheduler.groups:
-            self._emit([StepOutput(r, [], True) for r in self.scheduler.abort_group(req_id)])
-            self._wakeup.set()
-            log.info("request aborted", req_id=req_id)
-            return True
-        req = self.scheduler.abort_request(req_id) if self.scheduler else None
-        if req is None:
+        """Abort a request; its stream ends with an ABORT message per unfinished sequence."""
+        client = self.registry.get(req_id)
+        if client is None:
             return False
-        self._emit([StepOutput(req, [], True)])
+        self._drop_from_scheduler(client)
+        self.outputs.abort(client)
         self._wakeup.set()
         log.info("request aborted", req_id=req_id)
         return True
+
+    def server_stats(self) -> dict[str, int | bool]:
+        """ServerStats fields: counters cover every executor this server has had; without an
+        executor, requests waiting for one count as waiting."""
+        stats = server_stats(self.scheduler, self._past_totals, self.executor is not None)
+        if self.scheduler is None:
+            stats["num_waiting"] = len(self.registry)
+        return stats
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -170,58 +163,70 @@ class Engine:
                 self._wakeup.clear()
                 try:
                     await self._iterate()
-                except Exception as e:  # a scheduler bug: end every request, keep serving
+                except Exception as e:  # a scheduler bug: scope it, keep serving
                     log.exception("engine step failed")
-                    await self._close_executor(f"internal scheduler error ({e!r}); the "
-                                               "executor was reset", send_shutdown=True)
+                    await self._recover(e)
                 self._log_stats()
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
-            await self._close_executor("the server is shutting down")
+            await self._close("the server is shutting down")
 
     async def _iterate(self) -> None:
-        """One turn of the loop: a step if there is one to run, else wait for work."""
+        """One turn of the loop: a step if there is one to run, else wait for an event."""
+        self._expire_suspended()
         if self.scheduler is not None and self.scheduler.has_unfinished():
             if (plan := self.scheduler.schedule()) is not None:
                 await self._run_step(plan)
                 return
-        await self._wait_for_message()
-
-    def server_stats(self) -> dict[str, int | bool]:
-        """ServerStats fields: counters cover every executor this server has had."""
-        return server_stats(self.scheduler, self._past_totals, self.executor is not None)
-
-    def stop(self) -> None:
-        self._stopping = True
-        self._wakeup.set()
+        await self._wait_for_event()
 
     async def _read_channel(self) -> None:
+        num_read = 0
         while True:
+            num_read += 1
+            if num_read % 32 == 0:
+                await asyncio.sleep(0)  # queued events return without yielding: let others run
             try:
-                self._inbox.put_nowait(await self.channel.recv())
-            except ProtocolError as e:
-                log.warning("dropped a malformed executor message", error=str(e))
+                event = await self.channel.recv()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug in the channel code: never let the reader die of it
+                log.exception("reading the executor channel failed")
+                await asyncio.sleep(0.1)
+                continue
+            match event:
+                # Only logged: handled here, so a flood of them never reaches the loop.
+                case BadMessage(reason=reason):
+                    self._warn.warning("dropped a malformed executor-channel message",
+                                       error=reason, known_executor=self._from_executor(event))
+                case AuthFailed(reason=reason):
+                    self._warn.warning("refused an executor-channel connection", reason=reason)
+                case _ if self._inbox.qsize() >= MAX_INBOX and not self._from_executor(event):
+                    self._warn.warning("dropped executor-channel traffic: too many queued "
+                                       "events")
+                case _:
+                    self._inbox.put_nowait(event)
 
-    async def _wait_for_message(self) -> None:
-        """Idle: sleep until new work arrives, or handle what the executor sends meanwhile."""
+    def _from_executor(self, event) -> bool:
+        identity = event[0] if isinstance(event, tuple) else getattr(event, "identity", None)
+        return self.executor is not None and identity == self.executor.identity
+
+    async def _wait_for_event(self) -> None:
+        """Idle: sleep until new work, an event from the channel, or a resume deadline."""
+        timeout = self.config.stats_interval_s
+        if self.scheduler is None and len(self.registry):
+            timeout = min(timeout, 0.5)  # resume deadlines are checked at each turn
         wake = asyncio.create_task(self._wakeup.wait())
         get = asyncio.create_task(self._inbox.get())
-        done, _ = await asyncio.wait({wake, get}, timeout=self.config.stats_interval_s,
+        done, _ = await asyncio.wait({wake, get}, timeout=timeout,
                                      return_when=asyncio.FIRST_COMPLETED)
         wake.cancel()
         if get in done:
-            await self._handle_unsolicited(*get.result())
+            await self._handle(get.result())
         else:
             get.cancel()
-
-    async def _handle_unsolicited(self, identity: bytes, msg: Message) -> None:
-        match msg:
-            case Hello():
-                await self._handshake(identity, msg)
-            case _:
-                log.warning("ignored an unexpected executor message", message=type(msg).__name__)
 
     async def _run_step(self, plan: StepPlan) -> None:
         info = self.executor
@@ -229,6 +234,7 @@ class Engine:
         step_log.debug("step planned", num_new=len(plan.new_reqs),
                        num_cached=len(plan.cached_reqs),
                        num_scheduled_tokens=plan.num_scheduled_tokens)
+        self._next_step_id = plan.step_id + 1
         try:
             await self.channel.send(info.identity, plan)
         except zmq.ZMQError as e:
@@ -237,118 +243,204 @@ class Engine:
         deadline = time.monotonic() + self.config.executor_timeout_s
         while (remaining := deadline - time.monotonic()) > 0:
             try:
-                identity, msg = await asyncio.wait_for(self._inbox.get(), remaining)
+                event = await asyncio.wait_for(self._inbox.get(), remaining)
             except TimeoutError:
                 break
-            match msg:
-                case StepResult(step_id=plan.step_id) if identity == info.identity:
-                    self.stats.record_step(plan.num_scheduled_tokens, len(msg.sampled))
-                    self._emit(self.scheduler.update(msg))
+            match event:
+                case (identity, StepResult(step_id=plan.step_id) as result) \
+                        if identity == info.identity:
+                    self.stats.record_step(plan.num_scheduled_tokens, len(result.sampled))
+                    self.outputs.process(self.scheduler.update(result))
                     return
-                case ExecutorError(step_id=plan.step_id) if identity == info.identity:
-                    self._fail_step(plan, msg.message)
+                case (identity, ExecutorError(step_id=plan.step_id) as error) \
+                        if identity == info.identity:
+                    self._fail_step(plan, error.message)
                     return
-                case Hello() if self._is_resent_hello(identity, msg):
-                    await self._send_quietly(identity, Welcome(PROTOCOL_VERSION))
-                case Hello():
-                    if await self._handshake(identity, msg):
-                        return  # replaced mid-step: the old executor's requests failed
-                case _:
-                    step_log.warning("ignored an unexpected executor message",
-                                     message=type(msg).__name__)
+            await self._handle(event)
+            if self.executor is not info:
+                return  # lost while the step ran; its requests wait in the registry
         await self._lose_executor(f"no result for step {plan.step_id} within "
                                   f"{self.config.executor_timeout_s:g}s")
+        # If it ever wakes up: drop its state and say Hello again.
+        await self._send_quietly(info.identity, Reject(UNKNOWN_EXECUTOR, retry=True))
+
+    async def _handle(self, event) -> None:
+        """Any channel event other than the in-flight step's answer."""
+        match event:
+            case PeerLost(identity=identity):
+                if self.executor is not None and identity == self.executor.identity:
+                    await self._lose_executor("its connection closed")
+            case (identity, Hello() as hello):
+                await self._handshake(identity, hello)
+            case (identity, msg) if not self._from_executor(event):
+                self._warn.warning("ignored a message from an unknown executor connection",
+                                   message=type(msg).__name__)
+                if isinstance(msg, StepResult | ExecutorError):
+                    # An executor that served an earlier scheduler (or connection): make it
+                    # drop its state and say Hello again.
+                    await self._send_quietly(identity, Reject(UNKNOWN_EXECUTOR, retry=True))
+            case (_, msg):
+                self._warn.warning("ignored an unexpected executor message",
+                                   message=type(msg).__name__)
 
     def _fail_step(self, plan: StepPlan, message: str) -> None:
         log.error("executor failed a step", step=plan.step_id, error=message)
         failed = self.scheduler.fail_requests(self.scheduler.abandon_in_flight())
         error = ExecutorFailed(f"the executor failed step {plan.step_id}: {message}")
-        for req in failed:
-            if req.stream is not None:
-                req.stream.put(RequestOutput([], error=error))
-
-    def _emit(self, outputs: list[StepOutput]) -> None:
-        """Turn step outputs into stream messages: token ids, text delta, finish, usage."""
-        for out in outputs:
-            req, stream = out.req, out.req.stream
-            if stream is None:
-                continue
-            text = stream.detokenizer.push(out.new_token_ids) if stream.detokenizer else ""
-            if out.finished and stream.detokenizer:
-                text += stream.detokenizer.flush()
-            stream.put(RequestOutput(
-                token_ids=out.new_token_ids, text=text,
-                finish_status=req.status if out.finished else None,
-                num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
-                num_cached_tokens=req.num_cached_tokens, index=req.index))
-            if out.finished:
-                log.debug("request finished", req_id=req.req_id, status=req.status.value,
-                          num_output_tokens=req.num_output_tokens)
+        for client in self._clients_of(r.req_id for r in failed):
+            self._end_client(client, error)
 
     # ---- executor lifecycle ----------------------------------------------------------------
-
-    def _is_resent_hello(self, identity: bytes, hello: Hello) -> bool:
-        # An executor resends Hello until answered; a copy arriving after our Welcome is no
-        # restart (a restarted process connects with a new identity).
-        return self.executor is not None and identity == self.executor.identity \
-            and hello == self._hello
 
     async def _send_quietly(self, identity: bytes, msg: Message) -> bool:
         try:
             await self.channel.send(identity, msg)
             return True
-        except zmq.ZMQError as e:  # the peer vanished; whoever waits on it times out
-            log.warning("could not send to the executor", message=type(msg).__name__,
+        except zmq.ZMQError as e:  # the peer vanished; its PeerLost event follows
+            log.warning("could not send to an executor", message=type(msg).__name__,
                         error=str(e))
             return False
 
-    async def _handshake(self, identity: bytes, hello: Hello) -> bool:
-        """Answer a Hello; True if this executor is now the connected one."""
-        if self._is_resent_hello(identity, hello):
-            await self._send_quietly(identity, Welcome(PROTOCOL_VERSION))
-            return False
+    async def _handshake(self, identity: bytes, hello: Hello) -> None:
+        if self.executor is not None:
+            if identity == self.executor.identity:
+                # An executor resends Hello until answered: a copy after our Welcome is no
+                # restart (a restarted process connects anew, with a new identity).
+                if hello == self._hello:
+                    await self._send_quietly(identity, Welcome(PROTOCOL_VERSION))
+                else:
+                    self._warn.warning("ignored a changed Hello from the connected executor")
+                return
+            self._warn.warning("refused a second executor", executor_id=hello.executor_id)
+            await self._send_quietly(identity, Reject(ANOTHER_EXECUTOR, retry=True))
+            return
         reason = check_hello(hello, self.tokenizer)
-        if reason is not None:  # a bad newcomer does not disturb a connected executor
+        if reason is not None:
             log.error("executor rejected", executor_id=hello.executor_id, reason=reason)
             await self._send_quietly(identity, Reject(reason))
-            return False
-        if self.executor is not None:
-            # A new executor replaces the old one (a restart): the old KV state is gone.
-            await self._close_executor("a new executor replaced the one running this request",
-                                       send_shutdown=True)
+            return
         info = ExecutorInfo.from_hello(identity, hello, self.config.max_model_len)
-        self.executor, self._hello = info, hello
-        self.scheduler = new_scheduler(info, hello, self.config)
         if not await self._send_quietly(identity, Welcome(PROTOCOL_VERSION)):
-            self.executor = self.scheduler = self._hello = None
-            return False
+            return
+        self.executor, self._hello = info, hello
+        self.scheduler = new_scheduler(info, hello, self.config,
+                                       first_step_id=self._next_step_id)
         log_connected(info, hello, self.config)
+        self._readmit_all()
         if self._on_executor_change is not None:
-            await self._on_executor_change(True)
-        return True
+            await self._on_executor_change(True, "connected")
 
     async def _lose_executor(self, reason: str) -> None:
-        log.error("executor lost", reason=reason)
-        await self._close_executor(f"the executor was lost ({reason}); retry once it is back")
-
-    async def _close_executor(self, reason: str, send_shutdown: bool = False) -> None:
-        """Fail every unfinished request with UNAVAILABLE and forget the executor."""
-        info, scheduler = self.executor, self.scheduler
-        if info is None:
+        """The executor is gone: keep every request for the next one, report NOT_SERVING."""
+        if self.executor is None:
             return
-        self.executor, self.scheduler = None, None
-        error = ExecutorUnavailable(reason)
-        # Group outputs not scheduled yet (beam results, children before the fork) too.
-        for req in [*scheduler.requests.values(),
-                    *(r for g in scheduler.groups.values() for r in g.outputs)]:
-            req.status = RequestStatus.FINISHED_ERROR
-            if req.stream is not None:
-                req.stream.put(RequestOutput([], error=error))
-        retire_counters(self._past_totals, scheduler)
-        if send_shutdown or self._stopping:
-            await self._send_quietly(info.identity, Shutdown())
+        self._retire_scheduler()
+        self.executor = self._hello = None
+        self.num_executor_losses += 1
+        num_waiting = self.registry.suspend_all(time.monotonic())
+        log.error("executor lost; requests wait for the next one", reason=reason,
+                  num_requests=num_waiting, resume_timeout_s=self.config.resume_timeout_s)
         if self._on_executor_change is not None:
-            await self._on_executor_change(False)
+            await self._on_executor_change(False, reason)
+
+    def _retire_scheduler(self) -> None:
+        if self.scheduler is not None:
+            retire_counters(self._past_totals, self.scheduler)
+            self._next_step_id = max(self._next_step_id, self.scheduler.next_step_id)
+        self.scheduler = None
+
+    def _readmit_all(self) -> None:
+        """Queue every unfinished request on the new Scheduler, in arrival order."""
+        num_resumed = 0
+        for client in self.registry:
+            if client.suspended_at is not None:
+                client.suspended_at = None
+                client.num_resumes += 1
+            try:
+                no_room = admit(self.scheduler, client, self.executor,
+                                self.tokenizer.eos_token_ids)
+            except FolioError as e:
+                self._end_client(client, ExecutorUnavailable(
+                    f"the request cannot resume on the new executor: {e}"))
+                continue
+            for seq in no_room:
+                self.outputs.finish(client, seq, RequestStatus.FINISHED_LENGTH)
+            num_resumed += 1
+        if num_resumed:
+            log.info("requests resumed", num_requests=num_resumed)
+
+    def _expire_suspended(self) -> None:
+        if self.scheduler is not None:
+            return
+        for client in self.registry.expired(time.monotonic(), self.config.resume_timeout_s):
+            self._end_client(client, ExecutorUnavailable(
+                f"the executor was lost and none came back within "
+                f"{self.config.resume_timeout_s:g}s; retry later"))
+
+    async def _recover(self, error: Exception) -> None:
+        """After an exception in the loop: end the requests it most likely concerns, and
+        rebuild the Scheduler from the registry on the same executor."""
+        sched = self.scheduler
+        if sched is None or self.executor is None:
+            return
+        try:
+            blamed = sched.abandon_in_flight() or sched.running_ids() or \
+                [r.req_id for r in list(sched.waiting)[:1]]
+            failure = ExecutorFailed(f"internal scheduler error ({type(error).__name__}: "
+                                     f"{error}) while running this request; see the server log")
+            self._retire_scheduler()
+            for client in self._clients_of(blamed):
+                self._end_client(client, failure)
+            self.scheduler = new_scheduler(self.executor, self._hello, self.config,
+                                           first_step_id=self._next_step_id,
+                                           reset_executor=True)
+            self._readmit_all()
+        except Exception:
+            log.exception("recovering from a scheduler error failed; ending every request")
+            self.scheduler = None
+            for client in self.registry:
+                self.outputs.fail(client, ExecutorFailed("internal scheduler error; see the "
+                                                         "server log"))
+            self.scheduler = new_scheduler(self.executor, self._hello, self.config,
+                                           first_step_id=self._next_step_id,
+                                           reset_executor=True)
+
+    async def _close(self, reason: str) -> None:
+        """Shutting down: end every request with UNAVAILABLE."""
+        error = ExecutorUnavailable(reason)
+        for client in self.registry:
+            self.outputs.fail(client, error)
+        info = self.executor
+        self._retire_scheduler()
+        self.executor = self._hello = None
+        if info is not None and self._shutdown_executor_on_stop:
+            await self._send_quietly(info.identity, Shutdown())
+        if info is not None and self._on_executor_change is not None:
+            await self._on_executor_change(False, reason)
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _clients_of(self, seq_ids) -> list[ClientRequest]:
+        """The client requests these scheduler sequence ids belong to (ids are "<id>" or
+        "<id>/<suffix>", and a client id never contains '/')."""
+        found: dict[str, ClientRequest] = {}
+        for seq_id in seq_ids:
+            client = self.registry.get(seq_id.split("/", 1)[0])
+            if client is not None:
+                found[client.req_id] = client
+        return list(found.values())
+
+    def _drop_from_scheduler(self, client: ClientRequest) -> None:
+        if self.scheduler is None:
+            return
+        if client.is_group:
+            self.scheduler.abort_group(client.req_id)
+        for seq in client.sequences:  # resumed group sequences run as plain requests
+            self.scheduler.abort_request(client.seq_id(seq.index))
+
+    def _end_client(self, client: ClientRequest, error: FolioError) -> None:
+        self._drop_from_scheduler(client)
+        self.outputs.fail(client, error)
 
     def _log_stats(self) -> None:
         stats = self.server_stats()

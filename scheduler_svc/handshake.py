@@ -1,8 +1,10 @@
 """Connecting an executor: checking its Hello, the model facts the scheduler keeps from it, and
 the fresh Scheduler (with a BlockManager sized by the Hello) that serves it.
 
-`Engine._handshake` runs these steps and answers Welcome or Reject; a new executor replaces a
-connected one, whose requests fail, because its KV state is gone with it.
+`Engine._handshake` runs these steps and answers Welcome or Reject. One executor is connected at
+a time: a Hello from another connection while one is connected is refused with a retryable
+Reject (it is never swapped in); once the connected one is lost, the next Hello is welcomed and
+every unfinished request resumes on it (registry.py).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ def check_hello(hello: Hello, tokenizer: Tokenizer) -> str | None:
     if hello.protocol_version != PROTOCOL_VERSION:
         return (f"executor speaks protocol v{hello.protocol_version}, this scheduler "
                 f"v{PROTOCOL_VERSION}; run matching versions")
+    if hello.vocab_size < 1:
+        return "executor reported an empty vocabulary; check its model"
     if hello.block_size < 1 or hello.num_kv_blocks < 1:
         return (f"executor reported {hello.num_kv_blocks} KV blocks of {hello.block_size} "
                 "tokens; it needs at least one block (give it more --kv-cache-memory)")
@@ -68,13 +72,17 @@ def check_hello(hello: Hello, tokenizer: Tokenizer) -> str | None:
     return None
 
 
-def new_scheduler(info: ExecutorInfo, hello: Hello, config: SchedulerConfig) -> Scheduler:
-    """The scheduler for a newly connected executor: its KV pool and CPU swap pool, empty."""
+def new_scheduler(info: ExecutorInfo, hello: Hello, config: SchedulerConfig, *,
+                  first_step_id: int = 0, reset_executor: bool = False) -> Scheduler:
+    """A scheduler for the executor `info`: its KV pool and CPU swap pool, empty. Step ids
+    continue from `first_step_id`, so a late answer to an older plan never matches a new
+    one; `reset_executor` makes the first plan tell the executor to drop what it holds."""
     return Scheduler(
         BlockManager(info.num_kv_blocks, info.block_size, max(0, hello.num_swap_blocks)),
         config.max_num_seqs, config.max_num_batched_tokens, info.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
-        preemption_mode=config.preemption_mode)
+        preemption_mode=config.preemption_mode, first_step_id=first_step_id,
+        reset_executor=reset_executor)
 
 
 def log_connected(info: ExecutorInfo, hello: Hello, config: SchedulerConfig) -> None:

@@ -1,4 +1,6 @@
-"""Per-request state held by the scheduler, and what it streams back to the gRPC handler.
+"""Per-sequence state held by the scheduler, the validated public request, and what a stream
+receives (`RequestOutput`). What a client is owed across executor restarts lives in
+`registry.py`; a `Request` here lives and dies with one Scheduler (one executor connection).
 
 Lifecycle:
 
@@ -15,12 +17,10 @@ it keeps num_computed_tokens; swapped in, it resumes where it stopped.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 from dataclasses import dataclass, field
 
 from protos.plan import SamplingSpec
-from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.sequence_params import SequenceParams
 
 
@@ -65,19 +65,6 @@ class RequestOutput:
     index: int = 0  # which of the request's n sequences this output belongs to
 
 
-class RequestStream:
-    """The engine's handle on one sequence of a gRPC stream: the stream's queue of outputs
-    (shared by the n sequences of a group) plus this sequence's detokenizer."""
-
-    def __init__(self, detokenizer: IncrementalDetokenizer | None,
-                 queue: asyncio.Queue[RequestOutput] | None = None):
-        self.detokenizer = detokenizer
-        self.queue: asyncio.Queue[RequestOutput] = queue if queue is not None else asyncio.Queue()
-
-    def put(self, output: RequestOutput) -> None:
-        self.queue.put_nowait(output)
-
-
 @dataclass(eq=False)
 class Request:
     req_id: str
@@ -91,8 +78,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV the executor holds
     status: RequestStatus = RequestStatus.WAITING
-    num_preemptions: int = 0
-    stream: RequestStream | None = None
+    num_preemptions: int = 0  # by the scheduler, or (resumed) by the loss of an executor
     # Prefix caching: requests share cached blocks only under the same salt (not yet in the
     # public API). `block_keys` holds the keys of the leading full blocks of all_token_ids,
     # extended only when needed (`prefix_cache.request_block_keys`), not at every token.

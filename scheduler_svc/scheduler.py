@@ -7,12 +7,16 @@ long prompt spreads over several steps. `max_num_batched_tokens` bounds every st
 1. running requests that decode (one token each), oldest first: streams never stall;
 2. running requests mid-prompt, oldest first, with what budget is left;
 3. (blocks) while the blocks those need exceed the free ones, preempt the newest running
-   request, by swap or recompute (`preemption.py`: policy and mechanics); the oldest is never
+   request, by swap or recompute (`preemption.py` decides which); the oldest is never
    preempted while another runs, so it always finishes, and a request fits the pool alone;
-4. swapped-out requests, oldest first, swapped back in (not in a step that preempted;
-   `preemption.resume_swapped`);
+4. swapped-out requests, oldest first, swapped back in (not in a step that preempted);
 5. waiting requests, FCFS (not after a preemption, nor while any request is swapped out),
    each reusing every cached block of its leading tokens (prefix caching, `prefix_cache.py`).
+
+One owner: this class makes every state transition (queues, statuses, block tables, what the
+executor holds). `preemption.py` and the sequence groups only return decisions, which it
+applies. A Scheduler serves one executor connection; what outlives the connection (every
+client's request and the tokens streamed so far) is in `registry.py`.
 
 Invariants between plans (one plan is in flight at a time):
 - `running` and `swapped` are sorted by arrival (oldest first); `waiting` is FCFS with
@@ -24,8 +28,7 @@ Invariants between plans (one plan is in flight at a time):
   preempted lists. A held request whose table changed under copy-on-write is re-sent as a
   NewRequest (the executor replaces its copy), because CachedRequest can only append blocks.
   So is a running request the executor does not hold yet: a sequence forked from another.
-- sequence groups (n > 1, beam search; `sequence_group.py`, which also holds what the scheduler
-  does with them) run as ordinary requests, except that a beam waiting for its siblings'
+- sequence groups (n > 1, beam search; `sequence_group.py`) run as ordinary requests, except that a beam waiting for its siblings'
   logprobs lacks no token (it is skipped), and that preempting a beam restarts its whole search.
 - admissions (4-5) keep the running requests within `max_num_seqs` sequence slots, a group
   counting what it forks into (`num_seq_slots`: n for a parallel-sampling parent, beam_width
@@ -40,18 +43,17 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import structlog
+
 from protos.plan import CachedRequest, NewRequest, StepPlan, StepResult
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import PREEMPTION_MODES
-from scheduler_svc.preemption import make_room, resume_swapped, undo_swap_outs
+from scheduler_svc.preemption import preemption_mode, swap_in_fits
 from scheduler_svc.prefix_cache import cache_computed_blocks, cached_prefix
 from scheduler_svc.request import Request, RequestStatus
-from scheduler_svc.sequence_group import (
-    SequenceGroup,
-    end_group,
-    num_seq_slots,
-    on_hidden_sample,
-)
+from scheduler_svc.sequence_group import BeamGroup, ParallelGroup, SequenceGroup, num_seq_slots
+
+log = structlog.get_logger("folio.scheduler.scheduler")
 
 
 class StepOutput(NamedTuple):
@@ -81,7 +83,8 @@ class _Step:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, *,
-                 enable_prefix_caching: bool = True, preemption_mode: str = "auto"):
+                 enable_prefix_caching: bool = True, preemption_mode: str = "auto",
+                 first_step_id: int = 0, reset_executor: bool = False):
         assert preemption_mode in PREEMPTION_MODES, preemption_mode
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -97,7 +100,8 @@ class Scheduler:
         self._executor_req_ids: set[str] = set()
         self._pending_finished_ids: list[str] = []  # finished or aborted since the last plan
         self._pending_preempted_ids: list[str] = []
-        self._next_step_id = 0
+        self._next_step_id = first_step_id
+        self._reset_executor = reset_executor  # the first plan tells the executor to drop all
         self._in_flight: StepPlan | None = None
         self._in_flight_swapped_out: list[Request] = []
         # Counters for stats.
@@ -136,7 +140,7 @@ class Scheduler:
     def abort_group(self, req_id: str) -> list[Request]:
         """Abort every sequence of a group; returns its outputs that had not finished."""
         group = self.groups.get(req_id)
-        return end_group(self, group, RequestStatus.FINISHED_ABORTED) if group else []
+        return self._end_group(group, RequestStatus.FINISHED_ABORTED) if group else []
 
     def fail_requests(self, req_ids: list[str]) -> list[Request]:
         """Finish these requests with an error: their step failed, and the executor dropped
@@ -147,11 +151,22 @@ class Scheduler:
             self._finish(req, RequestStatus.FINISHED_ERROR)
         # A group cannot go on without one of its sequences: the whole request fails.
         for group in {id(r.group): r.group for r in failed if r.group is not None}.values():
-            failed += end_group(self, group, RequestStatus.FINISHED_ERROR)
+            failed += self._end_group(group, RequestStatus.FINISHED_ERROR)
         return failed
+
+    def unfinished_ids(self) -> list[str]:
+        """Every unfinished sequence id (hidden ones included), for the engine's bookkeeping."""
+        return list(self.requests)
+
+    def running_ids(self) -> list[str]:
+        return [r.req_id for r in self.running]
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def next_step_id(self) -> int:
+        return self._next_step_id
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -162,13 +177,13 @@ class Scheduler:
         # 1-2. Running requests get their tokens: decodes first, then prompt chunks.
         wants = self._budget_running(step)
         # 3. Blocks for them, preempting the newest running requests if need be.
-        wants = make_room(self, wants, step)
+        wants = self._make_room(wants, step)
         for req, num_new in wants:
             self._schedule_running(req, num_new, step)
         # 4-5. Only if nobody had to make room: swapped requests, then waiting ones.
         step.num_seq_slots = num_seq_slots(self.running)
         if not step.preempted:
-            resume_swapped(self, step)
+            self._resume_swapped(step)
         if not step.preempted and not self.swapped:
             self._admit_waiting(step)
         if not (step.new_reqs or step.cached_reqs or step.swap_out or step.block_copies):
@@ -178,7 +193,8 @@ class Scheduler:
                         finished_req_ids=self._pending_finished_ids,
                         preempted_req_ids=self._pending_preempted_ids,
                         block_copies=step.block_copies, swap_out=step.swap_out,
-                        swap_in=step.swap_in)
+                        swap_in=step.swap_in, reset=self._reset_executor)
+        self._reset_executor = False
         self._pending_finished_ids, self._pending_preempted_ids = [], []
         self._next_step_id += 1
         self._in_flight, self._in_flight_swapped_out = plan, step.swapped_out
@@ -208,7 +224,7 @@ class Scheduler:
             if req.group is not None and req not in req.group.outputs:
                 # A parallel-sampling parent or a beam: its draw is no client's token.
                 outputs += [StepOutput(r, list(r.output_token_ids), True)
-                            for r in on_hidden_sample(self, req, logprobs.get(req_id))]
+                            for r in self._on_hidden_sample(req, logprobs.get(req_id))]
                 continue
             new_token_ids: list[int] = []
             finished = False
@@ -226,12 +242,17 @@ class Scheduler:
         return outputs
 
     def abandon_in_flight(self) -> list[str]:
-        """The in-flight step failed: forget it and return the ids it scheduled. Requests it
-        swapped out may hold no KV on the CPU: they start over by recompute."""
+        """The in-flight step failed: forget it and return the ids it scheduled."""
         plan, self._in_flight = self._in_flight, None
         if plan is None:
             return []
-        undo_swap_outs(self, self._in_flight_swapped_out)
+        # Requests it swapped out may have no KV on the CPU: they start over by recompute.
+        for req in self._in_flight_swapped_out:
+            if req.status is RequestStatus.SWAPPED:
+                self.swapped.remove(req)
+                self.block_manager.free(req.req_id)
+                req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
+                self.waiting.appendleft(req)
         self._in_flight_swapped_out = []
         return [r.req_id for r in plan.new_reqs] + [r.req_id for r in plan.cached_reqs]
 
@@ -255,6 +276,70 @@ class Scheduler:
             wants.append((req, num_new))
             step.budget -= num_new
         return wants
+
+    def _make_room(self, wants: list[tuple[Request, int]], step: _Step
+                   ) -> list[tuple[Request, int]]:
+        """Preempt the newest running requests until the blocks `wants` need are free; returns
+        the wants of the requests still running."""
+        bm = self.block_manager
+        while sum(bm.num_blocks_needed(r.req_id, r.num_computed_tokens + n)
+                  for r, n in wants) > bm.num_free_blocks:
+            self._preempt(self.running[-1], step)  # non-empty: wants holds running requests
+            # Not just the victim: preempting a beam ends all beams of its search.
+            wants = [(r, n) for r, n in wants if r.status is RequestStatus.RUNNING]
+        return wants
+
+    def _preempt(self, req: Request, step: _Step) -> None:
+        self.num_preemptions += 1
+        step.preempted = True
+        if isinstance(req.group, BeamGroup):
+            # Beams share blocks and wait for each other every step: resumed one by one they
+            # could hold blocks forever. The search restarts instead; greedy, it replays.
+            log.info("beam search preempted: restarting it", req_id=req.group.req_id,
+                     num_beams=len(req.group.beams))
+            self._restart_beam_search(req.group)
+            return
+        mode = preemption_mode(self.preemption_mode, self.block_manager, req)
+        log.info("request preempted", req_id=req.req_id, mode=mode,
+                 num_computed_tokens=req.num_computed_tokens)
+        self.running.remove(req)
+        if mode == "swap":
+            step.swap_out.extend(self.block_manager.swap_out([req.req_id]))
+            step.swapped_out.append(req)
+            req.status = RequestStatus.SWAPPED
+            bisect.insort(self.swapped, req, key=lambda r: r.arrival)
+            self.num_swap_outs += 1
+        else:
+            self.block_manager.free(req.req_id)
+            req.status = RequestStatus.WAITING
+            req.num_computed_tokens = 0
+            self.waiting.appendleft(req)
+        req.num_preemptions += 1
+        if req.req_id in self._executor_req_ids:
+            self._executor_req_ids.discard(req.req_id)
+            self._pending_preempted_ids.append(req.req_id)
+
+    def _resume_swapped(self, step: _Step) -> None:
+        """Swap requests back in, oldest first, while their blocks, a token and their sequence
+        slots fit. The executor gets each as a NewRequest with all its tokens and new table."""
+        bm = self.block_manager
+        while self.swapped and step.budget > 0:
+            req = self.swapped[0]
+            if not self._fits_seq_cap(req, step):
+                break
+            num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
+            if not swap_in_fits(bm, req, num_new):
+                break  # the oldest goes first; younger ones wait behind it
+            self.swapped.pop(0)
+            step.swap_in.extend(bm.swap_in([req.req_id]))
+            alloc = bm.allocate(req.req_id, req.num_computed_tokens + num_new)
+            if alloc.copy is not None:
+                step.block_copies.append(alloc.copy)
+            self._start_running(req)
+            step.num_seq_slots += num_seq_slots([req])
+            step.new_reqs.append(self._new_request(req, num_new))
+            self._advance(req, num_new)
+            step.budget -= num_new
 
     def _schedule_running(self, req: Request, num_new: int, step: _Step) -> None:
         alloc = self.block_manager.allocate(req.req_id, req.num_computed_tokens + num_new)
@@ -349,3 +434,65 @@ class Scheduler:
         if req.req_id in self._executor_req_ids:
             self._executor_req_ids.discard(req.req_id)
             self._pending_finished_ids.append(req.req_id)
+
+    # ---- sequence groups: the scheduler applies what a group decides -----------------------
+
+    def _fork(self, parent: Request, child: Request) -> None:
+        """`child` takes over `parent`'s computed tokens on shared blocks (ref counts + 1) and
+        runs from the next step, sent to the executor as a new request with the forked table."""
+        assert child.req_id not in self.requests, f"request id {child.req_id} is in use"
+        self.block_manager.fork(parent.req_id, child.req_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.block_keys = list(parent.block_keys)  # the child's tokens extend the parent's
+        self.requests[child.req_id] = child
+        self._start_running(child)
+
+    def _on_hidden_sample(self, req: Request, logprobs: list[tuple[int, float]] | None
+                          ) -> list[Request]:
+        """A parallel-sampling parent or a beam finished computing its tokens: fork the
+        children, or feed the beam search. Returns the group outputs now complete."""
+        group = req.group
+        if isinstance(group, ParallelGroup):
+            for child in group.outputs:
+                self._fork(req, child)
+            self._finish(req, RequestStatus.FINISHED_STOPPED)  # its draw is discarded
+            return []
+        assert isinstance(group, BeamGroup) and logprobs, f"beam {req.req_id} without logprobs"
+        decision = group.on_logprobs(req, logprobs)
+        if decision is None:
+            return []
+        for parent, child in decision.forks:  # before the parents grow: children copy their KV
+            self._fork(parent, child)
+        for beam, token_id in decision.continues:
+            beam.output_token_ids.append(token_id)
+            beam.pending_token_ids.append(token_id)
+        for beam in decision.dropped:
+            self._finish(beam, RequestStatus.FINISHED_ABORTED)
+        self.num_generated_tokens += len(decision.forks) + len(decision.continues)
+        if decision.finals:
+            self.groups.pop(group.req_id, None)
+            self.num_finished_requests += len(decision.finals)
+        return decision.finals
+
+    def _restart_beam_search(self, group: BeamGroup) -> None:
+        """Free every beam and queue the search again from its prompt."""
+        for beam in group.beams:
+            if self.requests.get(beam.req_id) is beam:
+                self._finish(beam, RequestStatus.FINISHED_ABORTED)
+        root = group.restart()
+        assert root.req_id not in self.requests, f"request id {root.req_id} is in use"
+        self.requests[root.req_id] = root
+        self.waiting.appendleft(root)
+
+    def _end_group(self, group: SequenceGroup, status: RequestStatus) -> list[Request]:
+        """Finish every sequence of `group` with `status` (abort, error); returns the outputs
+        that had not finished, each of which owes its stream a last message."""
+        self.groups.pop(group.req_id, None)
+        pending = [r for r in group.outputs if not r.is_finished]
+        for req in group.members():
+            if self.requests.get(req.req_id) is req:
+                self._finish(req, status)
+        for req in pending:  # result holders and children not forked yet were never scheduled
+            req.status = status
+        return pending

@@ -24,25 +24,25 @@ search replays the same beams, so the answer does not change.
 
 The group's `outputs[i]` is the Request whose stream carries index i: a child for parallel
 sampling, a result holder (never scheduled) for beam search. Hidden requests (the parent, the
-beams) have no stream.
+beams) reach no stream.
+
+Groups only decide: the Scheduler owns every queue, table and status and applies what a group
+decides (`BeamDecision`, `restart`). After the loss of an executor a group is not rebuilt as it
+was: see `registry.py` for how each kind resumes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 from protos.plan import SamplingSpec
 from scheduler_svc.beam_search import BeamSearch
-from scheduler_svc.request import Request, RequestStatus, RequestStream
+from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.sequence_params import SequenceParams, sequence_seed
 
-if TYPE_CHECKING:
-    from scheduler_svc.scheduler import Scheduler
-
-# (req_id, token ids, sampling, stream or None, index) -> a WAITING Request of this group
-RequestFactory = Callable[[str, list[int], SamplingSpec, RequestStream | None, int], Request]
+# (req_id, token ids, sampling, index) -> a WAITING Request of this group
+RequestFactory = Callable[[str, list[int], SamplingSpec, int], Request]
 
 
 @dataclass
@@ -57,17 +57,16 @@ class BeamDecision:
 
 class ParallelGroup:
     def __init__(self, req_id: str, params: SequenceParams, prompt_token_ids: list[int],
-                 sampling: SamplingSpec, new_request: RequestFactory,
-                 streams: list[RequestStream]):
+                 sampling: SamplingSpec, new_request: RequestFactory):
         self.req_id = req_id
         self.outputs = [
             new_request(f"{req_id}/{i}", list(prompt_token_ids),
-                        replace(sampling, seed=sequence_seed(sampling.seed, i)), streams[i], i)
+                        replace(sampling, seed=sequence_seed(sampling.seed, i)), i)
             for i in range(params.n)]
         self.parent: Request | None = None
         if len(prompt_token_ids) > 1:  # a one-token prompt has nothing to share
             self.parent = new_request(f"{req_id}/prompt", list(prompt_token_ids[:-1]),
-                                      SamplingSpec(temperature=0.0), None, 0)
+                                      SamplingSpec(temperature=0.0), 0)
         for req in self.members():
             req.group = self
 
@@ -85,7 +84,7 @@ class ParallelGroup:
 class BeamGroup:
     def __init__(self, req_id: str, params: SequenceParams, prompt_token_ids: list[int],
                  max_tokens: int, stop_token_ids: frozenset[int], vocab_size: int,
-                 new_request: RequestFactory, streams: list[RequestStream]):
+                 new_request: RequestFactory):
         self.req_id = req_id
         self.params = params
         self.prompt_token_ids = list(prompt_token_ids)
@@ -95,7 +94,7 @@ class BeamGroup:
         self._vocab_size = vocab_size
         # Result holders: never scheduled, filled when the search ends.
         self.outputs = [new_request(f"{req_id}/{i}", list(prompt_token_ids),
-                                    SamplingSpec(temperature=0.0), streams[i], i)
+                                    SamplingSpec(temperature=0.0), i)
                         for i in range(params.n)]
         for req in self.outputs:
             req.group = self
@@ -116,7 +115,7 @@ class BeamGroup:
         spec = SamplingSpec(temperature=0.0, append_sampled=False,
                             num_logprobs=min(self.search.num_candidates, self._vocab_size))
         beam = self._new_request(f"{self.req_id}/beam{self.num_restarts}.{self._num_beams_made}",
-                                 list(prompt), spec, None, 0)
+                                 list(prompt), spec, 0)
         beam.output_token_ids = list(output_token_ids)
         beam.group = self
         self._num_beams_made += 1
@@ -186,7 +185,7 @@ class BeamGroup:
 SequenceGroup = ParallelGroup | BeamGroup
 
 
-# ---- what the scheduler does with groups (kept here so scheduler.py stays about batching) ----
+# ---- what the scheduler asks of groups ----------------------------------------------------
 
 def num_seq_slots(reqs: Iterable[Request]) -> int:
     """How many of `max_num_seqs` these requests hold: a group counts what it grows to, so
@@ -204,67 +203,3 @@ def num_seq_slots(reqs: Iterable[Request]) -> int:
         else:
             num_slots += 1
     return num_slots
-
-
-def fork_sequence(sched: Scheduler, parent: Request, child: Request) -> None:
-    """`child` takes over `parent`'s computed tokens on shared blocks (ref counts + 1) and runs
-    from the next step, sent to the executor as a new request with the forked table."""
-    assert child.req_id not in sched.requests, f"request id {child.req_id} is in use"
-    sched.block_manager.fork(parent.req_id, child.req_id)
-    child.num_computed_tokens = parent.num_computed_tokens
-    child.num_cached_tokens = parent.num_cached_tokens
-    child.block_keys = list(parent.block_keys)  # the child's tokens extend the parent's
-    sched.requests[child.req_id] = child
-    sched._start_running(child)
-
-
-def on_hidden_sample(sched: Scheduler, req: Request,
-                     logprobs: list[tuple[int, float]] | None) -> list[Request]:
-    """A parallel-sampling parent or a beam finished computing its tokens: fork the children,
-    or feed the beam search. Returns the group outputs that are now complete."""
-    group = req.group
-    if isinstance(group, ParallelGroup):
-        for child in group.outputs:
-            fork_sequence(sched, req, child)
-        sched._finish(req, RequestStatus.FINISHED_STOPPED)  # its draw is discarded
-        return []
-    assert isinstance(group, BeamGroup) and logprobs, f"beam {req.req_id} without logprobs"
-    decision = group.on_logprobs(req, logprobs)
-    if decision is None:
-        return []
-    for parent, child in decision.forks:  # before the parents grow: children copy their KV
-        fork_sequence(sched, parent, child)
-    for beam, token_id in decision.continues:
-        beam.output_token_ids.append(token_id)
-        beam.pending_token_ids.append(token_id)
-    for beam in decision.dropped:
-        sched._finish(beam, RequestStatus.FINISHED_ABORTED)
-    sched.num_generated_tokens += len(decision.forks) + len(decision.continues)
-    if decision.finals:
-        sched.groups.pop(group.req_id, None)
-        sched.num_finished_requests += len(decision.finals)
-    return decision.finals
-
-
-def restart_beam_search(sched: Scheduler, group: BeamGroup) -> None:
-    """Preemption of a beam: free every beam, and queue the search again from its prompt."""
-    for beam in group.beams:
-        if sched.requests.get(beam.req_id) is beam:
-            sched._finish(beam, RequestStatus.FINISHED_ABORTED)
-    root = group.restart()
-    assert root.req_id not in sched.requests, f"request id {root.req_id} is in use"
-    sched.requests[root.req_id] = root
-    sched.waiting.appendleft(root)
-
-
-def end_group(sched: Scheduler, group: SequenceGroup, status: RequestStatus) -> list[Request]:
-    """Finish every sequence of `group` with `status` (abort, error); returns the outputs that
-    had not finished, each of which owes its stream a last message."""
-    sched.groups.pop(group.req_id, None)
-    pending = [r for r in group.outputs if not r.is_finished]
-    for req in group.members():
-        if sched.requests.get(req.req_id) is req:
-            sched._finish(req, status)
-    for req in pending:  # result holders and children not forked yet were never scheduled
-        req.status = status
-    return pending

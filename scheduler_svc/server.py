@@ -21,7 +21,7 @@ from protos.folio.v1 import generator_pb2 as pb
 from protos.folio.v1 import generator_pb2_grpc as pb_grpc
 from scheduler_svc import inputs
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine import Engine
+from scheduler_svc.engine import Engine, ExecutorCallback
 from scheduler_svc.errors import FolioError
 from scheduler_svc.request import RequestStatus
 from scheduler_svc.tokenizer import Tokenizer
@@ -140,9 +140,13 @@ class GeneratorService(pb_grpc.GeneratorServicer):
 class SchedulerServer:
     """The gRPC server plus the engine task; `start()` then `stop()`."""
 
-    def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer, channel: SchedulerEnd):
+    def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer, channel: SchedulerEnd,
+                 on_executor_change: ExecutorCallback | None = None,
+                 shutdown_executor_on_stop: bool = False):
         self.health = health.aio.HealthServicer()
-        self.engine = Engine(config, tokenizer, channel, on_executor_change=self._set_health)
+        self._on_executor_change = on_executor_change
+        self.engine = Engine(config, tokenizer, channel, on_executor_change=self._executor_change,
+                             shutdown_executor_on_stop=shutdown_executor_on_stop)
         # No SO_REUSEPORT: a second server on a busy port must fail, not share its traffic.
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_GeneratorServicer_to_server(GeneratorService(self.engine, tokenizer),
@@ -153,6 +157,11 @@ class SchedulerServer:
              reflection.SERVICE_NAME), self.server)
         self.port = self.server.add_insecure_port(config.grpc_address)
         self._engine_task: asyncio.Task | None = None
+
+    async def _executor_change(self, connected: bool, reason: str) -> None:
+        await self._set_health(connected)
+        if self._on_executor_change is not None:
+            await self._on_executor_change(connected, reason)
 
     async def _set_health(self, serving: bool) -> None:
         status = (health_pb2.HealthCheckResponse.SERVING if serving
@@ -170,9 +179,11 @@ class SchedulerServer:
         assert self._engine_task is not None
         await asyncio.shield(self._engine_task)
 
-    async def stop(self, grace_s: float = 2.0) -> None:
+    async def stop(self, grace_s: float = 0.5) -> None:
+        """End every stream with UNAVAILABLE and stop, within about 2 x grace_s: a step still
+        running (a long prefill) is not waited for."""
         self.engine.stop()
         if self._engine_task is not None:
             with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(self._engine_task, timeout=grace_s + 3)
+                await asyncio.wait_for(self._engine_task, timeout=grace_s)
         await self.server.stop(grace_s)

@@ -38,11 +38,11 @@ def server_stats(s: Scheduler | None, past_totals: dict[str, int], executor_conn
 
 
 def retire_counters(past_totals: dict[str, int], scheduler: Scheduler) -> None:
-    """Add a scheduler's counters to `past_totals` as it goes with its executor; its unfinished
-    requests end (with an error) and count as finished."""
+    """Add a scheduler's counters to `past_totals` as it goes (with its executor, or rebuilt
+    after an error); its unfinished requests live on in the registry and count when they end
+    on a later scheduler."""
     for name in COUNTERS:
         past_totals[name] += getattr(scheduler, name)
-    past_totals["num_finished_requests"] += len(scheduler.requests)
 
 
 class StatsLogger:

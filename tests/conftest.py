@@ -130,10 +130,12 @@ def _popen(argv: list[str], log_path: Path, env: dict[str, str] | None) -> subpr
 def run_server(log_dir: Path, model: str | Path | None = None, args: list[str] | tuple = (),
                env: dict[str, str] | None = None, wait: bool = True,
                spawn_executor: bool = True,
-               start_timeout: float = SERVER_START_TIMEOUT_S) -> Iterator[Server]:
-    """`folio serve` (spawn_executor=True) or the scheduler alone, on free local ports."""
-    port = free_port()
-    executor_address = f"tcp://127.0.0.1:{free_port()}"
+               start_timeout: float = SERVER_START_TIMEOUT_S, port: int | None = None,
+               executor_address: str | None = None) -> Iterator[Server]:
+    """`folio serve` (spawn_executor=True) or the scheduler alone, on free local ports (or
+    the given ones: a restarted scheduler reuses its predecessor's)."""
+    port = port or free_port()
+    executor_address = executor_address or f"tcp://127.0.0.1:{free_port()}"
     argv = ["--host", "127.0.0.1", "--port", str(port),
             "--executor-address", executor_address, *args]
     if model is not None:
@@ -153,12 +155,15 @@ def run_server(log_dir: Path, model: str | Path | None = None, args: list[str] |
 
 @contextlib.contextmanager
 def run_executor(log_dir: Path, model: str | Path, scheduler_address: str,
-                 args: list[str] | tuple = ()) -> Iterator[subprocess.Popen]:
-    """A standalone executor (`python -m executor_svc`) connecting to `scheduler_address`."""
+                 args: list[str] | tuple = (), env: dict[str, str] | None = None
+                 ) -> Iterator[subprocess.Popen]:
+    """A standalone executor (`python -m executor_svc`) connecting to `scheduler_address`;
+    its output goes to `proc.log_path`."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"executor-{free_port()}.log"
     proc = _popen(["-m", "executor_svc", "--model", str(model), "--scheduler-address",
-                   scheduler_address, *args], log_path, None)
+                   scheduler_address, *args], log_path, env)
+    proc.log_path = log_path
     try:
         yield proc
     finally:
@@ -196,8 +201,8 @@ def folio_executor(tmp_path_factory):
     """Factory: `with folio_executor(model, scheduler_address) as proc: ...`."""
     log_dir = tmp_path_factory.mktemp("executor-logs")
 
-    def start(model, scheduler_address, args=()):
-        return run_executor(log_dir, model, scheduler_address, args)
+    def start(model, scheduler_address, args=(), env=None):
+        return run_executor(log_dir, model, scheduler_address, args, env)
 
     return start
 

@@ -33,7 +33,7 @@ async def harness(tiny_model_dir, tiny_tokenizer):
     config = SchedulerConfig(model=str(tiny_model_dir), port=0, executor_timeout_s=2.0,
                              stats_interval_s=0.5)
     channel = SchedulerEnd("tcp://127.0.0.1:*")
-    server = SchedulerServer(config, tiny_tokenizer, channel)
+    server = SchedulerServer(config, tiny_tokenizer, channel, shutdown_executor_on_stop=True)
     await server.start()
     grpc_channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     h = Harness(server, channel.address, pb_grpc.GeneratorStub(grpc_channel),

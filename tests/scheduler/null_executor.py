@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from protos.channel import ExecutorEnd
+from protos.channel import ChannelKeys, ExecutorEnd, SchedulerLost
 from protos.plan import (
     PROTOCOL_VERSION,
     ExecutorError,
@@ -169,8 +169,10 @@ class NullExecutor(threading.Thread):
     `go_silent_after` stops answering after that many plans (an executor that hung)."""
 
     def __init__(self, address: str, hello: Hello | None = None, step_delay_s: float = 0.0,
-                 fail_step: int | None = None, go_silent_after: int | None = None):
+                 fail_step: int | None = None, go_silent_after: int | None = None,
+                 keys: ChannelKeys | None = None):
         super().__init__(daemon=True)
+        self.keys = keys
         self.address = address
         self.hello = hello or make_hello()
         self.mirror = PlanMirror(self.hello.block_size)
@@ -181,6 +183,7 @@ class NullExecutor(threading.Thread):
         self._replied = threading.Event()
         self.violation: PlanViolation | None = None
         self.got_shutdown = False
+        self.lost_scheduler = False
         self._stop_event = threading.Event()
 
     def stop(self) -> None:
@@ -195,8 +198,9 @@ class NullExecutor(threading.Thread):
         return self.reply
 
     def run(self) -> None:
-        end = ExecutorEnd(self.address)
+        end = ExecutorEnd(self.address, self.keys)
         try:
+            end.wait_connected(10_000)
             end.send(self.hello)
             self.reply = end.recv(timeout_ms=10_000)
             self._replied.set()
@@ -209,6 +213,9 @@ class NullExecutor(threading.Thread):
                         continue
                     case Shutdown():
                         self.got_shutdown = True
+                        return
+                    case SchedulerLost():
+                        self.lost_scheduler = True
                         return
                     case StepPlan():
                         if (self.go_silent_after is not None

@@ -37,15 +37,14 @@ def make_beam_group(req_id: str, case, prompt=PROMPT, arrival: int = 0) -> BeamG
     beam_width, n, length_penalty, early_stopping, max_tokens = case
     stops = stop_ids_for(prompt)
 
-    def new_request(seq_id, tokens, sampling, stream, index):
+    def new_request(seq_id, tokens, sampling, index):
         return Request(req_id=seq_id, prompt_token_ids=tokens, sampling=sampling,
                        max_tokens=max_tokens, arrival=arrival, eos_token_ids=frozenset({EOS}),
-                       stop_token_ids=stops, ignore_eos=True, stream=stream, index=index)
+                       stop_token_ids=stops, ignore_eos=True, index=index)
 
     params = SequenceParams(n=n, beam_width=beam_width, length_penalty=length_penalty,
                             early_stopping=early_stopping)
-    return BeamGroup(req_id, params, prompt, max_tokens, stops, len(VOCAB) + 10, new_request,
-                     [None] * n)
+    return BeamGroup(req_id, params, prompt, max_tokens, stops, len(VOCAB) + 10, new_request)
 
 
 def direct(case, prompt=PROMPT) -> dict[int, tuple[list[int], RequestStatus]]:

@@ -29,15 +29,14 @@ def make_scheduler(num_blocks=64, budget=64, max_model_len=128, max_num_seqs=32,
 def make_group(req_id: str, num_prompt: int, n: int, arrival: int = 0, max_tokens: int = 6,
                seed: int | None = 5, temperature: float = 1.0,
                stop_token_ids: frozenset[int] = frozenset()) -> ParallelGroup:
-    def new_request(seq_id, prompt, sampling, stream, index):
+    def new_request(seq_id, prompt, sampling, index):
         return Request(req_id=seq_id, prompt_token_ids=prompt, sampling=sampling,
                        max_tokens=max_tokens, arrival=arrival, eos_token_ids=frozenset({EOS}),
-                       stop_token_ids=stop_token_ids, stream=stream, index=index)
+                       stop_token_ids=stop_token_ids, index=index)
 
     prompt = [20 + (arrival * 13 + i) % 50 for i in range(num_prompt)]
     return ParallelGroup(req_id, SequenceParams(n=n), prompt,
-                         SamplingSpec(temperature=temperature, seed=seed), new_request,
-                         [None] * n)
+                         SamplingSpec(temperature=temperature, seed=seed), new_request)
 
 
 def run(sched: Scheduler, mirror: KVMirror, max_steps: int = 300, on_step=None):

@@ -1,0 +1,64 @@
+"""From a client's request to the Scheduler's sequences: at submit, and again to resume it on a
+newly connected executor (registry.py says how each kind resumes)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from protos.plan import SamplingSpec
+from scheduler_svc.handshake import ExecutorInfo
+from scheduler_svc.inputs import check_beam_fits, check_for_executor
+from scheduler_svc.registry import ClientRequest, SequenceOutput
+from scheduler_svc.request import Request
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.sequence_group import BeamGroup, ParallelGroup
+from scheduler_svc.sequence_params import sequence_seed
+
+
+def admit(sched: Scheduler, client: ClientRequest, info: ExecutorInfo,
+          eos_token_ids: frozenset[int]) -> list[SequenceOutput]:
+    """Queue `client`'s unfinished sequences on `sched`, from its prompt plus the tokens each
+    has streamed. Returns the sequences that have no room left on this executor (prompt +
+    streamed tokens reach its max_model_len): the caller ends them with LENGTH. Raises
+    InvalidRequest when the request cannot run on this executor at all."""
+    p = client.params
+    stop_token_ids = frozenset(p.stop_token_ids)
+
+    def new_request(seq_id: str, prompt: list[int], sampling: SamplingSpec, index: int
+                    ) -> Request:
+        return Request(req_id=seq_id, prompt_token_ids=prompt, sampling=sampling,
+                       max_tokens=client.max_tokens, arrival=client.arrival,
+                       eos_token_ids=eos_token_ids, stop_token_ids=stop_token_ids,
+                       ignore_eos=p.ignore_eos, index=index)
+
+    if client.num_resumes:  # checked at submit against the executor of that time
+        check_for_executor(p, info.vocab_size, info.max_model_len)
+    if p.sequence.is_beam_search:
+        check_beam_fits(p, client.max_tokens, sched.block_manager)
+        # A beam ends on the ids that would stop a sequence.
+        stops = stop_token_ids | (frozenset() if p.ignore_eos else eos_token_ids)
+        sched.add_group(BeamGroup(client.req_id, p.sequence, p.prompt_token_ids,
+                                  client.max_tokens, stops, info.vocab_size, new_request))
+        return []
+    started = any(s.token_ids or s.finished for s in client.sequences)
+    if client.is_group and not started:
+        sched.add_group(ParallelGroup(client.req_id, p.sequence, p.prompt_token_ids,
+                                      p.sampling, new_request))
+        return []
+    no_room = []
+    for seq in client.unfinished():
+        if len(p.prompt_token_ids) + len(seq.token_ids) >= info.max_model_len:
+            no_room.append(seq)
+            continue
+        sampling = replace(p.sampling, seed=sequence_seed(p.sampling.seed, seq.index))
+        req = new_request(client.seq_id(seq.index), list(p.prompt_token_ids), sampling,
+                          seq.index)
+        if seq.token_ids:
+            # A recompute preemption in effect: prompt + streamed tokens are computed again,
+            # and usage keeps the prefix-cache hit of the first admission.
+            req.output_token_ids = list(seq.token_ids)
+            req.num_preemptions = 1
+            req.num_cached_tokens = seq.num_cached_tokens
+        sched.add_request(req)
+    return no_room
+
