@@ -14,6 +14,9 @@ import hmac
 from pathlib import Path
 
 import grpc
+import structlog
+
+log = structlog.get_logger("folio.scheduler.auth")
 
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
 MISSING_KEY = ("this server requires an API key: send the metadata 'authorization: Bearer "
@@ -68,8 +71,10 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return handler
         token = _bearer_token(handler_call_details.invocation_metadata)
         if token is None:
+            log.info("call refused: no API key", method=handler_call_details.method)
             return _refusing_handler(handler, MISSING_KEY)
         if not hmac.compare_digest(_digest(token), self._key_digest):
+            log.info("call refused: wrong API key", method=handler_call_details.method)
             return _refusing_handler(handler, WRONG_KEY)
         return handler
 

@@ -236,8 +236,8 @@ class SchedulerServer:
             interceptors=interceptors,
             options=[("grpc.so_reuseport", 0),
                      ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
-        service = GeneratorService(self.engine, self.prompts,
-                                   served_model_name(config, tokenizer.model_dir))
+        self.served_model_name = served_model_name(config, tokenizer.model_dir)
+        service = GeneratorService(self.engine, self.prompts, self.served_model_name)
         handlers = generator_handlers(service)
         self.server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(GENERATOR_SERVICE, handlers),))
@@ -251,6 +251,10 @@ class SchedulerServer:
                 config.grpc_address, server_credentials(config.tls_cert, config.tls_key))
         else:
             self.port = self.server.add_insecure_port(config.grpc_address)
+        self._front_end = dict(served_model_name=self.served_model_name,
+                               tls=config.tls_cert is not None, api_key=bool(config.api_key),
+                               max_request_bytes=MAX_REQUEST_BYTES,
+                               max_token_chars=self.prompts.max_token_chars)
         self._engine_task: asyncio.Task | None = None
 
     async def _set_health(self, serving: bool) -> None:
@@ -262,6 +266,7 @@ class SchedulerServer:
     async def start(self) -> None:
         await self._set_health(False)  # until an executor completes the handshake
         await self.server.start()
+        log.info("public API ready", **self._front_end)
         self._engine_task = asyncio.create_task(self.engine.run(), name="folio-engine")
 
     async def wait_engine(self) -> None:
