@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.api import DEFAULT_ADDRESS, health_status_name
+from client.api import DEFAULT_ADDRESS, auth_metadata, channel_credentials, health_status_name
 from client.messages import (
     Choices,
     Completion,
@@ -25,13 +26,19 @@ class AsyncFolioClient:
     """`async with AsyncFolioClient(address) as c: async for resp in c.generate(...)`.
 
     `generate` returns the grpc.aio call: iterate it, or `.cancel()` it to stop early. The
-    channel belongs to the event loop it was created on.
+    channel belongs to the event loop it was created on. `api_key`, `tls` and `tls_ca` as in
+    `FolioClient`.
     """
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None):
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
+                 api_key: str | None = None, tls: bool = False,
+                 tls_ca: str | Path | None = None):
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address)
+        self._metadata = auth_metadata(api_key)
+        credentials = channel_credentials(tls, tls_ca)
+        self._channel = (grpc.aio.secure_channel(address, credentials)
+                         if credentials is not None else grpc.aio.insecure_channel(address))
         self._stub = pb_grpc.GeneratorStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -61,7 +68,7 @@ class AsyncFolioClient:
         req = generate_request(prompt, token_ids=token_ids, messages=messages,
                                add_generation_prompt=add_generation_prompt,
                                request_id=request_id, **sampling)
-        return self._stub.Generate(req, timeout=self._timeout(timeout))
+        return self._stub.Generate(req, timeout=self._timeout(timeout), metadata=self._metadata)
 
     async def generate_text(self, prompt: str | None = None, **kwargs) -> Completion:
         """One sequence folded into a Completion; for n > 1 use `generate_choices`."""
@@ -81,7 +88,7 @@ class AsyncFolioClient:
 
     async def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
         resp = await self._stub.Abort(pb.AbortRequest(request_id=request_id),
-                                      timeout=self._timeout(timeout))
+                                      timeout=self._timeout(timeout), metadata=self._metadata)
         return resp.found
 
     async def tokenize(self, text: str | None = None, *, messages: Messages | None = None,
@@ -89,17 +96,20 @@ class AsyncFolioClient:
                        timeout: float | None = None) -> list[int]:
         req = tokenize_request(text, messages=messages,
                                add_generation_prompt=add_generation_prompt)
-        resp = await self._stub.Tokenize(req, timeout=self._timeout(timeout))
+        resp = await self._stub.Tokenize(req, timeout=self._timeout(timeout),
+                                         metadata=self._metadata)
         return list(resp.token_ids)
 
     async def model_info(self, *, timeout: float | None = None) -> dict:
         resp = await self._stub.GetModelInfo(pb.GetModelInfoRequest(),
-                                             timeout=self._timeout(timeout))
+                                             timeout=self._timeout(timeout),
+                                             metadata=self._metadata)
         return message_to_dict(resp)
 
     async def stats(self, *, timeout: float | None = None) -> dict:
         resp = await self._stub.GetServerStats(pb.GetServerStatsRequest(),
-                                               timeout=self._timeout(timeout))
+                                               timeout=self._timeout(timeout),
+                                               metadata=self._metadata)
         return message_to_dict(resp)
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:

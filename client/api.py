@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -20,10 +22,28 @@ from protos.folio.v1 import generator_pb2 as pb
 from protos.folio.v1 import generator_pb2_grpc as pb_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+API_KEY_ENV = "FOLIO_API_KEY"
+Metadata = tuple[tuple[str, str], ...]
 
 
 def health_status_name(status: int) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+
+
+def auth_metadata(api_key: str | None) -> Metadata:
+    """The call metadata for a server started with --api-key; api_key None reads
+    FOLIO_API_KEY, and an empty key sends none."""
+    key = os.environ.get(API_KEY_ENV) if api_key is None else api_key
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
+def channel_credentials(tls: bool, tls_ca: str | Path | None) -> grpc.ChannelCredentials | None:
+    """TLS credentials: trusting the PEM certificate(s) in `tls_ca` (a private CA, or the
+    server's self-signed certificate), or the system's roots with `tls` alone; None for
+    plaintext."""
+    if tls_ca is not None:
+        return grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+    return grpc.ssl_channel_credentials() if tls else None
 
 
 class FolioClient:
@@ -32,12 +52,21 @@ class FolioClient:
     `generate` returns the gRPC stream itself: iterate it for `GenerateResponse` messages and
     call `.cancel()` on it to stop early (the server then aborts the request and frees its KV
     blocks). `generate_text` waits for the whole completion.
+
+    `api_key` (default: the FOLIO_API_KEY environment variable) is sent as
+    `authorization: Bearer <key>` on every call. `tls=True` connects over TLS trusting the
+    system's roots; `tls_ca` (a PEM file) trusts that CA or self-signed certificate instead.
     """
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None):
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
+                 api_key: str | None = None, tls: bool = False,
+                 tls_ca: str | Path | None = None):
         self.address = address
         self.timeout = timeout  # default deadline per call, seconds; None = no deadline
-        self._channel = grpc.insecure_channel(address)
+        self._metadata = auth_metadata(api_key)
+        credentials = channel_credentials(tls, tls_ca)
+        self._channel = (grpc.secure_channel(address, credentials) if credentials is not None
+                         else grpc.insecure_channel(address))
         self._stub = pb_grpc.GeneratorStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -70,7 +99,7 @@ class FolioClient:
         req = generate_request(prompt, token_ids=token_ids, messages=messages,
                                add_generation_prompt=add_generation_prompt,
                                request_id=request_id, **sampling)
-        return self._stub.Generate(req, timeout=self._timeout(timeout))
+        return self._stub.Generate(req, timeout=self._timeout(timeout), metadata=self._metadata)
 
     def generate_text(self, prompt: str | None = None, **kwargs) -> Completion:
         """One sequence folded into a Completion; for n > 1 use `generate_choices`."""
@@ -90,7 +119,7 @@ class FolioClient:
 
     def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
         resp = self._stub.Abort(pb.AbortRequest(request_id=request_id),
-                                timeout=self._timeout(timeout))
+                                timeout=self._timeout(timeout), metadata=self._metadata)
         return resp.found
 
     def tokenize(self, text: str | None = None, *, messages: Messages | None = None,
@@ -98,18 +127,19 @@ class FolioClient:
                  timeout: float | None = None) -> list[int]:
         req = tokenize_request(text, messages=messages,
                                add_generation_prompt=add_generation_prompt)
-        return list(self._stub.Tokenize(req, timeout=self._timeout(timeout)).token_ids)
+        resp = self._stub.Tokenize(req, timeout=self._timeout(timeout), metadata=self._metadata)
+        return list(resp.token_ids)
 
     def model_info(self, *, timeout: float | None = None) -> dict:
-        return message_to_dict(self._stub.GetModelInfo(pb.GetModelInfoRequest(),
-                                                       timeout=self._timeout(timeout)))
+        return message_to_dict(self._stub.GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=self._timeout(timeout), metadata=self._metadata))
 
     def stats(self, *, timeout: float | None = None) -> dict:
-        return message_to_dict(self._stub.GetServerStats(pb.GetServerStatsRequest(),
-                                                         timeout=self._timeout(timeout)))
+        return message_to_dict(self._stub.GetServerStats(
+            pb.GetServerStatsRequest(), timeout=self._timeout(timeout), metadata=self._metadata))
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
-        """The grpc.health.v1 status name: "SERVING", "NOT_SERVING", ..."""
+        """The grpc.health.v1 status name: "SERVING", "NOT_SERVING", ... (needs no API key)."""
         resp = self._health.Check(health_pb2.HealthCheckRequest(service=service),
                                   timeout=self._timeout(timeout) or 10.0)
         return health_status_name(resp.status)

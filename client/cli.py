@@ -4,6 +4,7 @@
     folio scheduler ... / folio executor ...   the two processes separately (compose)
     folio generate "Once upon a time" --max-tokens 32      streams text as it arrives
     folio info | folio stats | folio health
+    ... --api-key KEY (or FOLIO_API_KEY) --tls-ca server.pem    a server with auth and TLS
 
 Service modules are imported inside their subcommands: `folio generate` never loads torch, and
 `folio serve`/`folio scheduler` load only the scheduler (the executor is a separate process).
@@ -45,6 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--timeout", type=float, default=None, help="deadline per call, seconds")
         p.add_argument("--wait-ready", type=float, default=0.0, metavar="SECONDS",
                        help="first wait up to SECONDS for the server to report SERVING")
+        p.add_argument("--api-key", default=None,
+                       help="API key of a server started with --api-key (default: the "
+                       "FOLIO_API_KEY environment variable)")
+        p.add_argument("--tls", action="store_true",
+                       help="connect over TLS, trusting the system's root certificates")
+        p.add_argument("--tls-ca", default=None, metavar="PEM",
+                       help="connect over TLS, trusting this CA (or the server's self-signed "
+                       "certificate)")
         return p
 
     gen = client_parser("generate", "stream a completion to stdout")
@@ -147,7 +156,13 @@ def run_client(args: argparse.Namespace) -> int:
 
     from client.api import FolioClient
 
-    with FolioClient(args.address, timeout=args.timeout) as client:
+    try:
+        client = FolioClient(args.address, timeout=args.timeout, api_key=args.api_key,
+                             tls=args.tls, tls_ca=args.tls_ca)
+    except OSError as e:  # an unreadable --tls-ca
+        print(f"folio: cannot read --tls-ca: {e}", file=sys.stderr)
+        return 1
+    with client:
         try:
             if args.wait_ready > 0:
                 client.wait_ready(args.wait_ready)

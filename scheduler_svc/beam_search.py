@@ -22,18 +22,58 @@ Scores are float32, rounded after every operation exactly as torch computes them
 order never differs from HF's through accumulated rounding. A fresh search has a single beam:
 HF starts with k copies of the prompt, all but one scored -1e9, which selects the same
 candidates as long as the vocabulary holds at least C tokens.
+
+Every finite length_penalty is accepted, so the arithmetic follows IEEE float32 as torch does
+instead of raising: num_tokens ** length_penalty is computed in float64 (as Python computes
+HF's expression) and rounded to float32, so it overflows to inf (score -0.0) or underflows to 0
+(score -inf; 0 / 0 is NaN). Orderings treat NaN as the largest score, as torch.topk does, and a
+comparison with NaN is false, as in torch. (HF itself raises OverflowError where the float64
+power overflows; below that, results are HF's.)
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import struct
 from dataclasses import dataclass, field
 
 
 def f32(x: float) -> float:
-    """Round to the nearest float32. An fp32 op computed in float64 then rounded is exact."""
-    return struct.unpack("f", struct.pack("f", x))[0]
+    """Round to the nearest float32. An fp32 op computed in float64 then rounded is exact.
+    Beyond float32's range the rounding gives +-inf, as a C cast does (struct raises)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def f32_div(a: float, b: float) -> float:
+    """a / b for float32 a and b, as torch divides float32 tensors (IEEE: x / 0 is +-inf,
+    0 / 0 is NaN) instead of raising ZeroDivisionError."""
+    if b == 0.0:
+        if a == 0.0 or math.isnan(a):
+            return math.nan
+        return math.copysign(math.inf, a) * math.copysign(1.0, b)
+    return f32(a / b)
+
+
+def length_penalized(logprob_sum: float, num_tokens: int, length_penalty: float) -> float:
+    """HF's finished-beam score, logprob_sum / num_tokens ** length_penalty, in float32.
+
+    HF computes the power as Python int ** float (float64) and torch rounds that scalar to
+    float32 before dividing the float32 scores by it. The float64 power overflows only to
+    values far beyond float32's range, so inf is what torch would see."""
+    try:
+        denominator = f32(num_tokens ** length_penalty)
+    except OverflowError:
+        denominator = math.inf
+    return f32_div(logprob_sum, denominator)
+
+
+def score_order(score: float) -> tuple[int, float]:
+    """Sort key, best first: NaN ranks above every number (as in torch.topk), then descending."""
+    return (0, 0.0) if math.isnan(score) else (1, -score)
 
 
 class EarlyStopping(enum.Enum):
@@ -136,11 +176,11 @@ class BeamSearch:
                                                                  strict=True))
                       for token_id, logprob in pairs]
         # Ties (bit-equal float32 scores) go to the lower (beam, token) index.
-        candidates.sort(key=lambda c: (-c.score, c.parent, c.token_id))
+        candidates.sort(key=lambda c: (score_order(c.score), c.parent, c.token_id))
         return candidates[:self.num_candidates]
 
     def _penalized(self, logprob_sum: float, num_tokens: int) -> float:
-        return f32(logprob_sum / f32(num_tokens ** self.length_penalty))
+        return length_penalized(logprob_sum, num_tokens, self.length_penalty)
 
     def _add_finished(self, top: list[_Candidate], stops: list[bool], num_generated: int,
                       at_limit: bool) -> None:
@@ -153,7 +193,7 @@ class BeamSearch:
         if not new:
             return
         merged = self.finished + new
-        order = sorted(range(len(merged)), key=lambda i: (-merged[i].score, i))
+        order = sorted(range(len(merged)), key=lambda i: (score_order(merged[i].score), i))
         self.finished = [merged[i] for i in order[:self.beam_width]]
 
     def _cannot_improve(self) -> bool:
@@ -165,4 +205,7 @@ class BeamSearch:
         else:
             best_length = len(self.beams[0].token_ids)
         best_possible = self._penalized(self.beams[0].logprob_sum, best_length)
-        return not best_possible > min(h.score for h in self.finished)
+        scores = [h.score for h in self.finished]
+        # torch.min propagates NaN, and any comparison with NaN is false.
+        worst = math.nan if any(math.isnan(x) for x in scores) else min(scores)
+        return not best_possible > worst

@@ -174,8 +174,9 @@ async def _serve_until(config: SchedulerConfig, spawn_executor: bool, stop: asyn
             shutdown_executor_on_stop=spawn_executor)
     except RuntimeError as e:
         channel.close()
-        log.error("cannot bind the gRPC port; is another server running there?",
-                  address=config.grpc_address, error=str(e))
+        log.error("cannot start the gRPC server: is another server on that port, or does "
+                  "grpc reject the TLS certificate or key?", address=config.grpc_address,
+                  error=str(e))
         return 1
     await server.start()
     log.info("scheduler listening", grpc_address=f"{config.host}:{server.port}",

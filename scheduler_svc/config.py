@@ -7,7 +7,9 @@ and live in the engine; nothing here changes after start-up.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
 
 DEFAULT_EXECUTOR_ADDRESS = "tcp://127.0.0.1:5557"
 # Flags `folio serve` hands to the executor child unchanged (dest name -> flag).
@@ -54,8 +56,14 @@ class SchedulerConfig:
     dtype: str | None = None
     device: str | None = None
     swap_space: float | None = None  # GiB of CPU swap pool
+    # ---- public API front end (scheduler_svc.server, scheduler_svc.auth) ----
+    served_model_name: str | None = None  # None = the model directory's name
+    api_key: str | None = field(default=None, repr=False)  # None = no authentication
+    tls_cert: str | None = None  # PEM files; both set = the gRPC port speaks TLS
+    tls_key: str | None = None
 
     def __post_init__(self) -> None:
+        self._check_front_end()
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be between 0 and 65535, got {self.port}")
         if self.max_num_seqs < 1:
@@ -97,6 +105,23 @@ class SchedulerConfig:
             raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space:g}")
         if self.device not in (None, "auto", "cpu", "cuda"):
             raise ValueError(f"--device must be one of auto, cpu, cuda, got {self.device!r}")
+
+    def _check_front_end(self) -> None:
+        if self.served_model_name is not None and not (
+                0 < len(self.served_model_name) <= 256 and self.served_model_name.isprintable()):
+            raise ValueError("--served-model-name must be 1 to 256 printable characters, "
+                             f"got {self.served_model_name!r}")
+        if self.api_key is not None and not (
+                self.api_key.isascii() and self.api_key.isprintable()
+                and self.api_key.strip() == self.api_key and self.api_key):
+            # gRPC metadata values are printable ASCII; spaces would break "Bearer <key>".
+            raise ValueError("the API key (--api-key, --api-key-file or FOLIO_API_KEY) must be "
+                             "non-empty printable ASCII without leading or trailing spaces")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key)):
+            if path is not None and not _is_pem_file(path):
+                raise ValueError(f"{flag} {path!r} is not a readable PEM file")
 
     @property
     def grpc_address(self) -> str:
@@ -161,7 +186,45 @@ def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentPars
     g.add_argument("--device")
     g.add_argument("--swap-space", type=float,
                    help="GiB of CPU memory for swapped-out KV blocks (executor default 0)")
+    add_front_end_flags(p)
     return p
+
+
+# ---- public API front end: served name, API key, TLS ---------------------------------------
+
+API_KEY_ENV = "FOLIO_API_KEY"
+
+
+def _is_pem_file(path: str) -> bool:
+    try:
+        return b"-----BEGIN " in Path(path).read_bytes()
+    except OSError:
+        return False
+
+
+def _read_key_file(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read the API key file {path!r}: {e}") from e
+
+
+def add_front_end_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("public API")
+    g.add_argument("--served-model-name",
+                   help="the model name GetModelInfo reports (default: the model directory's "
+                   "name)")
+    key = g.add_mutually_exclusive_group()
+    key.add_argument("--api-key", dest="api_key", default=os.environ.get(API_KEY_ENV) or None,
+                     help="require 'authorization: Bearer KEY' metadata on every call but "
+                     f"health checks (default: the {API_KEY_ENV} environment variable; "
+                     "--api-key-file keeps it off the command line)")
+    # SUPPRESS: the shared dest keeps --api-key's default when this flag is absent.
+    key.add_argument("--api-key-file", dest="api_key", type=_read_key_file, metavar="PATH",
+                     default=argparse.SUPPRESS, help="read the API key from this file")
+    g.add_argument("--tls-cert", metavar="PEM",
+                   help="serve gRPC over TLS with this certificate (chain); needs --tls-key")
+    g.add_argument("--tls-key", metavar="PEM", help="the TLS certificate's private key")
 
 
 def config_from_argv(argv: list[str] | None, prog: str | None = None) -> SchedulerConfig:

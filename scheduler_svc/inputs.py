@@ -1,7 +1,13 @@
 """Public API messages -> validated scheduler inputs. Raises InvalidRequest with a sentence the
-client can act on. `submit_params` checks what the message alone determines; `check_for_executor`
-and `check_beam_fits` what needs the connected executor's facts (vocab, max_model_len, the KV
-pool), at `Engine.submit`.
+client can act on: the allowed range and the value received.
+
+Checks happen where a value enters, against what the code downstream can take:
+- `submit_params` checks every field the message alone determines, before the prompt is
+  tokenized (the slow part, done by `scheduler_svc.prompts`);
+- `check_for_executor` and `check_beam_fits` check what needs the connected executor's facts
+  (vocab, max_model_len, the KV pool), at `Engine.submit`.
+A value that could make the executor fail a step must never get through: a failed step fails
+every request in it.
 
 A client's request_id may not contain "/": the scheduler names a request's sequences
 `<id>/<i>`, `<id>/prompt` and `<id>/beam<r>.<k>` (scheduler_svc.sequence_group), so a client
@@ -14,20 +20,23 @@ import math
 import uuid
 from typing import TYPE_CHECKING
 
-import jinja2
-
 from protos.folio.v1 import generator_pb2 as pb
 from protos.plan import SamplingSpec
 from scheduler_svc.beam_search import EarlyStopping
 from scheduler_svc.errors import InvalidRequest
 from scheduler_svc.request import SubmitParams
 from scheduler_svc.sequence_params import MAX_BEAM_WIDTH, MAX_N, SequenceParams
-from scheduler_svc.tokenizer import ChatTurn, ModelDirError, Tokenizer
+from scheduler_svc.tokenizer import ChatTurn
 
 if TYPE_CHECKING:
     from scheduler_svc.block_manager import BlockManager
 
 MAX_SEED = 2**63 - 1  # the executor seeds a torch generator, which takes a signed 64-bit int
+MAX_REQUEST_ID_CHARS = 256  # ids are logged and echoed in every response
+# Beam search asks the executor for (1 + stop ids) x beam_width logprobs per beam and ranks
+# them in Python each step, so the stop list is bounded.
+MAX_STOP_TOKEN_IDS = 32
+MAX_ROLE_CHARS = 64
 EARLY_STOPPING = {
     pb.EARLY_STOPPING_HEURISTIC: EarlyStopping.HEURISTIC,
     pb.EARLY_STOPPING_TRUE: EarlyStopping.TRUE,
@@ -35,56 +44,50 @@ EARLY_STOPPING = {
 }
 
 
-def prompt_token_ids(msg: pb.GenerateRequest | pb.TokenizeRequest, tokenizer: Tokenizer
-                     ) -> list[int]:
-    """The prompt as token ids, from whichever of text / token_ids / chat the client sent."""
-    match msg.WhichOneof("input"):
-        case "text":
-            if not msg.text:
-                raise InvalidRequest("the prompt text is empty; send some text")
-            return tokenizer.encode(msg.text)
-        case "token_ids":
-            return list(msg.token_ids.ids)
-        case "chat":
-            return _chat_ids(msg.chat, tokenizer)
-        case _:
-            raise InvalidRequest("the request has no input; set one of text, token_ids or chat")
+def _shown(text: str, limit: int = 40) -> str:
+    """A client string quoted for an error message, cut to `limit` characters."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
-def _chat_ids(chat: pb.Chat, tokenizer: Tokenizer) -> list[int]:
-    if not chat.messages:
-        raise InvalidRequest("the chat has no messages; send at least one")
-    turns = [ChatTurn(m.role, m.content) for m in chat.messages]
-    add_generation_prompt = chat.add_generation_prompt if chat.HasField(
-        "add_generation_prompt") else True
-    try:
-        return tokenizer.encode_chat(turns, add_generation_prompt)
-    except ModelDirError as e:
-        raise InvalidRequest(str(e)) from e
-    except jinja2.TemplateError as e:
-        raise InvalidRequest(f"the model's chat template rejected these messages: {e}") from e
+def check_request_id(req_id: str) -> None:
+    if len(req_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request_id may have at most {MAX_REQUEST_ID_CHARS} characters, "
+                             f"got {len(req_id)}")
+    if not req_id.isprintable():
+        raise InvalidRequest(f"request_id may hold only printable characters (no control "
+                             f"characters, line breaks or tabs), got {_shown(req_id)}")
+    if "/" in req_id:
+        raise InvalidRequest(f"request_id {_shown(req_id)} may not contain '/': it is "
+                             "reserved for the ids of a request's sequences; pick another "
+                             "request_id or leave it empty")
 
 
 def sampling_spec(p: pb.SamplingParams) -> SamplingSpec:
+    """temperature, top_p, top_k, seed. Proto floats are float32, the executor's dtype, so a
+    finite value stays finite there; the executor samples greedily below temperature 1e-5 and
+    keeps every token when top_k is at least the vocabulary size."""
     temperature = p.temperature if p.HasField("temperature") else 1.0
     top_p = p.top_p if p.HasField("top_p") else 1.0
     top_k = p.top_k if p.HasField("top_k") else 0
-    if not math.isfinite(temperature) or temperature < 0:
-        raise InvalidRequest(f"temperature must be >= 0 (0 = greedy), got {temperature:g}")
-    if not (0 < top_p <= 1):
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise InvalidRequest(f"temperature must be >= 0 and finite (0 = greedy), "
+                             f"got {temperature:g}")
+    if not (0 < top_p <= 1):  # also refuses NaN
         raise InvalidRequest(f"top_p must be in (0, 1], got {top_p:g}")
     if top_k < 0:
         raise InvalidRequest(f"top_k must be >= 0 (0 = off), got {top_k}")
     seed = p.seed if p.HasField("seed") else None
     if seed is not None and seed > MAX_SEED:
-        raise InvalidRequest(f"seed must be at most {MAX_SEED}, got {seed}")
+        raise InvalidRequest(f"seed must be in [0, {MAX_SEED}], got {seed}")
     return SamplingSpec(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
                         seed=seed)
 
 
 def sequence_params(p: pb.SamplingParams) -> SequenceParams:
     """n and beam search. n > 1 with temperature 0 is allowed: n identical greedy sequences
-    (cheap, as they share the prompt's blocks), which is what a client asking for it expects."""
+    (cheap, as they share the prompt's blocks), which is what a client asking for it expects.
+    Any finite length_penalty is allowed: beam scores follow IEEE float32 where the power
+    overflows or underflows (scheduler_svc.beam_search)."""
     n = p.n if p.HasField("n") else 1
     beam_width = p.beam_width if p.HasField("beam_width") else 1
     length_penalty = p.length_penalty if p.HasField("length_penalty") else 1.0
@@ -100,28 +103,46 @@ def sequence_params(p: pb.SamplingParams) -> SequenceParams:
         raise InvalidRequest(f"length_penalty must be a finite number, got {length_penalty}")
     if p.early_stopping not in EARLY_STOPPING:
         raise InvalidRequest(f"unknown early_stopping value {p.early_stopping}; use "
-                             "HEURISTIC, TRUE or NEVER")
+                             "HEURISTIC (0), TRUE (1) or NEVER (2)")
     return SequenceParams(n=n, beam_width=beam_width, length_penalty=float(length_penalty),
                           early_stopping=EARLY_STOPPING[p.early_stopping])
 
 
-def submit_params(msg: pb.GenerateRequest, tokenizer: Tokenizer) -> SubmitParams:
+def submit_params(msg: pb.GenerateRequest) -> SubmitParams:
+    """Every field but the prompt, checked. `prompt_token_ids` is left empty: the caller fills
+    it in from `scheduler_svc.prompts.PromptEncoder` once these cheap checks have passed."""
     p = msg.sampling
     sampling = sampling_spec(p)
+    sequence = sequence_params(p)
     max_tokens = p.max_tokens if p.HasField("max_tokens") else None
     if max_tokens == 0:
         raise InvalidRequest("max_tokens must be at least 1 (leave it unset for no limit "
                              "below max_model_len)")
-    if "/" in msg.request_id:
-        raise InvalidRequest(f"request_id {msg.request_id!r} may not contain '/': it is "
-                             "reserved for the ids of a request's sequences; pick another "
-                             "request_id or leave it empty")
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                             f"got {len(p.stop_token_ids)}")
+    check_request_id(msg.request_id)
+    if msg.WhichOneof("input") is None:
+        raise InvalidRequest("the request has no input; set one of text, token_ids or chat")
     return SubmitParams(
-        req_id=msg.request_id or uuid.uuid4().hex,
-        prompt_token_ids=prompt_token_ids(msg, tokenizer),
+        req_id=msg.request_id or uuid.uuid4().hex, prompt_token_ids=[],
         sampling=sampling, max_tokens=max_tokens,
-        stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
-        sequence=sequence_params(p))
+        stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, sequence=sequence)
+
+
+def chat_turns(chat: pb.Chat, max_model_len: int) -> list[ChatTurn]:
+    """The chat's messages, checked: at least one, at most max_model_len (every template
+    spends at least a token per turn), each role a short printable name."""
+    if not chat.messages:
+        raise InvalidRequest("the chat has no messages; send at least one")
+    if len(chat.messages) > max_model_len:
+        raise InvalidRequest(f"the chat has {len(chat.messages)} messages, more than "
+                             f"max_model_len ({max_model_len}) tokens can hold")
+    for i, m in enumerate(chat.messages):
+        if not (1 <= len(m.role) <= MAX_ROLE_CHARS and m.role.isprintable()):
+            raise InvalidRequest(f"chat message {i}: role must be 1 to {MAX_ROLE_CHARS} "
+                                 f"printable characters (e.g. 'user'), got {_shown(m.role)}")
+    return [ChatTurn(m.role, m.content) for m in chat.messages]
 
 
 def check_for_executor(params: SubmitParams, vocab_size: int, max_model_len: int) -> int:
@@ -136,13 +157,17 @@ def check_for_executor(params: SubmitParams, vocab_size: int, max_model_len: int
                                  f"vocabulary has {vocab_size} tokens "
                                  f"(ids 0..{vocab_size - 1})")
     if num_prompt > max_model_len:
-        raise InvalidRequest(f"prompt has {num_prompt} tokens but max_model_len is "
-                             f"{max_model_len}; shorten the prompt")
+        raise InvalidRequest(prompt_too_long(num_prompt, max_model_len))
     # At least one token is always generated, even for a prompt of max_model_len tokens.
     max_tokens = max(1, max_model_len - num_prompt)
     if params.max_tokens is not None:
         max_tokens = min(max_tokens, params.max_tokens)
     return max_tokens
+
+
+def prompt_too_long(num_tokens: int, max_model_len: int) -> str:
+    return (f"prompt has {num_tokens} tokens but max_model_len is {max_model_len}; shorten "
+            "the prompt")
 
 
 def check_beam_fits(params: SubmitParams, max_tokens: int, bm: BlockManager) -> None:

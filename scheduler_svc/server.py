@@ -2,33 +2,48 @@
 
 `grpc_errors` is the one place where exceptions become statuses: FolioError subclasses carry
 their code and a message for the client; anything else is INTERNAL and logged with a traceback.
+
+The Generator service is registered with our own method handlers (`generator_handlers`) whose
+request deserializer never raises: a message protobuf cannot parse (invalid UTF-8 in a string
+field, truncated bytes) arrives as `Undecodable` and is answered INVALID_ARGUMENT, where
+grpc's generated handlers would answer UNKNOWN. Requests are bounded at MAX_REQUEST_BYTES by
+gRPC itself (RESOURCE_EXHAUSTED beyond it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import inspect
+from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos.channel import SchedulerEnd
 from protos.folio.v1 import generator_pb2 as pb
-from protos.folio.v1 import generator_pb2_grpc as pb_grpc
 from scheduler_svc import inputs
+from scheduler_svc.auth import ApiKeyInterceptor, server_credentials
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine, ExecutorCallback
-from scheduler_svc.errors import FolioError
+from scheduler_svc.errors import FolioError, InvalidRequest
+from scheduler_svc.prompts import PromptEncoder
 from scheduler_svc.request import RequestStatus
 from scheduler_svc.tokenizer import Tokenizer
 
 log = structlog.get_logger("folio.scheduler.server")
 
 GENERATOR_SERVICE = pb.DESCRIPTOR.services_by_name["Generator"].full_name
+# Largest request message accepted. A prompt of max_model_len tokens is a few bytes per token
+# (text or token ids), so this leaves room for million-token contexts while bounding what one
+# call can make the server hold; gRPC's default is 4 MiB.
+MAX_REQUEST_BYTES = 16 * 1024 * 1024
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: pb.FINISH_REASON_STOP,
     RequestStatus.FINISHED_LENGTH: pb.FINISH_REASON_LENGTH,
@@ -45,12 +60,37 @@ async def _abort_with(context: grpc.aio.ServicerContext, e: Exception, method: s
                         f"internal scheduler error ({type(e).__name__}: {e}); see the server log")
 
 
+@dataclasses.dataclass(frozen=True)
+class Undecodable:
+    """A request message protobuf could not parse."""
+
+    message_type: str
+    reason: str
+
+    def error(self) -> InvalidRequest:
+        return InvalidRequest(f"could not decode the request as a {self.message_type} "
+                              f"({self.reason}); serialize it from folio/v1/generator.proto, "
+                              "with valid UTF-8 in every string field")
+
+
+def lenient_deserializer(message_cls) -> Callable[[bytes], object]:
+    def deserialize(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except DecodeError as e:
+            return Undecodable(message_cls.DESCRIPTOR.full_name, str(e))
+    return deserialize
+
+
 def grpc_errors(fn):
-    """Map exceptions from a unary or server-streaming handler to gRPC statuses."""
+    """Map exceptions from a unary or server-streaming handler to gRPC statuses; a request
+    that could not be decoded is INVALID_ARGUMENT before the handler runs."""
     if inspect.isasyncgenfunction(fn):
         @functools.wraps(fn)
         async def stream_handler(self, request, context):
             try:
+                if isinstance(request, Undecodable):
+                    raise request.error()
                 # aclosing: a client that goes away closes the inner generator right here, so
                 # its cleanup (aborting the request, freeing blocks) runs now, not at GC time.
                 async with contextlib.aclosing(fn(self, request, context)) as responses:
@@ -65,6 +105,8 @@ def grpc_errors(fn):
     @functools.wraps(fn)
     async def unary_handler(self, request, context):
         try:
+            if isinstance(request, Undecodable):
+                raise request.error()
             return await fn(self, request, context)
         except grpc.aio.AbortError:
             raise
@@ -73,14 +115,25 @@ def grpc_errors(fn):
     return unary_handler
 
 
-class GeneratorService(pb_grpc.GeneratorServicer):
-    def __init__(self, engine: Engine, tokenizer: Tokenizer):
+class GeneratorService:
+    """folio.v1.Generator. Handlers run on the event loop with the engine; tokenization and
+    chat rendering go to the PromptEncoder's threads."""
+
+    def __init__(self, engine: Engine, prompts: PromptEncoder, served_model_name: str):
         self.engine = engine
-        self.tokenizer = tokenizer
+        self.prompts = prompts
+        self.tokenizer = prompts.tokenizer
+        self.served_model_name = served_model_name
+
+    def max_model_len(self) -> int:
+        info = self.engine.executor
+        return info.max_model_len if info is not None else self.prompts.model_max_len
 
     @grpc_errors
     async def Generate(self, request: pb.GenerateRequest, context):
-        params = inputs.submit_params(request, self.tokenizer)
+        params = inputs.submit_params(request)  # every cheap check before tokenizing
+        prompt = await self.prompts.token_ids(request, self.max_model_len())
+        params = dataclasses.replace(params, prompt_token_ids=prompt)
         stream = self.engine.submit(params)
         num_open = params.sequence.n  # sequences (n > 1, beams) whose last message is due
         done = False
@@ -117,16 +170,19 @@ class GeneratorService(pb_grpc.GeneratorServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         if request.WhichOneof("input") == "text" and not request.text:
             return pb.TokenizeResponse(token_ids=[])
-        return pb.TokenizeResponse(token_ids=inputs.prompt_token_ids(request, self.tokenizer))
+        ids = await self.prompts.token_ids(request, self.max_model_len())
+        return pb.TokenizeResponse(token_ids=ids)
 
     @grpc_errors
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
+        # model_name is the served name, never the executor's --model path.
         info, tok = self.engine.executor, self.tokenizer
         if info is None:  # what the scheduler knows alone; executor facts stay zero
-            return pb.ModelInfo(model_name=tok.model_name, architecture=tok.architecture,
+            return pb.ModelInfo(model_name=self.served_model_name,
+                                architecture=tok.architecture,
                                 vocab_size=tok.config_vocab_size,
                                 random_weights=tok.random_weights)
-        return pb.ModelInfo(model_name=info.model_name, architecture=info.architecture,
+        return pb.ModelInfo(model_name=self.served_model_name, architecture=info.architecture,
                             max_model_len=info.max_model_len, vocab_size=info.vocab_size,
                             block_size=info.block_size, num_kv_blocks=info.num_kv_blocks,
                             dtype=info.dtype, device=info.device,
@@ -135,6 +191,36 @@ class GeneratorService(pb_grpc.GeneratorServicer):
     @grpc_errors
     async def GetServerStats(self, request, context) -> pb.ServerStats:
         return pb.ServerStats(**self.engine.server_stats())
+
+
+def generator_handlers(service: GeneratorService) -> dict[str, grpc.RpcMethodHandler]:
+    """The method table grpc's generated `add_GeneratorServicer_to_server` would build, with
+    lenient request deserializers."""
+    def handler(kind, method, request_cls, response_cls):
+        return kind(method, request_deserializer=lenient_deserializer(request_cls),
+                    response_serializer=response_cls.SerializeToString)
+
+    unary, streaming = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
+    return {
+        "Generate": handler(streaming, service.Generate, pb.GenerateRequest,
+                            pb.GenerateResponse),
+        "Abort": handler(unary, service.Abort, pb.AbortRequest, pb.AbortResponse),
+        "Tokenize": handler(unary, service.Tokenize, pb.TokenizeRequest, pb.TokenizeResponse),
+        "GetModelInfo": handler(unary, service.GetModelInfo, pb.GetModelInfoRequest,
+                                pb.ModelInfo),
+        "GetServerStats": handler(unary, service.GetServerStats, pb.GetServerStatsRequest,
+                                  pb.ServerStats),
+    }
+
+
+def served_model_name(config: SchedulerConfig, model_dir: Path) -> str:
+    """--served-model-name, else the model directory's name (a hub id as given): never a
+    filesystem path, which would tell clients about the server's disk."""
+    if config.served_model_name:
+        return config.served_model_name
+    if config.model is not None and not Path(config.model).expanduser().is_dir():
+        return config.model  # a hub id, resolved to a cache directory by the tokenizer
+    return Path(model_dir).resolve().name
 
 
 class SchedulerServer:
@@ -147,15 +233,32 @@ class SchedulerServer:
         self._on_executor_change = on_executor_change
         self.engine = Engine(config, tokenizer, channel, on_executor_change=self._executor_change,
                              shutdown_executor_on_stop=shutdown_executor_on_stop)
+        self.prompts = PromptEncoder(tokenizer, config.max_model_len)
+        interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
         # No SO_REUSEPORT: a second server on a busy port must fail, not share its traffic.
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_GeneratorServicer_to_server(GeneratorService(self.engine, tokenizer),
-                                                self.server)
+        self.server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[("grpc.so_reuseport", 0),
+                     ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
+        self.served_model_name = served_model_name(config, tokenizer.model_dir)
+        service = GeneratorService(self.engine, self.prompts, self.served_model_name)
+        handlers = generator_handlers(service)
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(GENERATOR_SERVICE, handlers),))
+        self.server.add_registered_method_handlers(GENERATOR_SERVICE, handlers)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (GENERATOR_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(config.grpc_address)
+        if config.tls_cert is not None:
+            self.port = self.server.add_secure_port(
+                config.grpc_address, server_credentials(config.tls_cert, config.tls_key))
+        else:
+            self.port = self.server.add_insecure_port(config.grpc_address)
+        self._front_end = dict(served_model_name=self.served_model_name,
+                               tls=config.tls_cert is not None, api_key=bool(config.api_key),
+                               max_request_bytes=MAX_REQUEST_BYTES,
+                               max_token_chars=self.prompts.max_token_chars)
         self._engine_task: asyncio.Task | None = None
 
     async def _executor_change(self, connected: bool, reason: str) -> None:
@@ -172,6 +275,7 @@ class SchedulerServer:
     async def start(self) -> None:
         await self._set_health(False)  # until an executor completes the handshake
         await self.server.start()
+        log.info("public API ready", **self._front_end)
         self._engine_task = asyncio.create_task(self.engine.run(), name="folio-engine")
 
     async def wait_engine(self) -> None:
@@ -187,3 +291,4 @@ class SchedulerServer:
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(self._engine_task, timeout=grace_s)
         await self.server.stop(grace_s)
+        self.prompts.close()

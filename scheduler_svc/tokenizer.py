@@ -23,6 +23,20 @@ class ModelDirError(ValueError):
     """The model directory is missing a file the scheduler needs."""
 
 
+class ChatTemplateError(ValueError):
+    """The chat template failed on a request's messages (whatever it raised: a template is model
+    data, and what makes it fail is the client's input). The message is for the client."""
+
+
+class ChatOutputTooLong(ChatTemplateError):
+    """The template's output passed the caller's character bound; rendering stopped there."""
+
+    def __init__(self, max_chars: int):
+        super().__init__(f"the chat template's output for these messages passed {max_chars} "
+                         "characters")
+        self.max_chars = max_chars
+
+
 @dataclass(frozen=True)
 class ChatTurn:
     role: str
@@ -146,21 +160,54 @@ class Tokenizer:
         return self._chat_template is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works and `encode` holds it, so a long text
+        # tokenized on a worker thread leaves the event loop running. Same ids as `encode`.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, turns: list[ChatTurn], add_generation_prompt: bool = True) -> str:
+    def max_token_chars(self) -> int:
+        """The most input characters one token stands for: the longest vocabulary entry, added
+        tokens included (byte-level vocabularies spell each byte as one character, and a
+        character is at least one byte). So a text longer than max_model_len x this cannot fit
+        in max_model_len tokens. Only a normalizer that deletes characters, or composes several
+        into one (NFC on stacked combining marks), makes some text denser than that; no text
+        is made of such characters alone."""
+        return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+
+    def render_chat(self, turns: list[ChatTurn], add_generation_prompt: bool = True,
+                    max_chars: int | None = None) -> str:
+        """The chat rendered by the model's template. Raises ChatTemplateError for anything the
+        template raises, and ChatOutputTooLong as soon as the output passes `max_chars`: the
+        output is generated piece by piece, so a template that repeats its input never builds
+        a huge string."""
         if self._chat_template is None:
             raise ModelDirError(f"the model in {self.model_dir} has no chat template "
                                 "(tokenizer_config.json 'chat_template'); send text instead")
         messages = [{"role": t.role, "content": t.content} for t in turns]
-        return self._chat_template.render(messages=messages,
-                                          add_generation_prompt=add_generation_prompt,
-                                          **self.special_tokens)
+        pieces: list[str] = []
+        num_chars = 0
+        try:
+            for piece in self._chat_template.generate(
+                    messages=messages, add_generation_prompt=add_generation_prompt,
+                    **self.special_tokens):
+                num_chars += len(piece)
+                if max_chars is not None and num_chars > max_chars:
+                    raise ChatOutputTooLong(max_chars)
+                pieces.append(piece)
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as e:  # raise_exception(), undefined names, sandbox limits
+            raise ChatTemplateError(f"the model's chat template rejected these messages: {e}"
+                                    ) from e
+        except Exception as e:  # e.g. the sandbox's OverflowError, a TypeError in the template
+            raise ChatTemplateError(f"the model's chat template failed on these messages "
+                                    f"({type(e).__name__}: {e})") from e
+        return "".join(pieces)
 
-    def encode_chat(self, turns: list[ChatTurn], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, turns: list[ChatTurn], add_generation_prompt: bool = True,
+                    max_chars: int | None = None) -> list[int]:
         # Templates write BOS and the turn markers themselves, so no special tokens are added.
-        return self.encode(self.render_chat(turns, add_generation_prompt),
+        return self.encode(self.render_chat(turns, add_generation_prompt, max_chars),
                            add_special_tokens=False)

@@ -103,6 +103,6 @@ def test_busy_grpc_port_is_explained(tiny_model_dir):
         try:
             _, stderr = proc.communicate(timeout=60)
             assert proc.returncode == 1
-            assert "cannot bind the gRPC port" in stderr
+            assert "cannot start the gRPC server" in stderr
         finally:
             stop(proc)

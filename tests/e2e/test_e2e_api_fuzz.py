@@ -1,0 +1,343 @@
+"""Fuzzing the public API of a real `folio serve` (the default model): random GenerateRequests
+over every field, and undecodable bytes on the wire.
+
+The oracle is the API's documented rules, written here from the proto comments and the
+architecture doc (not from scheduler_svc), with HF's tokenizer for prompt lengths: a request
+that breaks a rule must end with INVALID_ARGUMENT, one that breaks none must complete normally,
+and nothing else may happen. Afterwards the server is alive, idle with every KV block free, and
+a greedy request returns the same tokens as before the fuzzing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from client import FolioClient
+from protos.folio.v1 import generator_pb2 as pb
+from protos.folio.v1 import generator_pb2_grpc as pb_grpc
+from tests.e2e.e2e_util import wait_idle
+
+pytestmark = pytest.mark.timeout(600)
+
+MAX_SEED = 2**63 - 1
+UINT32 = 2**32 - 1
+FLT_MAX = 3.4028234663852886e38
+FUZZ = settings(max_examples=160, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                       HealthCheck.filter_too_much])
+
+
+@dataclass(frozen=True)
+class Model:
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    longest_token_chars: int
+    hf_tokenizer: object
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+@pytest.fixture(scope="module")
+def model(default_server, default_model_dir) -> Model:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(default_model_dir)
+    with FolioClient(default_server.address, timeout=60) as client:
+        info = client.model_info()
+    return Model(info["vocab_size"], info["max_model_len"], info["block_size"],
+                 info["num_kv_blocks"], max(len(t) for t in hf.get_vocab()), hf)
+
+
+@pytest.fixture(scope="module")
+def stub(default_server):
+    with grpc.insecure_channel(default_server.address) as channel:
+        yield pb_grpc.GeneratorStub(channel)
+
+
+def greedy_tokens(stub) -> list[int]:
+    request = pb.GenerateRequest(text="The quick brown fox", sampling=pb.SamplingParams(
+        temperature=0.0, max_tokens=8, ignore_eos=True))
+    return [t for r in stub.Generate(request, timeout=60) for t in r.token_ids]
+
+
+def assert_healthy_and_unchanged(server, stub, greedy_before: list[int]) -> None:
+    assert server.proc.poll() is None, server.log_tail()
+    wait_idle(server.address)  # nothing left running, every KV block back
+    assert greedy_tokens(stub) == greedy_before
+
+
+# ---- requests ------------------------------------------------------------------------------
+
+# Each field has values the API allows (extremes included) and wild ones (NaN, inf, negative,
+# out of range). A request takes allowed values, then up to two fields get wild ones, so both
+# completions and refusals are common.
+any_float = st.floats(width=32)  # NaN, +-inf, subnormals, huge, negative zero...
+FIELDS = {
+    # field: (allowed values, wild values); None = leave the field unset
+    "temperature": (st.none() | st.sampled_from([0.0, 0.7, 1.0])
+                    | st.floats(0, FLT_MAX, width=32), any_float),
+    "top_p": (st.none() | st.floats(0, 1, exclude_min=True, width=32), any_float),
+    "top_k": (st.none() | st.integers(0, 50) | st.integers(0, 2**31 - 1),
+              st.integers(-(2**31), 2**31 - 1)),
+    "seed": (st.none() | st.integers(0, MAX_SEED), st.integers(0, 2**64 - 1)),
+    # Always set and small: an unset max_tokens on random weights runs to max_model_len.
+    "max_tokens": (st.integers(1, 3), st.integers(0, 3)),
+    "stop_token_ids": (st.lists(st.integers(5, 2047), max_size=32),
+                       st.lists(st.integers(0, UINT32), max_size=40)),
+    "ignore_eos": (st.booleans(), st.booleans()),
+    # Few sequences: n = 128 or 32 beams take seconds per request on a CPU; the limits run
+    # once each in test_sequence_limits_complete.
+    "n": (st.none() | st.integers(1, 3), st.integers(0, 4) | st.sampled_from([129, UINT32])),
+    "beam_width": (st.none() | st.integers(1, 3),
+                   st.integers(0, 4) | st.sampled_from([33, UINT32])),
+    "length_penalty": (st.none() | st.floats(-FLT_MAX, FLT_MAX, width=32), any_float),
+    "early_stopping": (st.integers(0, 2), st.integers(-(2**31), 2**31 - 1)),
+    "request_id": (st.just("") | st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7e,
+                                                      exclude_characters="/"), max_size=256),
+                   st.text(max_size=20) | st.text(min_size=250, max_size=300)),
+    "input": (st.sampled_from(["text", "token_ids", "chat"]),
+              st.sampled_from(["huge text", "wild text", "wild token_ids", "wild chat",
+                               "none"])),
+}
+SAMPLING_FIELDS = [f for f in FIELDS if f not in ("request_id", "input")]
+
+roles = st.sampled_from(["user", "system", "assistant"])
+chat_messages = st.lists(st.builds(pb.ChatMessage, role=roles, content=st.text(max_size=100)),
+                         min_size=1, max_size=4)
+wild_chat_messages = st.lists(st.builds(pb.ChatMessage, role=roles | st.text(max_size=70),
+                                        content=st.text(max_size=100)), max_size=4)
+
+
+@st.composite
+def generate_requests(draw) -> pb.GenerateRequest:
+    values = {field: draw(allowed) for field, (allowed, _) in FIELDS.items()}
+    if (n := values["n"]) is not None and (width := values["beam_width"] or 1) > 1:
+        values["n"] = min(n, width)  # beam search returns at most beam_width sequences
+    for field in draw(st.lists(st.sampled_from(list(FIELDS)), max_size=2, unique=True)):
+        values[field] = draw(FIELDS[field][1])
+    sampling = pb.SamplingParams(**{f: values[f] for f in SAMPLING_FIELDS
+                                    if values[f] is not None})
+    msg = pb.GenerateRequest(request_id=values["request_id"], sampling=sampling)
+    match values["input"]:
+        case "text":
+            msg.text = draw(st.text(min_size=1, max_size=120))
+        case "huge text":
+            msg.text = draw(st.builds(lambda ch, k: ch * k, st.characters(),
+                                      st.integers(1, 300_000)))
+        case "wild text":
+            msg.text = draw(st.text(max_size=120))
+        case "token_ids":
+            msg.token_ids.CopyFrom(pb.TokenIds(ids=draw(st.lists(st.integers(5, 2047),
+                                                                 min_size=1, max_size=40))))
+        case "wild token_ids":
+            ids = draw(st.lists(st.integers(0, UINT32), max_size=40)
+                       | st.builds(lambda k: [7] * k, st.integers(2000, 5000)))
+            msg.token_ids.CopyFrom(pb.TokenIds(ids=ids))
+        case "chat" | "wild chat":
+            messages = chat_messages if values["input"] == "chat" else wild_chat_messages
+            msg.chat.CopyFrom(pb.Chat(messages=draw(messages)))
+            if (add := draw(st.none() | st.booleans())) is not None:
+                msg.chat.add_generation_prompt = add
+    return msg
+
+
+# ---- the oracle: the documented rules ------------------------------------------------------
+
+def broken_rule(msg: pb.GenerateRequest, m: Model) -> str | None:
+    """Which documented rule `msg` breaks (it must get INVALID_ARGUMENT), "maybe" when the
+    outcome depends on the KV pool, or None (it must complete)."""
+    p = msg.sampling
+    has = p.HasField
+    n = p.n if has("n") else 1
+    width = p.beam_width if has("beam_width") else 1
+    checks = [
+        (has("temperature") and not (math.isfinite(p.temperature) and p.temperature >= 0),
+         "temperature"),
+        (has("top_p") and not 0 < p.top_p <= 1, "top_p"),
+        (has("top_k") and p.top_k < 0, "top_k"),
+        (has("seed") and p.seed > MAX_SEED, "seed"),
+        (p.max_tokens == 0, "max_tokens"),
+        (len(p.stop_token_ids) > 32, "too many stop ids"),
+        (any(t >= m.vocab_size for t in p.stop_token_ids), "stop id out of range"),
+        (not 1 <= n <= 128, "n"),
+        (not 1 <= width <= 32, "beam_width"),
+        (width > 1 and n > width, "n > beam_width"),
+        (has("length_penalty") and not math.isfinite(p.length_penalty), "length_penalty"),
+        (p.early_stopping not in (0, 1, 2), "early_stopping"),
+        (len(msg.request_id) > 256 or not msg.request_id.isprintable()
+         or "/" in msg.request_id, "request_id"),
+    ]
+    for broken, rule in checks:
+        if broken:
+            return rule
+    num_prompt = prompt_length(msg, m)
+    if isinstance(num_prompt, str):
+        return num_prompt
+    if not 0 < num_prompt <= m.max_model_len:
+        return "prompt length"
+    if width > 1:  # the search must fit the KV pool on its own
+        max_tokens = min(p.max_tokens, max(1, m.max_model_len - num_prompt))
+        if m.blocks_for(num_prompt) + width * (m.blocks_for(max_tokens) + 1) > m.num_kv_blocks:
+            return "maybe"
+    return None
+
+
+def prompt_length(msg: pb.GenerateRequest, m: Model) -> int | str:
+    """The prompt's token count, or the rule its input breaks."""
+    max_chars = m.max_model_len * m.longest_token_chars  # no longer text fits max_model_len
+    match msg.WhichOneof("input"):
+        case None:
+            return "no input"
+        case "text":
+            if len(msg.text) > max_chars:
+                return "text longer than max_model_len tokens can be"
+            return len(m.hf_tokenizer(msg.text)["input_ids"]) if msg.text else 0
+        case "token_ids":
+            ids = msg.token_ids.ids
+            if any(t >= m.vocab_size for t in ids):
+                return "token id out of range"
+            return len(ids)
+        case "chat":
+            turns = msg.chat.messages
+            if not turns or any(not (1 <= len(t.role) <= 64 and t.role.isprintable())
+                                for t in turns):
+                return "chat messages"
+            if sum(len(t.role) + len(t.content) for t in turns) > max_chars:
+                return "chat longer than max_model_len tokens can be"
+            add = msg.chat.add_generation_prompt if msg.chat.HasField(
+                "add_generation_prompt") else True
+            return len(m.hf_tokenizer.apply_chat_template(
+                [{"role": t.role, "content": t.content} for t in turns],
+                add_generation_prompt=add, tokenize=True, return_dict=False))
+
+
+def outcome(stub, msg: pb.GenerateRequest) -> tuple[grpc.StatusCode, list[pb.GenerateResponse]]:
+    responses: list[pb.GenerateResponse] = []
+    try:
+        for response in stub.Generate(msg, timeout=120):
+            responses.append(response)
+    except grpc.RpcError as e:
+        return e.code(), responses
+    return grpc.StatusCode.OK, responses
+
+
+def test_fuzz_generate_requests(default_server, model, stub):
+    greedy_before = greedy_tokens(stub)
+    seen = {"completed": 0, "refused": 0}
+
+    @FUZZ
+    @given(msg=generate_requests())
+    def check(msg: pb.GenerateRequest) -> None:
+        rule = broken_rule(msg, model)
+        code, responses = outcome(stub, msg)
+        assert code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT), (code, rule)
+        if rule == "maybe":
+            return
+        if rule is not None:
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, f"accepted ({rule} broken)"
+            seen["refused"] += 1
+            return
+        assert code == grpc.StatusCode.OK, f"refused a valid request: {responses}"
+        n = msg.sampling.n if msg.sampling.HasField("n") else 1
+        finals = [r for r in responses if r.finish_reason != pb.FINISH_REASON_UNSPECIFIED]
+        assert sorted(r.index for r in finals) == list(range(n))
+        assert all(0 < r.usage.completion_tokens <= msg.sampling.max_tokens for r in finals)
+        seen["completed"] += 1
+
+    check()
+    # The examples exercised both sides of the oracle.
+    assert seen["completed"] >= 20 and seen["refused"] >= 20, seen
+    assert_healthy_and_unchanged(default_server, stub, greedy_before)
+
+
+# ---- undecodable bytes on the wire ---------------------------------------------------------
+
+def invalid_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+def with_field(field: str, marker: str) -> pb.GenerateRequest:
+    match field:
+        case "request_id":
+            return pb.GenerateRequest(request_id=marker, text="hi")
+        case "text":
+            return pb.GenerateRequest(text=marker)
+        case "role":
+            return pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role=marker)]))
+        case _:
+            return pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(
+                role="user", content=marker)]))
+
+
+@st.composite
+def undecodable_requests(draw) -> bytes:
+    if draw(st.booleans()):  # a well-formed message with invalid UTF-8 in one string field
+        bad = draw(st.binary(min_size=1, max_size=24).filter(invalid_utf8))
+        marker = "\x7f" * len(bad)
+        field = draw(st.sampled_from(["request_id", "text", "role", "content"]))
+        return with_field(field, marker).SerializeToString().replace(marker.encode(), bad)
+    data = draw(st.binary(max_size=64))  # arbitrary bytes that do not parse
+    try:
+        pb.GenerateRequest.FromString(data)
+    except Exception:
+        return data
+    return draw(st.nothing())
+
+
+def test_fuzz_undecodable_bytes(default_server, stub):
+    greedy_before = greedy_tokens(stub)
+    with grpc.insecure_channel(default_server.address) as channel:
+        generate = channel.unary_stream("/folio.v1.Generator/Generate",
+                                        response_deserializer=pb.GenerateResponse.FromString)
+
+        @settings(FUZZ, max_examples=100)
+        @given(data=undecodable_requests())
+        def check(data: bytes) -> None:
+            with pytest.raises(grpc.RpcError) as err:
+                list(generate(data, timeout=60))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            assert "could not decode the request" in err.value.details()
+
+        check()
+    assert_healthy_and_unchanged(default_server, stub, greedy_before)
+
+
+# ---- beam search with extreme length penalties ---------------------------------------------
+
+@pytest.mark.parametrize("early_stopping", ["heuristic", "true", "never"])
+def test_beams_with_extreme_length_penalties_complete(default_server, stub, early_stopping):
+    greedy_before = greedy_tokens(stub)
+    with FolioClient(default_server.address, timeout=120) as client:
+        for length_penalty in (1e4, -130.0, 1e30, 3.4e38, -3.4e38, -1e4, 1e-45):
+            beams = client.generate_choices(token_ids=[11, 12, 13, 14, 15], beam_width=3, n=3,
+                                            max_tokens=5, length_penalty=length_penalty,
+                                            early_stopping=early_stopping,
+                                            stop_token_ids=[7, 9], ignore_eos=True)
+            assert [b.index for b in beams] == [0, 1, 2], length_penalty
+            for beam in beams:
+                assert beam.finish_reason in ("stop", "length")
+                assert 1 <= len(beam.token_ids) <= 5
+    assert_healthy_and_unchanged(default_server, stub, greedy_before)
+
+
+def test_sequence_limits_complete(default_server, stub):
+    with FolioClient(default_server.address, timeout=120) as client:
+        sampled = client.generate_choices("Hi", n=128, max_tokens=2, ignore_eos=True, seed=1)
+        assert [c.index for c in sampled] == list(range(128))
+        beams = client.generate_choices("Hi", beam_width=32, n=32, max_tokens=2,
+                                        ignore_eos=True, length_penalty=-3.4e38)
+        assert [b.index for b in beams] == list(range(32))
+    wait_idle(default_server.address)
