@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 import structlog
 
+from executor_svc.checkpoint import read_weight_headers, resolve_model_dir, safetensors_files
 from executor_svc.config import (
     DEVICES,
     DTYPES,
@@ -16,6 +18,7 @@ from executor_svc.config import (
     ExecutorConfig,
     parse_memory,
 )
+from executor_svc.model_config import ModelConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,6 +96,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     configure_logging(cfg.log_format, cfg.log_level)
-    from executor_svc.worker import run  # torch loads only after the flags are known good
+    try:
+        model_dir = check_checkpoint(cfg)
+    except (ValueError, OSError) as e:
+        print(f"executor failed to start: {e}", file=sys.stderr)
+        return 1
+    from executor_svc.worker import run  # torch loads only after the checkpoint looks sane
 
-    return run(cfg)
+    return run(cfg, model_dir)
+
+
+def check_checkpoint(cfg: ExecutorConfig) -> Path:
+    """The local checkpoint directory, once its config.json, index and safetensors headers
+    have passed every check that needs no torch: a damaged checkpoint is refused in a fraction
+    of a second rather than after the multi-second torch import. (Shapes against the model
+    are checked by the loader.)"""
+    model_dir = resolve_model_dir(cfg.model, cfg.hub_cache_dir)
+    ModelConfig.from_dir(model_dir)
+    read_weight_headers(safetensors_files(model_dir))
+    return model_dir

@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 import torch
@@ -24,7 +25,6 @@ from executor_svc.loader import (
     effective_max_model_len,
     has_random_weights,
     load_model,
-    resolve_model_dir,
 )
 from executor_svc.model_config import ModelConfig
 from executor_svc.runner import ModelRunner
@@ -70,11 +70,11 @@ class Executor:
     hello: Hello
 
 
-def build_executor(cfg: ExecutorConfig) -> Executor:
-    """Everything before the first message: model, KV cache, and the Hello that reports them."""
+def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
+    """Everything before the first message: model, KV cache, and the Hello that reports them.
+    `model_dir` is the local directory `cfg.model` resolved to."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    model_dir = resolve_model_dir(cfg.model, cfg.hub_cache_dir)
     model_cfg = ModelConfig.from_dir(model_dir)
     max_model_len = effective_max_model_len(model_cfg, cfg.max_model_len)
     model = load_model(model_dir, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -211,11 +211,12 @@ class _Stats:
         self._reset(now)
 
 
-def run(cfg: ExecutorConfig) -> int:
+def run(cfg: ExecutorConfig, model_dir: Path) -> int:
     try:
-        executor = build_executor(cfg)
+        executor = build_executor(cfg, model_dir)
     except (ValueError, NotImplementedError, OSError) as e:
-        log.error("executor failed to start", error=str(e))
+        # One line and no traceback: a bad checkpoint or flag is fixed by the operator, and
+        # CheckpointError's text already starts with the file at fault.
         print(f"executor failed to start: {e}", file=sys.stderr)
         return EXIT_FAILED
     end = ExecutorEnd(cfg.scheduler_address)
