@@ -212,6 +212,8 @@ class _Stats:
 
 
 def run(cfg: ExecutorConfig, model_dir: Path) -> int:
+    """Build, greet, serve. A `lifecycle.ShutdownRequested` raised by a signal anywhere in here
+    passes through (the socket is closed on the way) to `cli.main()`."""
     try:
         executor = build_executor(cfg, model_dir)
     except (ValueError, NotImplementedError, OSError) as e:
@@ -226,8 +228,5 @@ def run(cfg: ExecutorConfig, model_dir: Path) -> int:
         if exit_code is not None:
             return exit_code
         return serve(end, executor.runner)
-    except KeyboardInterrupt:
-        log.info("interrupted")
-        return 130
     finally:
         end.close()
