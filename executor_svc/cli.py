@@ -1,13 +1,17 @@
-"""`python -m executor_svc`: parse flags into an ExecutorConfig, set up logging, run."""
+"""`python -m executor_svc`: parse flags into an ExecutorConfig, set up logging and the
+process lifecycle (signals, --parent-pid), run."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from pathlib import Path
 
 import structlog
 
+from executor_svc.checkpoint import read_weight_headers, resolve_model_dir, safetensors_files
 from executor_svc.config import (
     DEVICES,
     DTYPES,
@@ -16,6 +20,10 @@ from executor_svc.config import (
     ExecutorConfig,
     parse_memory,
 )
+from executor_svc.lifecycle import Lifecycle, ShutdownRequested
+from executor_svc.model_config import ModelConfig
+
+log = structlog.get_logger("executor_svc.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file holding the scheduler channel's shared secret (default: "
                         "$FOLIO_CHANNEL_SECRET; none: an unauthenticated channel)")
     p.add_argument("--parent-pid", type=int, default=None,
-                   help="exit when this process is gone (folio serve passes its own pid)")
+                   help="exit (as on SIGTERM) when this process is gone; `folio serve` passes "
+                        "its own pid so no executor outlives it")
     return p
 
 
@@ -100,6 +109,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     configure_logging(cfg.log_format, cfg.log_level)
-    from executor_svc.worker import run  # torch loads only after the flags are known good
+    try:
+        # Before torch: a SIGTERM during the import or the model load must end us promptly
+        # too. Inside the try: a signal may arrive the moment the handler is in place.
+        Lifecycle(cfg.parent_pid).install()
+        log.info("executor starting", pid=os.getpid(), parent_pid=cfg.parent_pid)
+        try:
+            model_dir = check_checkpoint(cfg)
+        except (ValueError, OSError) as e:
+            print(f"executor failed to start: {e}", file=sys.stderr)
+            return 1
+        from executor_svc.worker import run  # torch loads only after the checkpoint looks sane
 
-    return run(cfg)
+        return run(cfg, model_dir)
+    except ShutdownRequested as e:
+        log.info("shutdown requested by signal", reason=e.reason)
+        # The worker closed its socket on the way here and nothing else holds state worth
+        # saving. The interpreter's own teardown with torch loaded takes 0.6-1.5 s on a busy
+        # 2-core machine, most of a stop's 2 s budget, so it is skipped.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def check_checkpoint(cfg: ExecutorConfig) -> Path:
+    """The local checkpoint directory, once its config.json, index and safetensors headers
+    have passed every check that needs no torch: a damaged checkpoint is refused in a fraction
+    of a second rather than after the multi-second torch import. (Shapes against the model
+    are checked by the loader.)"""
+    model_dir = resolve_model_dir(cfg.model, cfg.hub_cache_dir)
+    ModelConfig.from_dir(model_dir)
+    read_weight_headers(safetensors_files(model_dir))
+    return model_dir

@@ -47,7 +47,7 @@ class ExecutorConfig:
     log_level: str = "info"
     hub_cache_dir: str | None = None
     channel_secret_file: str | None = None  # None: $FOLIO_CHANNEL_SECRET, else no auth
-    parent_pid: int | None = None  # exit when this process is gone
+    parent_pid: int | None = None  # exit when this process is gone (see lifecycle.py)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -72,5 +72,7 @@ class ExecutorConfig:
             raise ValueError(f"--max-model-len must be at least 1, got {self.max_model_len}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"--log-format must be console or json, got {self.log_format!r}")
+        if self.parent_pid is not None and self.parent_pid < 1:
+            raise ValueError(f"--parent-pid must be a process id (>= 1), got {self.parent_pid}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")

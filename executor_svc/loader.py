@@ -1,70 +1,42 @@
-"""Find a checkpoint, build its model class, and fill every parameter from safetensors.
+"""Build a checkpoint's model class and fill every parameter from safetensors.
 
 The loader is strict: a checkpoint tensor with no home in the model, a parameter (or a shard of
-a fused parameter) the checkpoint never fills, or a shape mismatch is an error naming the
-tensor. Two exceptions: ``lm_head.weight`` is ignored when embeddings are tied (the model reuses
-the embedding matrix), and rotary ``inv_freq`` buffers that old checkpoints carry are skipped
-(the model computes its own RoPE table).
+a fused parameter) the checkpoint never fills, or a shape mismatch is a `CheckpointError`
+naming the file and the tensor. It is found from the safetensors headers while the model is
+still on the meta device, before any weight memory is allocated. Two exceptions:
+``lm_head.weight`` is ignored when embeddings are tied (the model reuses the embedding matrix),
+and rotary ``inv_freq`` buffers that old checkpoints carry are skipped (the model computes its
+own RoPE table). Damaged files themselves are caught by `executor_svc.checkpoint`.
 """
 
 from __future__ import annotations
 
-import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from executor_svc.attention import AttentionBackend, default_backend
+from executor_svc.checkpoint import (
+    INDEX_FILE,
+    CheckpointError,
+    TensorHeader,
+    open_safetensors,
+    read_weight_headers,
+    safetensors_files,
+)
 from executor_svc.model_config import ModelConfig
 from executor_svc.models import model_class
 
 log = structlog.get_logger(__name__)
 
 RANDOM_WEIGHTS_MARKER = "FOLIO_RANDOM_WEIGHTS"
-_INDEX_FILE = "model.safetensors.index.json"
-
-
-def resolve_model_dir(model: str, cache_dir: str | None = None) -> Path:
-    """A local checkpoint directory as is; anything else is a hub id to download."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise ValueError(f"--model {model!r} is a file; give the checkpoint's directory")
-    try:
-        from huggingface_hub import snapshot_download
-
-        local = snapshot_download(
-            repo_id=model, cache_dir=cache_dir,
-            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
-    except Exception as e:  # the hub client raises many types (offline, 404, auth, bad id)
-        raise ValueError(f"--model {model!r} is not a local directory and downloading it from "
-                         f"the model hub failed: {type(e).__name__}: {e}") from e
-    return Path(local)
 
 
 def has_random_weights(model_dir: Path) -> bool:
     return (Path(model_dir) / RANDOM_WEIGHTS_MARKER).exists()
-
-
-def safetensors_files(model_dir: Path) -> list[Path]:
-    """The checkpoint's weight files: the shards named by the index, or model.safetensors."""
-    index = model_dir / _INDEX_FILE
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({model_dir / name for name in weight_map.values()})
-        missing = [f.name for f in files if not f.exists()]
-        if missing:
-            raise ValueError(f"{index} names shards that are not there: {', '.join(missing)}")
-        return files
-    single = model_dir / "model.safetensors"
-    if single.exists():
-        return [single]
-    raise ValueError(f"{model_dir} holds no model.safetensors nor {_INDEX_FILE}; only "
-                     "safetensors checkpoints are supported")
 
 
 def _fused_target(name: str, packed: dict[str, tuple[str, ...]]) -> tuple[str, int] | None:
@@ -78,57 +50,102 @@ def _fused_target(name: str, packed: dict[str, tuple[str, ...]]) -> tuple[str, i
     return None
 
 
-def load_weights(model: nn.Module, files: list[Path], tie_word_embeddings: bool) -> None:
-    """Copy every checkpoint tensor into its parameter; raise on anything missing or extra."""
+@dataclass(frozen=True)
+class _Placement:
+    """Where one checkpoint tensor goes: parameter `pname` whole, or, when `pname` is a fused
+    projection, its shard `shard_id`: rows `start` .. `start + size` (both 0 when unfused)."""
+
+    file: Path
+    name: str  # as the checkpoint spells it
+    pname: str
+    shard_id: int | None
+    start: int
+    size: int
+
+
+def plan_weights(model: nn.Module, headers: list[TensorHeader],
+                 tie_word_embeddings: bool) -> list[_Placement]:
+    """Match every checkpoint tensor to its parameter by the headers alone.
+
+    Run while the parameters are still on the meta device: a wrong shape, a tensor with no
+    home or a parameter nobody fills is refused, naming the file, before any memory is
+    allocated for a model that could not be loaded anyway."""
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, ...]] = getattr(model, "packed_modules", {})
     # Every (parameter, shard) that must be filled; unfused parameters have one shard, None.
     todo: set[tuple[str, int | None]] = set()
     for pname in params:
-        module = model.get_submodule(pname.rsplit(".", 1)[0])
-        sizes = getattr(module, "output_sizes", None)
+        sizes = getattr(model.get_submodule(pname.rsplit(".", 1)[0]), "output_sizes", None)
         if sizes:
             todo.update((pname, i) for i in range(len(sizes)))
         else:
             todo.add((pname, None))
-    unexpected: list[str] = []
-    with torch.no_grad():
-        for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                    if name.endswith("rotary_emb.inv_freq"):
-                        continue
-                    if tie_word_embeddings and name == "lm_head.weight":
-                        continue
-                    target = _fused_target(name, packed)
-                    pname, shard_id = target if target else (name, None)
-                    if pname not in params:
-                        unexpected.append(name)
-                        continue
-                    _copy_into(model, params[pname], pname, shard_id, f.get_tensor(name), name)
-                    todo.discard((pname, shard_id))
+    placements: list[_Placement] = []
+    unexpected: list[TensorHeader] = []
+    for header in headers:
+        if header.name.endswith("rotary_emb.inv_freq"):
+            continue
+        if tie_word_embeddings and header.name == "lm_head.weight":
+            continue
+        target = _fused_target(header.name, packed)
+        pname, shard_id = target if target else (header.name, None)
+        if pname not in params:
+            unexpected.append(header)
+            continue
+        placement = _place(model, header, pname, shard_id)
+        _check_shape(header, placement, params[pname])
+        placements.append(placement)
+        todo.discard((pname, shard_id))
+    files = sorted({h.file for h in headers})
+    # A sharded checkpoint's index speaks for all its files.
+    where = files[0] if len(files) == 1 else files[0].parent / INDEX_FILE
     if unexpected:
-        raise ValueError(f"checkpoint tensors with no matching parameter in "
-                         f"{type(model).__name__}: {', '.join(sorted(unexpected)[:10])}"
-                         + (" ..." if len(unexpected) > 10 else ""))
+        names = sorted(h.name for h in unexpected)
+        raise CheckpointError(where, f"checkpoint tensors with no matching parameter in "
+                                     f"{type(model).__name__}: {', '.join(names[:10])}"
+                                     + (" ..." if len(names) > 10 else ""))
     if todo:
         missing = sorted(p if s is None else f"{p} (shard {s})" for p, s in todo)
-        raise ValueError(f"checkpoint lacks tensors for {len(missing)} parameter(s) of "
-                         f"{type(model).__name__}: {', '.join(missing[:10])}"
-                         + (" ..." if len(missing) > 10 else ""))
+        raise CheckpointError(where, f"checkpoint lacks tensors for {len(missing)} parameter(s) "
+                                     f"of {type(model).__name__}: {', '.join(missing[:10])}"
+                                     + (" ..." if len(missing) > 10 else ""))
+    return placements
 
 
-def _copy_into(model: nn.Module, param: torch.Tensor, pname: str, shard_id: int | None,
-               tensor: torch.Tensor, ckpt_name: str) -> None:
-    dest = param.data
-    if shard_id is not None:
-        sizes = model.get_submodule(pname.rsplit(".", 1)[0]).output_sizes
-        start = sum(sizes[:shard_id])
-        dest = dest.narrow(0, start, sizes[shard_id])
-    if dest.shape != tensor.shape:
-        raise ValueError(f"checkpoint tensor {ckpt_name} has shape {tuple(tensor.shape)}, "
-                         f"the model expects {tuple(dest.shape)}")
-    dest.copy_(tensor)
+def _place(model: nn.Module, header: TensorHeader, pname: str,
+           shard_id: int | None) -> _Placement:
+    if shard_id is None:
+        return _Placement(header.file, header.name, pname, None, 0, 0)
+    sizes = model.get_submodule(pname.rsplit(".", 1)[0]).output_sizes
+    return _Placement(header.file, header.name, pname, shard_id, sum(sizes[:shard_id]),
+                      sizes[shard_id])
+
+
+def _check_shape(header: TensorHeader, placement: _Placement, param: torch.Tensor) -> None:
+    """The checkpoint's declared shape against the parameter (or the rows of it) it fills."""
+    expected = tuple(param.shape)
+    if placement.shard_id is not None:
+        expected = (placement.size, *expected[1:])
+    if header.shape != expected:
+        raise CheckpointError(header.file, f"checkpoint tensor {header.name} has shape "
+                                           f"{header.shape}, the model built from config.json "
+                                           f"expects {expected}")
+
+
+def load_weights(model: nn.Module, placements: list[_Placement]) -> None:
+    """Copy every planned checkpoint tensor into its (now allocated) parameter."""
+    params = dict(model.named_parameters())
+    by_file: dict[Path, list[_Placement]] = {}
+    for p in placements:
+        by_file.setdefault(p.file, []).append(p)
+    with torch.no_grad():
+        for file, entries in by_file.items():
+            with open_safetensors(file, framework="pt") as f:
+                for p in entries:
+                    dest = params[p.pname].data
+                    if p.shard_id is not None:
+                        dest = dest.narrow(0, p.start, p.size)
+                    dest.copy_(f.get_tensor(p.name))
 
 
 def effective_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
@@ -149,14 +166,25 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
                cfg: ModelConfig | None = None) -> nn.Module:
     """Build the registered class for the checkpoint in `model_dir` and load its weights."""
     cfg = cfg or ModelConfig.from_dir(model_dir)
-    cls = model_class(cfg.architecture)
+    try:
+        cls = model_class(cfg.architecture)
+    except ValueError as e:  # the architecture named by config.json
+        raise CheckpointError(model_dir / "config.json", str(e)) from None
     files = safetensors_files(model_dir)
-    # Parameters start on the meta device so no time goes into a random init we overwrite.
+    headers = read_weight_headers(files)
+    log.info("loading model", model_dir=str(model_dir), architecture=cfg.architecture,
+             files=len(files), bytes=sum(f.stat().st_size for f in files))
+    # Parameters start on the meta device so no time goes into a random init we overwrite,
+    # and the checkpoint's headers are checked against their shapes before any allocation.
     with torch.device("meta"):
-        model = cls(cfg, dtype=dtype, max_model_len=max_model_len,
-                    backend=backend or default_backend(), device=device)
+        try:
+            model = cls(cfg, dtype=dtype, max_model_len=max_model_len,
+                        backend=backend or default_backend(), device=device)
+        except ValueError as e:  # a value the model class refuses comes from config.json
+            raise CheckpointError(model_dir / "config.json", str(e)) from None
+    placements = plan_weights(model, headers, cfg.tie_word_embeddings)
     model.to_empty(device=device)
-    load_weights(model, files, cfg.tie_word_embeddings)
+    load_weights(model, placements)
     model.eval()
     log.info("model loaded", architecture=cfg.architecture, files=len(files),
              params=sum(p.numel() for p in model.parameters()), dtype=str(dtype),

@@ -3,14 +3,20 @@
 HF configs spell RoPE two ways: older ones carry ``rope_theta`` and ``rope_scaling`` at the top
 level, newer ones a single ``rope_parameters`` dict holding ``rope_theta`` and ``rope_type``.
 Both end up in `RopeSpec`.
+
+Every value Folio uses is checked here (positive integer sizes, heads that divide, booleans that
+are booleans), so a damaged config.json ends in one `CheckpointError` naming the file and the
+field, never in a tensor of negative size deep inside the model.
 """
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from executor_svc.checkpoint import CheckpointError, read_json_object
 
 
 @dataclass(frozen=True)
@@ -18,6 +24,44 @@ class RopeSpec:
     theta: float = 10000.0
     rope_type: str = "default"  # default | linear | llama3
     params: dict[str, Any] = field(default_factory=dict)  # factor, low_freq_factor, ...
+
+
+_REQUIRED = object()
+
+
+def _int(d: dict[str, Any], key: str, default: Any = _REQUIRED) -> int:
+    """A positive JSON integer. Strings and fractions are refused: HF writes sizes as integers,
+    and a model built from a silently rounded size would only fail later, on a tensor."""
+    value = d.get(key)
+    if value is None:  # absent, or null as some configs write head_dim
+        value = default
+    if value is _REQUIRED:
+        raise ValueError(f"lacks the field {key!r}")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _float(d: dict[str, Any], key: str, default: float) -> float:
+    """A positive finite JSON number."""
+    value = d.get(key)
+    if value is None:
+        value = default
+    if (not isinstance(value, int | float) or isinstance(value, bool)
+            or not 0 < value < math.inf):
+        raise ValueError(f"{key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _bool(d: dict[str, Any], key: str) -> bool:
+    value = d.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):  # "false" would be truthy
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -38,62 +82,91 @@ class ModelConfig:
     mlp_bias: bool = False
     sliding_window: int | None = None  # only set when the model really uses one
 
+    def __post_init__(self) -> None:
+        # Relations between sizes; each size alone was checked where it was read.
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads ({self.num_heads}) is not a multiple of "
+                             f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even: RoPE rotates pairs")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive integer, got "
+                             f"{self.sliding_window}")
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        archs = d.get("architectures") or []
+        """Read and check every field Folio uses; ValueError says which one and why."""
+        archs = d.get("architectures")
         if not archs:
-            raise ValueError("config.json has no 'architectures' entry; cannot pick a model class")
-        try:
-            num_heads = int(d["num_attention_heads"])
-            hidden_size = int(d["hidden_size"])
-            cfg = cls(
-                architecture=archs[0],
-                vocab_size=int(d["vocab_size"]),
-                hidden_size=hidden_size,
-                intermediate_size=int(d["intermediate_size"]),
-                num_layers=int(d["num_hidden_layers"]),
-                num_heads=num_heads,
-                num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
-                head_dim=int(d.get("head_dim") or hidden_size // num_heads),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-                rope=_rope_spec(d),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=bool(d.get("attention_bias", False)),
-                mlp_bias=bool(d.get("mlp_bias", False)),
-                sliding_window=_sliding_window(d),
-            )
-        except KeyError as e:
-            raise ValueError(f"config.json lacks the field {e.args[0]!r}") from e
-        if cfg.num_heads % cfg.num_kv_heads:
-            raise ValueError(f"num_attention_heads ({cfg.num_heads}) is not a multiple of "
-                             f"num_key_value_heads ({cfg.num_kv_heads})")
-        return cfg
+            raise ValueError("has no 'architectures' entry; cannot pick a model class")
+        if not isinstance(archs, list) or not isinstance(archs[0], str):
+            raise ValueError(f"architectures must be a list of class names, got {archs!r}")
+        num_heads = _int(d, "num_attention_heads")
+        hidden_size = _int(d, "hidden_size")
+        if d.get("head_dim") is None and hidden_size % num_heads:
+            raise ValueError(f"hidden_size ({hidden_size}) is not a multiple of "
+                             f"num_attention_heads ({num_heads}) and no head_dim is given")
+        return cls(
+            architecture=archs[0],
+            vocab_size=_int(d, "vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=_int(d, "intermediate_size"),
+            num_layers=_int(d, "num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=_int(d, "num_key_value_heads", num_heads),
+            head_dim=_int(d, "head_dim", hidden_size // num_heads),
+            rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
+            max_position_embeddings=_int(d, "max_position_embeddings", 2048),
+            rope=_rope_spec(d),
+            tie_word_embeddings=_bool(d, "tie_word_embeddings"),
+            attention_bias=_bool(d, "attention_bias"),
+            mlp_bias=_bool(d, "mlp_bias"),
+            sliding_window=_sliding_window(d),
+        )
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
+        if not path.exists():
+            raise CheckpointError(path, "not found (the directory has no config.json; is it a "
+                                        "HF checkpoint?)")
         try:
-            return cls.from_dict(json.loads(path.read_text()))
-        except FileNotFoundError as e:
-            raise ValueError(f"{model_dir} has no config.json; is it a HF checkpoint?") from e
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from e
+            return cls.from_dict(read_json_object(path))
+        except CheckpointError:
+            raise
+        except ValueError as e:
+            raise CheckpointError(path, str(e)) from None
 
 
 def _rope_spec(d: dict[str, Any]) -> RopeSpec:
-    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", d.get("rope_theta", 10000.0)))
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"rope_parameters / rope_scaling must be an object, got {params!r}")
+    params = dict(params)
+    theta = _float({"rope_theta": params.pop("rope_theta", d.get("rope_theta"))}, "rope_theta",
+                   10000.0)
     # Old configs name the type "type"; "default" and missing mean unscaled.
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    if not isinstance(rope_type, str):
+        raise ValueError(f"rope_type must be a string, got {rope_type!r}")
+    # The numbers the scaled variants divide by (see models/rope.py).
+    needed = {"linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings")}.get(rope_type, ())
+    for key in needed:
+        if key not in params:
+            raise ValueError(f"rope type {rope_type!r} needs {key!r}, which is missing")
+        _float(params, key, math.nan)
+    if rope_type == "llama3" and params["high_freq_factor"] <= params["low_freq_factor"]:
+        raise ValueError("rope high_freq_factor must be larger than low_freq_factor, got "
+                         f"{params['high_freq_factor']} <= {params['low_freq_factor']}")
     return RopeSpec(theta=theta, rope_type=rope_type, params=params)
 
 
 def _sliding_window(d: dict[str, Any]) -> int | None:
-    window = d.get("sliding_window")
-    if not window:
+    if not d.get("sliding_window"):
         return None
     # Qwen2/Qwen3 configs carry a window they only use when use_sliding_window is set.
     if "use_sliding_window" in d and not d["use_sliding_window"]:
         return None
-    return int(window)
+    return _int(d, "sliding_window")

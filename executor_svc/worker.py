@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 import torch
@@ -24,7 +25,6 @@ from executor_svc.loader import (
     effective_max_model_len,
     has_random_weights,
     load_model,
-    resolve_model_dir,
 )
 from executor_svc.model_config import ModelConfig
 from executor_svc.runner import ModelRunner
@@ -77,11 +77,11 @@ class Executor:
     hello: Hello
 
 
-def build_executor(cfg: ExecutorConfig) -> Executor:
-    """Everything before the first message: model, KV cache, and the Hello that reports them."""
+def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
+    """Everything before the first message: model, KV cache, and the Hello that reports them.
+    `model_dir` is the local directory `cfg.model` resolved to."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    model_dir = resolve_model_dir(cfg.model, cfg.hub_cache_dir)
     model_cfg = ModelConfig.from_dir(model_dir)
     max_model_len = effective_max_model_len(model_cfg, cfg.max_model_len)
     model = load_model(model_dir, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -248,18 +248,17 @@ class _Stats:
         self._reset(now)
 
 
-def run(cfg: ExecutorConfig) -> int:
-    try:
-        executor = build_executor(cfg)
-    except (ValueError, NotImplementedError, OSError) as e:
-        log.error("executor failed to start", error=str(e))
-        print(f"executor failed to start: {e}", file=sys.stderr)
-        return EXIT_FAILED
+def run(cfg: ExecutorConfig, model_dir: Path) -> int:
+    """Build, greet, serve; after losing the scheduler, drop every request and greet again. A
+    `lifecycle.ShutdownRequested` raised by a signal anywhere in here passes through (the
+    socket is closed on the way) to `cli.main()`."""
     try:
         secret = read_secret(cfg.channel_secret_file)
         keys = ChannelKeys.from_secret(secret) if secret is not None else None
-    except ValueError as e:
-        log.error("executor failed to start", error=str(e))
+        executor = build_executor(cfg, model_dir)
+    except (ValueError, NotImplementedError, OSError) as e:
+        # One line and no traceback: a bad checkpoint or flag is fixed by the operator, and
+        # CheckpointError's text already starts with the file at fault.
         print(f"executor failed to start: {e}", file=sys.stderr)
         return EXIT_FAILED
     end = ExecutorEnd(cfg.scheduler_address, keys)
@@ -274,8 +273,5 @@ def run(cfg: ExecutorConfig) -> int:
             if exit_code is not None:
                 return exit_code
             executor.runner.requests.clear()  # the next scheduler starts from nothing
-    except KeyboardInterrupt:
-        log.info("interrupted")
-        return 130
     finally:
         end.close()

@@ -20,7 +20,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 
 class ModelDirError(ValueError):
-    """The model directory is missing a file the scheduler needs."""
+    """A file of the model directory that the scheduler needs is missing or damaged. Raised
+    while loading, the message reads ``<file>: <what is wrong>``."""
 
 
 class ChatTemplateError(ValueError):
@@ -44,10 +45,40 @@ class ChatTurn:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
+    """The JSON object in `path`, or {} when there is no such file (the scheduler can do
+    without each of these); a file that is there but unusable is a ModelDirError naming it."""
+    if not path.exists():
         return {}
-    with path.open(encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ModelDirError(f"{path}: not UTF-8 text (byte {e.start}): the file is damaged or "
+                            "not a JSON file") from None
+    except OSError as e:  # permissions, a directory in the file's place, I/O errors
+        raise ModelDirError(f"{path}: cannot be read: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ModelDirError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ModelDirError(f"{path}: holds a JSON {type(value).__name__}; expected an object")
+    return value
+
+
+def _check_model_fields(path: Path, config: dict[str, Any]) -> None:
+    """The config fields the scheduler reads have the types HF writes, or the file is refused
+    (a string eos_token_id would otherwise be read character by character)."""
+    archs = config.get("architectures")
+    if archs is not None and not (isinstance(archs, list)
+                                  and all(isinstance(a, str) for a in archs)):
+        raise ModelDirError(f"{path}: architectures must be a list of class names, got {archs!r}")
+    vocab_size = config.get("vocab_size")
+    if vocab_size is not None and (not isinstance(vocab_size, int) or isinstance(vocab_size, bool)
+                                   or vocab_size < 1):
+        raise ModelDirError(f"{path}: vocab_size must be a positive integer, got {vocab_size!r}")
+    eos = config.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ModelDirError(f"{path}: eos_token_id must be a token id or a list of them, "
+                            f"got {eos!r}")
 
 
 def _token_text(value: Any) -> str | None:
@@ -91,6 +122,8 @@ def resolve_model_dir(model: str) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
         return path
+    if path.exists():
+        raise ModelDirError(f"--model {model!r} is a file; give the checkpoint's directory")
     try:
         from huggingface_hub import snapshot_download  # lazy: only for hub ids
         return Path(snapshot_download(model, allow_patterns=["*.json", "FOLIO_RANDOM_WEIGHTS"]))
@@ -103,16 +136,26 @@ class Tokenizer:
     """Encode/decode, chat rendering, and the model's EOS ids."""
 
     def __init__(self, model_dir: str | Path):
+        """Read the model's files; any that is missing or damaged is a ModelDirError whose
+        message starts with that file's path."""
         model_dir = Path(model_dir)
         tok_file = model_dir / "tokenizer.json"
-        if not tok_file.is_file():
-            raise ModelDirError(f"{model_dir} has no tokenizer.json; the scheduler needs a fast "
-                                "(tokenizers) tokenizer file next to the model")
+        if not tok_file.exists():
+            raise ModelDirError(f"{tok_file}: not found (the directory has no tokenizer.json; "
+                                "the scheduler needs a fast (tokenizers) tokenizer file next "
+                                "to the model)")
         self.model_dir = model_dir
-        self._tok = HFTokenizer.from_file(str(tok_file))
-        config = _read_json(model_dir / "config.json")
-        gen_config = _read_json(model_dir / "generation_config.json")
+        try:
+            self._tok = HFTokenizer.from_file(str(tok_file))
+        except Exception as e:  # tokenizers raises a bare Exception for every parse error
+            raise ModelDirError(f"{tok_file}: not a valid tokenizer file ({e})") from None
+        config_file = model_dir / "config.json"
+        gen_config_file = model_dir / "generation_config.json"
+        config = _read_json(config_file)
+        gen_config = _read_json(gen_config_file)
         tok_config = _read_json(model_dir / "tokenizer_config.json")
+        _check_model_fields(config_file, config)
+        _check_model_fields(gen_config_file, gen_config)
 
         self.model_name = model_dir.name
         self.architecture = (config.get("architectures") or [""])[0]
@@ -123,10 +166,17 @@ class Tokenizer:
                                if (text := _token_text(tok_config.get(name))) is not None}
         self.eos_token_ids = frozenset(self._eos_ids(config, gen_config))
         # Newer checkpoints keep the template in its own file; it wins over the config entry.
-        template_file = model_dir / "chat_template.jinja"
-        self._chat_template = self._pick_template(
-            template_file.read_text(encoding="utf-8") if template_file.is_file()
-            else tok_config.get("chat_template"))
+        jinja_file = model_dir / "chat_template.jinja"
+        template_file = jinja_file if jinja_file.exists() else model_dir / "tokenizer_config.json"
+        try:
+            self._chat_template = self._pick_template(
+                jinja_file.read_text(encoding="utf-8") if template_file == jinja_file
+                else tok_config.get("chat_template"))
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelDirError(f"{template_file}: cannot be read ({e})") from None
+        except (jinja2.TemplateError, AttributeError, TypeError) as e:
+            raise ModelDirError(f"{template_file}: the chat template does not compile "
+                                f"({type(e).__name__}: {e})") from None
 
     def _eos_ids(self, config: dict, gen_config: dict) -> set[int]:
         # generation_config.json often lists extra stop ids (e.g. end-of-turn); take the union.

@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from executor_svc.loader import load_model, resolve_model_dir, safetensors_files
+from executor_svc.checkpoint import resolve_model_dir, safetensors_files
+from executor_svc.loader import load_model
 from executor_svc.model_config import ModelConfig
 from executor_svc.models import model_class
 from tests.executor.harness import make_hf_model, save_checkpoint
