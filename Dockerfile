@@ -34,10 +34,10 @@ COPY executor_svc/ executor_svc/
 COPY client/ client/
 RUN pip install --constraint /etc/folio-constraints.txt . \
     && useradd --create-home --uid 1000 folio \
-    && mkdir -p /models && chown folio:folio /models
+    && mkdir -p /models /secrets && chown folio:folio /models /secrets
 
 USER folio
-VOLUME ["/models"]
+VOLUME ["/models", "/secrets"]
 # 50051: public gRPC API (scheduler). 5557: ZeroMQ endpoint executors connect to (scheduler).
 EXPOSE 50051 5557
 ENTRYPOINT ["folio"]

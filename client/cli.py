@@ -4,6 +4,7 @@
     folio scheduler ... / folio executor ...   the two processes separately (compose)
     folio generate "Once upon a time" --max-tokens 32      streams text as it arrives
     folio info | folio stats | folio health
+    folio keygen PATH                  a channel secret for --channel-secret-file
     ... --api-key KEY (or FOLIO_API_KEY) --tls-ca server.pem    a server with auth and TLS
 
 Service modules are imported inside their subcommands: `folio generate` never loads torch, and
@@ -79,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "request_id; with several sequences, a `choices` list of those) "
                           "instead of streaming text")
 
+    keygen = sub.add_parser("keygen", help="write a random executor-channel secret to a file "
+                            "(kept if it exists) for --channel-secret-file")
+    keygen.add_argument("path", help="where the secret goes (created with mode 0600)")
     client_parser("info", "print the served model's facts as JSON")
     client_parser("stats", "print the server's counters as JSON")
     client_parser("health", "print the health status; exit 0 only when SERVING")
@@ -186,11 +190,34 @@ def run_client(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_keygen(path: str) -> int:
+    """A fresh secret, readable by its owner only; an existing file is left as it is, so
+    a container that runs this at every start keeps the pair of services in step."""
+    import os
+
+    from protos.channel import generate_secret
+
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        print(f"folio: {path} exists; keeping it", file=sys.stderr)
+        return 0
+    except OSError as e:
+        print(f"folio: cannot create {path}: {e}", file=sys.stderr)
+        return 1
+    with os.fdopen(fd, "w") as f:
+        f.write(generate_secret() + "\n")
+    print(f"folio: wrote a new channel secret to {path}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in SERVICE_COMMANDS:
         return run_service(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
+    if args.command == "keygen":
+        return run_keygen(args.path)
     return run_client(args)
 
 

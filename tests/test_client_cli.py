@@ -144,3 +144,18 @@ def test_invalid_argument_prints_code_and_message(default_server):
     done = folio("generate", "--address", default_server.address, "--top-p", "1.5", "Hi")
     assert done.returncode == 1
     assert "folio: INVALID_ARGUMENT" in done.stderr and "top_p" in done.stderr
+
+
+def test_keygen_writes_a_private_secret_once(tmp_path, capsys):
+    from protos.channel import ChannelKeys, read_secret
+
+    path = tmp_path / "channel.secret"
+    assert main(["keygen", str(path)]) == 0
+    secret = read_secret(str(path))
+    assert secret is not None and len(secret) == 64
+    assert path.stat().st_mode & 0o777 == 0o600
+    ChannelKeys.from_secret(secret)  # usable as it is
+    assert main(["keygen", str(path)]) == 0  # kept, not replaced
+    assert read_secret(str(path)) == secret
+    assert "exists; keeping it" in capsys.readouterr().err
+    assert main(["keygen", str(tmp_path / "missing-dir" / "s")]) == 1
