@@ -37,7 +37,7 @@ RUN pip install --constraint /etc/folio-constraints.txt . \
     && mkdir -p /models /secrets && chown folio:folio /models /secrets
 
 USER folio
-VOLUME ["/models", "/secrets"]
+VOLUME ["/models"]
 # 50051: public gRPC API (scheduler). 5557: ZeroMQ endpoint executors connect to (scheduler).
 EXPOSE 50051 5557
 ENTRYPOINT ["folio"]

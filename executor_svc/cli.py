@@ -121,15 +121,16 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         from executor_svc.worker import run  # torch loads only after the checkpoint looks sane
 
-        return run(cfg, model_dir)
+        exit_code = run(cfg, model_dir)
     except ShutdownRequested as e:
         log.info("shutdown requested by signal", reason=e.reason)
-        # The worker closed its socket on the way here and nothing else holds state worth
-        # saving. The interpreter's own teardown with torch loaded takes 0.6-1.5 s on a busy
-        # 2-core machine, most of a stop's 2 s budget, so it is skipped.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        exit_code = 0
+    # The worker closed its socket on the way here and nothing else holds state worth saving.
+    # The interpreter's own teardown with torch loaded takes 0.6-1.5 s on a busy 2-core
+    # machine, most of a stop's 2 s budget, so it is skipped.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
 
 
 def check_checkpoint(cfg: ExecutorConfig) -> Path:

@@ -283,7 +283,7 @@ class SchedulerServer:
         assert self._engine_task is not None
         await asyncio.shield(self._engine_task)
 
-    async def stop(self, grace_s: float = 0.5) -> None:
+    async def stop(self, grace_s: float = 0.3) -> None:
         """End every stream with UNAVAILABLE and stop, within about 2 x grace_s: a step still
         running (a long prefill) is not waited for."""
         self.engine.stop()

@@ -10,11 +10,14 @@ under a running executor. The oracle is an uninterrupted run on the same server.
    with SIGKILL and started again on the same addresses; the same executor process shakes
    hands with the new scheduler and serves.
 3. `folio serve` killed with SIGKILL: its executor child exits on its own (no orphan).
+4. SIGTERM to `folio serve` or `folio scheduler` mid-stream: gone within 2 s, executor child
+   included, the stream ended with UNAVAILABLE.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -188,13 +191,55 @@ def test_serve_killed_leaves_no_orphan_executor(folio_server, checkpoint):
         server.proc.send_signal(signal.SIGKILL)
         server.proc.wait(timeout=10)
         deadline = time.monotonic() + 5
-        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(") ", 1)[1].startswith("Z"):
-                    break  # exited; a zombie until its new parent reaps it
-            time.sleep(0.05)
-        alive = os.path.exists(f"/proc/{pid}")
-        if alive:
-            with open(f"/proc/{pid}/stat") as f:
-                alive = not f.read().split(") ", 1)[1].startswith("Z")
-        assert not alive, "the executor outlived its `folio serve` parent"
+        while not _is_zombie(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)  # exited: gone, or a zombie until its new parent reaps it
+        assert _is_zombie(pid), "the executor outlived its `folio serve` parent"
+
+
+@pytest.mark.parametrize("spawn_executor", [True, False], ids=["serve", "scheduler"])
+def test_sigterm_stops_the_server_within_2s_mid_stream(folio_server, folio_executor, checkpoint,
+                                                       spawn_executor):
+    """SIGTERM while a stream runs: the process (and, for serve, its executor) is gone within
+    2 s, and the stream ends with UNAVAILABLE rather than hanging."""
+    import threading
+
+    import grpc
+
+    with folio_server(model=checkpoint, spawn_executor=spawn_executor,
+                      wait=spawn_executor) as server:
+        with (folio_executor(checkpoint, server.executor_address) if not spawn_executor
+              else contextlib.nullcontext()):
+            with FolioClient(server.address, timeout=60) as client:
+                client.wait_ready(timeout=180)
+                executor = executor_pid(server.proc.pid) if spawn_executor else None
+                errors: list[grpc.RpcError] = []
+
+                def consume() -> None:
+                    try:
+                        for _ in client.generate(token_ids=[5, 6, 7], max_tokens=100_000,
+                                                 ignore_eos=True, temperature=0.0):
+                            pass
+                    except grpc.RpcError as e:
+                        errors.append(e)
+
+                reader = threading.Thread(target=consume, daemon=True)
+                reader.start()
+                time.sleep(1.0)  # streaming now
+                start = time.monotonic()
+                server.proc.send_signal(signal.SIGTERM)
+                server.proc.wait(timeout=10)
+                stopped_after = time.monotonic() - start
+                reader.join(timeout=10)
+            assert server.proc.returncode == 0
+            assert stopped_after <= 2.0, f"stopping took {stopped_after:.2f}s"
+            if executor is not None:
+                assert not os.path.exists(f"/proc/{executor}") or _is_zombie(executor)
+            assert errors and errors[0].code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1].startswith("Z")
+    except OSError:
+        return True
