@@ -28,8 +28,9 @@ Invariants between plans (one plan is in flight at a time):
   preempted lists. A held request whose table changed under copy-on-write is re-sent as a
   NewRequest (the executor replaces its copy), because CachedRequest can only append blocks.
   So is a running request the executor does not hold yet: a sequence forked from another.
-- sequence groups (n > 1, beam search; `sequence_group.py`) run as ordinary requests, except that a beam waiting for its siblings'
-  logprobs lacks no token (it is skipped), and that preempting a beam restarts its whole search.
+- sequence groups (n > 1, beam search; `sequence_group.py`) run as ordinary requests, except
+  that a beam waiting for its siblings' logprobs lacks no token (it is skipped), and that
+  preempting a beam restarts its whole search.
 - admissions (4-5) keep the running requests within `max_num_seqs` sequence slots, a group
   counting what it forks into (`num_seq_slots`: n for a parallel-sampling parent, beam_width
   for a beam search), so forks never push the running sequences past the cap. The one

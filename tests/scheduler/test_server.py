@@ -335,3 +335,31 @@ async def test_cached_tokens_and_memory_stats(harness):
     assert stats.num_prompt_tokens == 21 + 2  # cached tokens are not computed again
     assert (stats.num_swapped, stats.swap_blocks_total, stats.swap_blocks_free) == (0, 8, 8)
     assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+async def test_resume_rechecks_each_request_against_the_new_executor(harness):
+    ex = await harness.serve(step_delay_s=0.02)
+    # Long enough to outgrow the next executor's max_model_len, one that fits, one whose
+    # prompt alone is too long for it.
+    grows = harness.stub.Generate(gen_request(list(range(10, 20)), max_tokens=40))
+    fits = harness.stub.Generate(gen_request([5, 6], max_tokens=40))
+    too_long = harness.stub.Generate(gen_request(list(range(30, 55)), max_tokens=30))
+    first = await grows.read()
+    for _ in range(12):  # past 20 tokens in all
+        first.token_ids.extend((await grows.read()).token_ids)
+    await asyncio.to_thread(ex.stop)
+    await harness.wait_health(NOT_SERVING)
+    await harness.serve(hello=make_hello(executor_id="small", max_model_len=20))
+    rest = await collect(grows)
+    assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    tokens = list(first.token_ids) + [t for r in rest for t in r.token_ids]
+    assert tokens == null_continuation(list(range(10, 20)), len(tokens))
+    assert rest[-1].usage.completion_tokens == len(tokens) >= 10  # nothing re-sent, none lost
+    out = await collect(fits)
+    assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert sum(len(r.token_ids) for r in out) <= 40
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(too_long)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "cannot resume on the new executor" in err.value.details()
+    assert "max_model_len is 20" in err.value.details()
