@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from protos.channel import SchedulerEnd
+from protos.channel import PeerLost, SchedulerEnd
 from protos.plan import PROTOCOL_VERSION, Hello, StepResult, Welcome
 from tests.checkpoints import make_checkpoint
 from tests.executor.harness import PlanDriver
@@ -156,7 +156,7 @@ def test_signal_while_loading_the_model(model_dir, sig):
 def test_signal_in_the_handshake_loop(model_dir, sig):
     ex = _executor(model_dir)
     try:
-        ex.wait_for("hello sent")
+        ex.wait_for("waiting for the scheduler")
         took = ex.stop_with(sig)
         _assert_clean_exit(ex, took, sig.name)
     finally:
@@ -202,7 +202,8 @@ async def test_sigterm_in_the_middle_of_a_step(model_dir):
         # The step code's `except Exception` did not catch the shutdown: no step failed, and
         # the long step's result never came.
         assert "step failed" not in ex.log
-        assert not await sched.poll(100)
+        event = await asyncio.wait_for(sched.recv(), 10)
+        assert event == PeerLost(peer), event  # its connection closed, nothing was sent
     finally:
         ex.kill()
         sched.close()
@@ -259,7 +260,8 @@ def test_executor_exits_when_its_parent_is_killed(model_dir, tmp_path):
     executor_pid = int(parent.stdout.readline())
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while "hello sent" not in log_path.read_text() and time.monotonic() < deadline:
+        while ("waiting for the scheduler" not in log_path.read_text()
+               and time.monotonic() < deadline):
             assert _alive(executor_pid), log_path.read_text()[-3000:]
             time.sleep(0.1)
         parent.kill()
@@ -283,7 +285,7 @@ def test_parent_that_is_not_the_direct_parent(model_dir):
     other = subprocess.Popen(["sleep", "600"])
     ex = _executor(model_dir, "tcp://127.0.0.1:9", "--parent-pid", str(other.pid))
     try:
-        ex.wait_for("hello sent")
+        ex.wait_for("waiting for the scheduler")
         other.kill()  # not waited for: a zombie until the end of the test
         took = ex.wait_gone()
         _assert_clean_exit(ex, took, f"'parent process {other.pid} exited'")
@@ -351,7 +353,7 @@ def test_sigterm_as_pid_1_of_a_pid_namespace(model_dir):
         control.wait(timeout=10)
     ex = _executor(model_dir, prefix=UNSHARE)
     try:
-        ex.wait_for("hello sent")
+        ex.wait_for("waiting for the scheduler")
         executor_pid = _wait_child(ex.proc.pid)
         os.kill(executor_pid, signal.SIGTERM)
         took = ex.wait_gone()  # unshare exits with its child's status
