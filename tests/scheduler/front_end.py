@@ -1,48 +1,13 @@
-"""Helpers for the front-end tests: a real SchedulerServer with any tokenizer and config (TLS,
-API key), and raw-bytes calls that send what no protobuf library would serialize."""
+"""Helpers for the front-end tests: raw-bytes calls that send what no protobuf library would
+serialize (the server itself: `grpc_harness.running_server`)."""
 
 from __future__ import annotations
 
-import contextlib
-
 import grpc
-from grpc_health.v1 import health_pb2_grpc
 
-from protos.channel import SchedulerEnd
 from protos.folio.v1 import generator_pb2 as pb
-from protos.folio.v1 import generator_pb2_grpc as pb_grpc
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.server import SchedulerServer
-from scheduler_svc.tokenizer import Tokenizer
-from tests.scheduler.grpc_harness import Harness
 
 INVALID_UTF8 = b"\xff\xfe\xc3("  # a lone continuation byte, and a truncated sequence
-
-
-@contextlib.asynccontextmanager
-async def running_server(tokenizer: Tokenizer, credentials: grpc.ChannelCredentials | None = None,
-                         **config):
-    """Like the `harness` fixture, for any tokenizer and SchedulerConfig fields; the client
-    channel uses `credentials` (TLS) when given."""
-    config = SchedulerConfig(model=str(tokenizer.model_dir), port=0, executor_timeout_s=2.0,
-                             stats_interval_s=0.5, **config)
-    channel = SchedulerEnd("tcp://127.0.0.1:*")
-    server = SchedulerServer(config, tokenizer, channel)
-    await server.start()
-    target = f"127.0.0.1:{server.port}"
-    grpc_channel = (grpc.aio.secure_channel(target, credentials) if credentials is not None
-                    else grpc.aio.insecure_channel(target))
-    h = Harness(server, channel.address, pb_grpc.GeneratorStub(grpc_channel),
-                health_pb2_grpc.HealthStub(grpc_channel), [])
-    try:
-        yield h
-    finally:
-        await server.stop(grace_s=0.5)
-        await grpc_channel.close()
-        for ex in h.executors:
-            ex.stop()
-            assert ex.violation is None, f"plan protocol violated: {ex.violation}"
-        channel.close()
 
 
 def with_invalid_utf8(msg, marker: str) -> bytes:

@@ -4,14 +4,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from protos.channel import MAX_FRAME_BYTES, ChannelKeys, SchedulerEnd
 from protos.folio.v1 import generator_pb2 as pb
 from protos.folio.v1 import generator_pb2_grpc as pb_grpc
+from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import SchedulerServer
+from scheduler_svc.tokenizer import Tokenizer
 from tests.scheduler.null_executor import NullExecutor, next_token
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -69,3 +73,32 @@ def null_continuation(prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         ids.append(next_token(ids))
     return ids[len(prompt):]
+
+
+@contextlib.asynccontextmanager
+async def running_server(tokenizer: Tokenizer, credentials: grpc.ChannelCredentials | None = None,
+                         keys: ChannelKeys | None = None, max_frame_bytes: int = MAX_FRAME_BYTES,
+                         **config):
+    """A real SchedulerServer on 127.0.0.1 for `tokenizer`'s model dir with these
+    SchedulerConfig fields, its channel authenticated by `keys` when given, as a Harness; the
+    client channel uses `credentials` (TLS) when given. It tells its executors to shut down
+    when it stops, as `folio serve` does."""
+    config = SchedulerConfig(**{"model": str(tokenizer.model_dir), "port": 0,
+                                "executor_timeout_s": 2.0, "stats_interval_s": 0.5, **config})
+    channel = SchedulerEnd("tcp://127.0.0.1:*", keys, max_frame_bytes=max_frame_bytes)
+    server = SchedulerServer(config, tokenizer, channel, shutdown_executor_on_stop=True)
+    await server.start()
+    target = f"127.0.0.1:{server.port}"
+    grpc_channel = (grpc.aio.secure_channel(target, credentials) if credentials is not None
+                    else grpc.aio.insecure_channel(target))
+    h = Harness(server, channel.address, pb_grpc.GeneratorStub(grpc_channel),
+                health_pb2_grpc.HealthStub(grpc_channel), [])
+    try:
+        yield h
+    finally:
+        await server.stop(grace_s=0.5)
+        await grpc_channel.close()
+        for ex in h.executors:
+            ex.stop()
+            assert ex.violation is None, f"plan protocol violated: {ex.violation}"
+        channel.close()

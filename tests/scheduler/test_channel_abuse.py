@@ -12,18 +12,20 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import msgpack
 import pytest
 import zmq
-from grpc_health.v1 import health_pb2_grpc
 
-from protos.channel import ChannelKeys, SchedulerEnd, decode, encode
-from protos.folio.v1 import generator_pb2_grpc as pb_grpc
+from protos.channel import ChannelKeys, decode, encode
 from protos.plan import Hello, Reject, StepResult
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.server import SchedulerServer
-from tests.scheduler.grpc_harness import SERVING, Harness, collect, gen_request, null_continuation
+from tests.scheduler.grpc_harness import (
+    SERVING,
+    Harness,
+    collect,
+    gen_request,
+    null_continuation,
+    running_server,
+)
 from tests.scheduler.null_executor import make_hello
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,24 +36,10 @@ MAX_FRAME = 1 << 20
 
 
 @pytest.fixture
-async def secure(tiny_model_dir, tiny_tokenizer):
-    config = SchedulerConfig(model=str(tiny_model_dir), port=0, executor_timeout_s=5.0,
-                             stats_interval_s=0.5)
-    channel = SchedulerEnd("tcp://127.0.0.1:*", KEYS, max_frame_bytes=MAX_FRAME)
-    server = SchedulerServer(config, tiny_tokenizer, channel)
-    await server.start()
-    grpc_channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    h = Harness(server, channel.address, pb_grpc.GeneratorStub(grpc_channel),
-                health_pb2_grpc.HealthStub(grpc_channel), [])
-    try:
+async def secure(tiny_tokenizer):
+    async with running_server(tiny_tokenizer, keys=KEYS, max_frame_bytes=MAX_FRAME,
+                              executor_timeout_s=5.0) as h:
         yield h
-    finally:
-        await server.stop(grace_s=0.5)
-        await grpc_channel.close()
-        for ex in h.executors:
-            ex.stop()
-            assert ex.violation is None, f"plan protocol violated: {ex.violation}"
-        channel.close()
 
 
 class Peer:

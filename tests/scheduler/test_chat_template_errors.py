@@ -8,8 +8,7 @@ import pytest
 
 from protos.folio.v1 import generator_pb2 as pb
 from scheduler_svc.tokenizer import ChatOutputTooLong, ChatTemplateError, ChatTurn, Tokenizer
-from tests.scheduler.front_end import running_server
-from tests.scheduler.grpc_harness import collect, gen_request, null_continuation
+from tests.scheduler.grpc_harness import collect, gen_request, null_continuation, running_server
 from tests.scheduler.tiny_model import write_model_dir
 
 pytestmark = pytest.mark.timeout(60)

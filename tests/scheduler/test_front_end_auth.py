@@ -10,8 +10,14 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from protos.folio.v1 import generator_pb2 as pb
 from scheduler_svc.auth import MISSING_KEY, WRONG_KEY
 from scheduler_svc.config import SchedulerConfig, config_from_argv
-from tests.scheduler.front_end import running_server, with_invalid_utf8
-from tests.scheduler.grpc_harness import SERVING, collect, gen_request, null_continuation
+from tests.scheduler.front_end import with_invalid_utf8
+from tests.scheduler.grpc_harness import (
+    SERVING,
+    collect,
+    gen_request,
+    null_continuation,
+    running_server,
+)
 from tests.scheduler.null_executor import make_hello
 from tests.tls_certs import self_signed_cert
 
