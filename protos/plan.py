@@ -182,21 +182,15 @@ class CachedRequest:
     @classmethod
     def from_wire(cls, w: list) -> CachedRequest:
         # Checked inline, not through the helpers: one per running request per step.
-        if type(w) is not list or len(w) != 5:
-            raise TypeError("a CachedRequest is a list of 5 fields")
-        req_id, block_ids, num_computed, num_scheduled, token_ids = w
-        if (type(req_id) is not str or type(num_computed) is not int
-                or type(num_scheduled) is not int or num_computed < 0 or num_scheduled < 0):
+        if not (type(w) is list and len(w) == 5 and type(w[0]) is str and type(w[1]) is list
+                and type(w[2]) is int and type(w[3]) is int and type(w[4]) is list
+                and w[2] >= 0 and w[3] >= 0):
             raise TypeError(f"malformed CachedRequest {w!r:.80}")
-        if block_ids:
-            _nats(block_ids)
-        elif type(block_ids) is not list:
-            raise TypeError("CachedRequest.new_block_ids must be a list")
-        if token_ids:
-            _nats(token_ids)
-        elif type(token_ids) is not list:
-            raise TypeError("CachedRequest.new_token_ids must be a list")
-        return cls(req_id, block_ids, num_computed, num_scheduled, token_ids)
+        if w[1]:
+            _nats(w[1])
+        if w[4]:
+            _nats(w[4])
+        return cls(w[0], w[1], w[2], w[3], w[4])  # lists msgpack just made: no copies needed
 
 
 @dataclass(frozen=True)
@@ -302,7 +296,7 @@ class StepPlan:
         return cls(
             step_id=_nat(w[1]),
             new_reqs=[NewRequest.from_wire(r) for r in _list(w[2])],
-            cached_reqs=[CachedRequest.from_wire(r) for r in _list(w[3])],
+            cached_reqs=list(map(CachedRequest.from_wire, _list(w[3]))),
             finished_req_ids=_strs(w[4]),
             preempted_req_ids=_strs(w[5]),
             block_copies=_pairs(w[6]),
@@ -337,9 +331,13 @@ class StepResult:
         _list(w, 5)
         sampled = []
         for entry in _list(w[2]):  # one per sampled request per step: checked inline
-            if type(entry) is not list or len(entry) != 2 or type(entry[0]) is not str:
+            if not (type(entry) is list and len(entry) == 2 and type(entry[0]) is str
+                    and type(entry[1]) is list):
                 raise TypeError(f"malformed sampled entry {entry!r:.80}")
-            sampled.append((entry[0], _nats(entry[1])))  # msgpack made fresh lists
+            for token_id in entry[1]:
+                if type(token_id) is not int or token_id < 0:
+                    raise TypeError(f"malformed sampled entry {entry!r:.80}")
+            sampled.append((entry[0], entry[1]))  # msgpack made fresh lists
         logprobs = []
         for entry in _list(w[4]):
             req_id, ids, lps = _list(entry, 3)
