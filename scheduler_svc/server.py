@@ -214,12 +214,17 @@ def generator_handlers(service: GeneratorService) -> dict[str, grpc.RpcMethodHan
 
 
 def served_model_name(config: SchedulerConfig, model_dir: Path) -> str:
-    """--served-model-name, else the model directory's name (a hub id as given): never a
-    filesystem path, which would tell clients about the server's disk."""
+    """--served-model-name, else the model's own name: a GGUF file's stem, a checkpoint
+    directory's name, a hub id as given. Never a filesystem path, which would tell clients
+    about the server's disk."""
     if config.served_model_name:
         return config.served_model_name
-    if config.model is not None and not Path(config.model).expanduser().is_dir():
-        return config.model  # a hub id, resolved to a cache directory by the tokenizer
+    if config.model is not None:
+        path = Path(config.model).expanduser()
+        if path.is_file():
+            return path.name.removesuffix(".gguf")
+        if not path.is_dir():
+            return config.model  # a hub id, resolved to a cache directory by the tokenizer
     return Path(model_dir).resolve().name
 
 

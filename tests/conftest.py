@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+TINY_RANDOM = "folio:tiny-random"  # executor_svc.named_models
 SERVER_START_TIMEOUT_S = 180.0  # model load + torch import on a busy 2-core machine
 SERVER_STOP_TIMEOUT_S = 20.0
 
@@ -186,7 +187,8 @@ def default_model_dir(folio_cache_dir) -> Path:
 @pytest.fixture(scope="session")
 def folio_server(tmp_path_factory, folio_cache_dir):
     """Factory: `with folio_server(model=dir, args=[...]) as server: ...`; model=None serves
-    the default model from the private cache."""
+    Folio's default model (SmolLM2, converted into the private cache), "folio:tiny-random" the
+    tiny random-weight one."""
     log_dir = tmp_path_factory.mktemp("server-logs")
 
     def start(model=None, args=(), env=None, **kwargs):
@@ -209,7 +211,8 @@ def folio_executor(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def default_server(folio_server, default_model_dir) -> Iterator[Server]:
-    """One `folio serve` with no --model (so the default model, from the private cache that
-    default_model_dir already filled), shared by the whole session."""
-    with folio_server(model=None) as server:
+    """One `folio serve --model folio:tiny-random` (the tiny random-weight model, from the
+    private cache that default_model_dir already filled), shared by the whole session: tests
+    that need a server but no particular model use it, for its small shapes."""
+    with folio_server(model=TINY_RANDOM) as server:
         yield server

@@ -1,5 +1,5 @@
-"""The public API end to end on the default model: streaming text, cancellation, Abort,
-tokenization and input validation, against one real `folio serve`."""
+"""The public API end to end on the tiny random-weight model (`folio:tiny-random`): streaming
+text, cancellation, Abort, tokenization and input validation, against one real `folio serve`."""
 
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ def client(default_server):
         yield c
 
 
-def test_model_info_reports_the_default_model(client, hf_tokenizer):
+def test_model_info_reports_the_tiny_random_model(client, hf_tokenizer):
     info = client.model_info()
-    assert info["random_weights"] is True
+    assert info["random_weights"] is True and info["model_name"] == "default-model-v1"
     assert info["architecture"] == "LlamaForCausalLM"
     assert info["vocab_size"] == len(hf_tokenizer)
     assert client.health() == "SERVING"

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def tls_server(folio_server, default_model_dir, tmp_path_factory):
-    """The default model behind TLS and an API key. conftest's readiness wait speaks
+    """The tiny random model behind TLS and an API key. conftest's readiness wait speaks
     plaintext, so this one waits itself, over TLS and without a key (health is open)."""
     tmp = tmp_path_factory.mktemp("tls")
     cert, key = self_signed_cert(tmp)
@@ -33,7 +33,7 @@ def tls_server(folio_server, default_model_dir, tmp_path_factory):
     key_file.write_text(KEY + "\n")
     args = ["--tls-cert", str(cert), "--tls-key", str(key), "--api-key-file", str(key_file),
             "--served-model-name", SERVED_NAME]
-    with folio_server(model=None, args=args, wait=False) as server:
+    with folio_server(model=default_model_dir, args=args, wait=False) as server:
         deadline = time.monotonic() + 180
         with FolioClient(server.address, tls_ca=cert, api_key="") as client:
             while True:

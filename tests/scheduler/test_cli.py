@@ -83,12 +83,12 @@ def test_serves_a_null_executor_and_stops_on_sigterm(tiny_model_dir):
         executor.stop()
 
 
-def test_missing_model_is_explained():
-    proc = start_scheduler(["--port", str(free_port())])
+def test_an_unknown_model_name_is_explained():
+    proc = start_scheduler(["--model", "folio:nope", "--port", str(free_port())])
     try:
         _, stderr = proc.communicate(timeout=60)
-        assert proc.returncode == 2
-        assert "--model is required" in stderr
+        assert proc.returncode == 1
+        assert "unknown model name 'folio:nope'" in stderr and "folio:tiny-random" in stderr
     finally:
         stop(proc)
 
