@@ -10,6 +10,7 @@ shapes it, and the backend is wrapped and saved with `save_pretrained`.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from executor_svc.checkpoint import CheckpointError
@@ -53,10 +54,26 @@ def write_tokenizer(meta: Metadata, out_dir: Path) -> None:
         tokenizer_config[name] = tokens[token_id] if token_id is not None else None
     try:
         backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
+        backend = _without_ids_past(backend, len(tokens))
         tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend,
                                             **{**tokenizer_config, **extra})
     except Exception as e:  # transformers raises ValueError/KeyError/... on what it cannot build
         raise CheckpointError(meta.path, f"cannot build a tokenizer from its metadata "
                                          f"({type(e).__name__}: {e})") from None
     tokenizer.save_pretrained(str(out_dir))
+
+
+def _without_ids_past(backend, num_tokens: int):
+    """The backend minus added tokens with ids past the file's token list. transformers' byte-
+    level builder adds GPT-2's "<|endoftext|>" as the unknown token when the file names none
+    (Llama 3 files): an id the model has no embedding for, which would also make the
+    scheduler's vocabulary larger than the executor's. Every token the file lists is kept."""
+    from tokenizers import Tokenizer
+
+    data = json.loads(backend.to_str())
+    kept = [t for t in data["added_tokens"] if t["id"] < num_tokens]
+    if len(kept) == len(data["added_tokens"]):
+        return backend
+    data["added_tokens"] = kept
+    return Tokenizer.from_str(json.dumps(data))
 
