@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m executor_svc",
                                 description="Folio executor: runs the model for a scheduler.")
     p.add_argument("--model", required=True,
-                   help="checkpoint directory, or a model hub id to download")
+                   help="checkpoint directory, a .gguf file (converted once into "
+                        "$FOLIO_CACHE_DIR), or a model hub id to download")
     p.add_argument("--scheduler-address", default="tcp://127.0.0.1:5557",
                    help="ZeroMQ endpoint the scheduler binds (default %(default)s)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -137,7 +138,8 @@ def check_checkpoint(cfg: ExecutorConfig) -> Path:
     """The local checkpoint directory, once its config.json, index and safetensors headers
     have passed every check that needs no torch: a damaged checkpoint is refused in a fraction
     of a second rather than after the multi-second torch import. (Shapes against the model
-    are checked by the loader.)"""
+    are checked by the loader.) A GGUF file is converted here, also before torch: the
+    converter needs none, and a bad file fails as fast as a bad directory."""
     model_dir = resolve_model_dir(cfg.model, cfg.hub_cache_dir)
     ModelConfig.from_dir(model_dir)
     read_weight_headers(safetensors_files(model_dir))

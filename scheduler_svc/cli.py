@@ -13,6 +13,7 @@ import logging
 import signal
 import subprocess
 import sys
+import threading
 
 import structlog
 import zmq
@@ -196,7 +197,14 @@ async def _load_tokenizer(config: SchedulerConfig, spawn_executor: bool):
     model = config.model
     if model is None:
         model = await asyncio.to_thread(default_model_dir)
-    model_dir = await asyncio.to_thread(resolve_model_dir, model)
+    cancel = threading.Event()
+    try:
+        model_dir = await asyncio.to_thread(resolve_model_dir, model, cancel, config.log_format)
+    except asyncio.CancelledError:
+        # Stopped during a GGUF conversion: its subprocess ends, so the worker thread (which
+        # asyncio.run waits for on the way out) returns promptly.
+        cancel.set()
+        raise
     return model_dir, await asyncio.to_thread(Tokenizer, model_dir)
 
 

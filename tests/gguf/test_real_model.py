@@ -5,12 +5,16 @@ transformers does when it loads the same file."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
 from executor_svc.gguf_checkpoint import gguf_checkpoint_dir
 from scheduler_svc.tokenizer import ChatTurn, Tokenizer
+from tests.conftest import _descendants, run_server
 from tests.executor.harness import hf_greedy
 from tests.gguf.test_convert import folio_greedy, load_transformers_gguf
 from tests.gguf.test_tokenizer import assert_same_tokenizer, transformers_tokenizer
@@ -42,7 +46,8 @@ def test_smollm2_tokenizer_matches_transformers(smollm2):
     gguf_file, model_dir = smollm2
     ours = Tokenizer(model_dir)
     assert ours.architecture == "LlamaForCausalLM" and ours.config_vocab_size == 49152
-    assert_same_tokenizer(ours, transformers_tokenizer(gguf_file), eos_ids={2})  # <|im_end|>
+    assert_same_tokenizer(ours, transformers_tokenizer(gguf_file), eos_ids={2},  # <|im_end|>
+                          num_tokens=49152)
 
 
 def test_smollm2_greedy_matches_transformers(smollm2):
@@ -57,3 +62,28 @@ def test_smollm2_greedy_matches_transformers(smollm2):
     ours = folio_greedy(model_dir, prompts, NUM_NEW_TOKENS)
     assert ours == expected, [tok.decode(o) for o in ours]
     assert "Paris" in tok.decode(ours[0])  # a real model, not noise
+
+
+def test_folio_serve_stops_promptly_during_a_conversion(tmp_path):
+    """SIGTERM while the scheduler's converter subprocess works: both are gone within
+    seconds (the conversion is abandoned, its temp dir cleaned up by the next one)."""
+    cache = tmp_path / "cache"
+    with run_server(tmp_path, model=smollm2_gguf(), args=["--log-format", "console"],
+                    env={"FOLIO_CACHE_DIR": str(cache)}, wait=False) as server:
+        deadline = time.monotonic() + 60
+        while not list((cache / "gguf").glob(".*-*")) and time.monotonic() < deadline:
+            assert server.proc.poll() is None, server.log_tail()
+            time.sleep(0.05)
+        converter_pids = _descendants(server.proc.pid)
+        assert converter_pids, "no converter subprocess while its temp dir exists"
+        stopped = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(timeout=10)
+        took = time.monotonic() - stopped
+        log = server.log_tail(1 << 20)
+    assert server.proc.returncode == 0, log[-3000:]
+    assert took < 5, f"stopping took {took:.1f}s"
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in converter_pids)
+    assert "Traceback" not in log, log[-3000:]
+    assert not any(p.is_dir() and not p.name.startswith(".") and p.name != "hashes"
+                   for p in (cache / "gguf").iterdir())  # no half-converted entry in place
