@@ -66,8 +66,9 @@ def file_sha256(path: Path, root: Path) -> str:
         while chunk := f.read(_HASH_CHUNK):
             digest.update(chunk)
     sha = digest.hexdigest()
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(memo, json.dumps({**key, "sha256": sha}) + "\n")
+    with contextlib.suppress(OSError):  # only a speed-up: a read-only cache still serves
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(memo, json.dumps({**key, "sha256": sha}) + "\n")
     return sha
 
 
@@ -107,7 +108,6 @@ def gguf_checkpoint_dir(gguf_file: str | os.PathLike, cache_dir: str | os.PathLi
     gguf_file = Path(gguf_file).expanduser().resolve()
     root = gguf_cache_root(cache_dir)
     try:
-        root.mkdir(parents=True, exist_ok=True)
         sha = file_sha256(gguf_file, root)
     except FileNotFoundError:
         raise CheckpointError(gguf_file, "file not found") from None
@@ -116,6 +116,7 @@ def gguf_checkpoint_dir(gguf_file: str | os.PathLike, cache_dir: str | os.PathLi
     target = root / sha
     if is_complete(target):
         return target
+    root.mkdir(parents=True, exist_ok=True)
     with _locked(root / f"{sha}.lock", gguf_file):
         if is_complete(target):  # converted by another process while we waited
             return target

@@ -127,3 +127,22 @@ def test_racing_converters_do_the_work_once(gguf_file, tmp_path):
     assert dirs == {tmp_path / "gguf" / sha256_of(gguf_file)}
     assert sum(err.count(CONVERTING) for _, err in outputs) == 1
     assert not list((tmp_path / "gguf").glob(".*"))
+
+
+def test_the_executor_resolves_a_gguf_and_a_directory_holding_one(gguf_file, tmp_path,
+                                                                  monkeypatch):
+    from executor_svc.checkpoint import resolve_model_dir
+
+    monkeypatch.setenv("FOLIO_CACHE_DIR", str(tmp_path))
+    converted = resolve_model_dir(str(gguf_file))
+    assert converted == tmp_path / "gguf" / sha256_of(gguf_file) and is_complete(converted)
+    assert resolve_model_dir(str(gguf_file.parent)) == converted  # its only .gguf
+
+
+def test_an_unwritable_hash_memo_does_not_stop_serving(gguf_file, tmp_path):
+    # The memo only saves re-hashing: where it cannot be written (a read-only cache, here a
+    # file in the way of its directory, which stops root too), the entry is still served.
+    converted = gguf_checkpoint_dir(gguf_file, tmp_path)
+    shutil.rmtree(tmp_path / "gguf" / "hashes")
+    (tmp_path / "gguf" / "hashes").write_text("in the way")
+    assert gguf_checkpoint_dir(gguf_file, tmp_path) == converted
