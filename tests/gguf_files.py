@@ -132,11 +132,12 @@ def _write_tokenizer(writer, hf_dir: Path) -> None:
 
 
 def write_gguf(hf_dir: Path, path: Path, tensor_type: str = "F16", name: str = "folio-test",
-               encode: Callable[[str, np.ndarray], tuple[np.ndarray, object]] | None = None
-               ) -> Path:
+               encode: Callable[[str, np.ndarray], tuple[np.ndarray, object]] | None = None,
+               write_tokenizer: Callable[[object], None] | None = None) -> Path:
     """Write `hf_dir`'s model as a GGUF at `path`, 2-D tensors as `tensor_type` ("F32", "F16",
     "BF16" or a type gguf can quantize to, e.g. "Q8_0"). `encode(gguf_name, values)` may
-    override the stored (data, type) per tensor, e.g. to hold hand-made quantized blocks."""
+    override the stored (data, type) per tensor, e.g. to hold hand-made quantized blocks;
+    `write_tokenizer(writer)` replaces the tokenizer metadata taken from `hf_dir`."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -147,7 +148,10 @@ def write_gguf(hf_dir: Path, path: Path, tensor_type: str = "F16", name: str = "
         weights.pop("lm_head.weight", None)
     writer = gguf.GGUFWriter(str(path), arch)
     _write_metadata(writer, arch, config, name)
-    _write_tokenizer(writer, hf_dir)
+    if write_tokenizer is not None:
+        write_tokenizer(writer)
+    else:
+        _write_tokenizer(writer, hf_dir)
     qtype = gguf.GGMLQuantizationType[tensor_type]
     writer.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
                           "BF16": gguf.LlamaFileType.MOSTLY_BF16}.get(

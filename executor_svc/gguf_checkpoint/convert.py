@@ -43,6 +43,10 @@ def convert(gguf_file: Path, out_dir: Path, sha256: str, progress: bool) -> None
                                          f"into {meta.get('split.count')} files; merge them "
                                          "into one file first (llama.cpp's gguf-split --merge)")
     config = build_config(meta, tensor_names(reader), read_rope_freqs(gguf_file, reader))
+    num_tokens = len(meta.get("tokenizer.ggml.tokens") or ())
+    if num_tokens > config["vocab_size"]:  # fewer is fine: embeddings are often padded
+        raise CheckpointError(gguf_file, f"its tokenizer lists {num_tokens} tokens, more than "
+                                         f"the model's {config['vocab_size']} embeddings")
     plan = plan_tensors(gguf_file, reader, config)
     out_bytes = sum(int(t.n_elements) * (2 if t.tensor_type == gguf.GGMLQuantizationType.F16
                                          else 4) for t, _ in plan)

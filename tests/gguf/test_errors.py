@@ -51,6 +51,11 @@ def _q8_1_down_proj(name: str, values: np.ndarray):
     return np.zeros((rows, cols // block * size), np.uint8), gguf.GGMLQuantizationType.Q8_1
 
 
+def _write_big_vocab(writer) -> None:
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(2100)])
+
+
 @pytest.fixture(scope="module")
 def bad_inputs(tmp_path_factory) -> dict[str, BadInput]:
     root = tmp_path_factory.mktemp("bad-gguf")
@@ -76,6 +81,9 @@ def bad_inputs(tmp_path_factory) -> dict[str, BadInput]:
     add("unknown-tensor-type",
         write_gguf(hf_dir, root / "q8_1.gguf", "F16", encode=_q8_1_down_proj),
         "tensor blk.0.ffn_down.weight is stored as Q8_1, which cannot be dequantized")
+    add("more-tokens-than-embeddings",
+        write_gguf(hf_dir, root / "big-vocab.gguf", "F16", write_tokenizer=_write_big_vocab),
+        "its tokenizer lists 2100 tokens, more than the model's 2048 embeddings")
     add("missing-file", root / "no-such-model.gguf", "file not found")
     two = root / "two-files"
     two.mkdir()
@@ -105,8 +113,8 @@ def _assert_one_line(stderr: str, prefix: str, case: BadInput) -> None:
 
 
 CONVERTER_CASES = ["garbage", "empty", "truncated", "unknown-architecture", "missing-metadata",
-                   "unknown-tensor-type", "missing-file", "directory-with-two",
-                   "directory-with-a-truncated-one"]
+                   "unknown-tensor-type", "more-tokens-than-embeddings", "missing-file",
+                   "directory-with-two", "directory-with-a-truncated-one"]
 
 
 @pytest.mark.parametrize("name", CONVERTER_CASES)
