@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,12 +59,21 @@ def _json_type(value: Any) -> str:
 
 
 def resolve_model_dir(model: str, cache_dir: str | None = None) -> Path:
-    """A local checkpoint directory as is; anything else is a hub id to download."""
+    """A local checkpoint directory as is; a GGUF file (or a directory holding one and no
+    config.json) converted into a cached checkpoint directory; anything else is a hub id to
+    download. `cache_dir` is where hub downloads go (GGUF conversions: $FOLIO_CACHE_DIR)."""
+    # Imported here: the converter package imports this module.
+    from executor_svc.gguf_checkpoint import find_gguf_file, gguf_checkpoint_dir
+
+    gguf_file = find_gguf_file(model)
+    if gguf_file is not None:
+        return gguf_checkpoint_dir(gguf_file, progress=sys.stderr.isatty())
     path = Path(model).expanduser()
     if path.is_dir():
         return path
     if path.exists():
-        raise ValueError(f"--model {model!r} is a file; give the checkpoint's directory")
+        raise ValueError(f"--model {model!r} is a file; give the checkpoint's directory or a "
+                         ".gguf file")
     try:
         from huggingface_hub import snapshot_download
 

@@ -140,7 +140,8 @@ def check_checkpoint(cfg: ExecutorConfig) -> Path:
     """The local checkpoint directory, once its config.json, index and safetensors headers
     have passed every check that needs no torch: a damaged checkpoint is refused in a fraction
     of a second rather than after the multi-second torch import. (Shapes against the model
-    are checked by the loader.)"""
+    are checked by the loader.) A GGUF file is converted here, also before torch: the
+    converter needs none, and a bad file fails as fast as a bad directory."""
     model = str(named_model_path(cfg.model)) if is_named(cfg.model) else cfg.model
     model_dir = resolve_model_dir(model, cfg.hub_cache_dir)
     ModelConfig.from_dir(model_dir)

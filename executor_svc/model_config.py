@@ -22,7 +22,7 @@ from executor_svc.checkpoint import CheckpointError, read_json_object
 @dataclass(frozen=True)
 class RopeSpec:
     theta: float = 10000.0
-    rope_type: str = "default"  # default | linear | llama3
+    rope_type: str = "default"  # default | linear | llama3 | freq_factors (from GGUF)
     params: dict[str, Any] = field(default_factory=dict)  # factor, low_freq_factor, ...
 
 
@@ -157,6 +157,14 @@ def _rope_spec(d: dict[str, Any]) -> RopeSpec:
         if key not in params:
             raise ValueError(f"rope type {rope_type!r} needs {key!r}, which is missing")
         _float(params, key, math.nan)
+    if rope_type == "freq_factors":
+        # Folio's own type, written by the GGUF converter: one divisor per rotary frequency.
+        factors = params.get("freq_factors")
+        if not (isinstance(factors, list) and factors and all(
+                isinstance(f, int | float) and not isinstance(f, bool) and 0 < f < math.inf
+                for f in factors)):
+            raise ValueError("rope type 'freq_factors' needs 'freq_factors', a list of "
+                             f"positive numbers, got {factors!r}")
     if rope_type == "llama3" and params["high_freq_factor"] <= params["low_freq_factor"]:
         raise ValueError("rope high_freq_factor must be larger than low_freq_factor, got "
                          f"{params['high_freq_factor']} <= {params['low_freq_factor']}")

@@ -13,6 +13,7 @@ import logging
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -202,7 +203,14 @@ async def _load_tokenizer(config: SchedulerConfig) -> tuple[str, Path, Tokenizer
     model = config.model
     if model is None or model.startswith(NAMED_PREFIX):
         model = await asyncio.to_thread(named_model_path, model)
-    model_dir = await asyncio.to_thread(resolve_model_dir, model)
+    cancel = threading.Event()
+    try:
+        model_dir = await asyncio.to_thread(resolve_model_dir, model, cancel, config.log_format)
+    except asyncio.CancelledError:
+        # Stopped during a GGUF conversion: its subprocess ends, so the worker thread (which
+        # asyncio.run waits for on the way out) returns promptly.
+        cancel.set()
+        raise
     return model, model_dir, await asyncio.to_thread(Tokenizer, model_dir)
 
 

@@ -219,13 +219,14 @@ def served_model_name(config: SchedulerConfig, model_dir: Path) -> str:
     about the server's disk."""
     if config.served_model_name:
         return config.served_model_name
-    if config.model is not None:
-        path = Path(config.model).expanduser()
-        if path.is_file():
-            return path.name.removesuffix(".gguf")
-        if not path.is_dir():
-            return config.model  # a hub id, resolved to a cache directory by the tokenizer
-    return Path(model_dir).resolve().name
+    if config.model is None:
+        return Path(model_dir).resolve().name  # the default model
+    path = Path(config.model).expanduser()
+    if not path.exists():
+        return config.model  # a hub id, resolved to a cache directory by the tokenizer
+    if path.is_file():  # a GGUF file: its name, not its cache entry's
+        return path.stem if path.suffix.lower() == ".gguf" else path.name
+    return path.resolve().name  # a checkpoint directory, or one holding a GGUF file
 
 
 class SchedulerServer:

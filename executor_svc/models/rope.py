@@ -50,9 +50,16 @@ def inv_freq_for(rope: RopeSpec, head_dim: int) -> torch.Tensor:
             return inv_freq / rope.params["factor"]
         case "llama3":
             return _llama3_inv_freq(inv_freq, rope.params)
+        case "freq_factors":  # a GGUF's rope_freqs tensor, llama.cpp's form of llama3 scaling
+            factors = torch.tensor(rope.params["freq_factors"], dtype=torch.float32,
+                                   device="cpu")
+            if factors.shape != inv_freq.shape:
+                raise ValueError(f"rope freq_factors has {factors.numel()} entries; head_dim "
+                                 f"{head_dim} needs {inv_freq.numel()}")
+            return inv_freq / factors
         case other:
             raise ValueError(f"RoPE scaling type {other!r} is not supported "
-                             "(supported: default, linear, llama3)")
+                             "(supported: default, linear, llama3, freq_factors)")
 
 
 def build_cos_sin_cache(rope: RopeSpec, head_dim: int, max_position: int,

@@ -12,6 +12,7 @@ from executor_svc.checkpoint import resolve_model_dir, safetensors_files
 from executor_svc.loader import load_model
 from executor_svc.model_config import ModelConfig
 from executor_svc.models import model_class
+from executor_svc.models.rope import inv_freq_for
 from tests.executor.harness import make_hf_model, save_checkpoint
 
 
@@ -119,3 +120,20 @@ def test_old_style_rope_config_reads_like_new(tmp_path):
     assert old.rope == new.rope
     assert old.rope.rope_type == "linear" and old.rope.theta == 5e5
     assert old.num_kv_heads == 2 and old.head_dim == 4
+
+
+def test_freq_factors_rope_divides_each_frequency():
+    # The GGUF converter's form of llama3 scaling: one divisor per rotary frequency.
+    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+            "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 1}
+    plain = ModelConfig.from_dict({**base, "rope_parameters": {"rope_theta": 5e5}})
+    scaled = ModelConfig.from_dict({**base, "rope_parameters": {
+        "rope_type": "freq_factors", "rope_theta": 5e5, "freq_factors": [1.0, 2.0, 4.0, 8.0]}})
+    torch.testing.assert_close(inv_freq_for(scaled.rope, 8),
+                               inv_freq_for(plain.rope, 8) / torch.tensor([1.0, 2.0, 4.0, 8.0]))
+    with pytest.raises(ValueError, match="4 entries; head_dim 16 needs 8"):
+        inv_freq_for(scaled.rope, 16)
+    for bad in ([], [1.0, -2.0], "8", [True]):
+        with pytest.raises(ValueError, match="freq_factors"):
+            ModelConfig.from_dict({**base, "rope_parameters": {
+                "rope_type": "freq_factors", "freq_factors": bad}})

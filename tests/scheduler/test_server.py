@@ -363,3 +363,19 @@ async def test_resume_rechecks_each_request_against_the_new_executor(harness):
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "cannot resume on the new executor" in err.value.details()
     assert "max_model_len is 20" in err.value.details()
+
+
+def test_served_model_name_is_never_a_path(tmp_path):
+    from scheduler_svc.config import SchedulerConfig
+    from scheduler_svc.server import served_model_name
+
+    gguf_file = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf_file.write_bytes(b"GGUF")
+    cache_entry = tmp_path / "cache" / "gguf" / ("ab" * 32)
+    for model, expected in [(str(gguf_file), "SmolLM2-135M-Instruct.Q4_1"),
+                            (str(tmp_path), tmp_path.name),  # a directory holding a .gguf
+                            ("org/some-model", "org/some-model")]:  # a hub id
+        config = SchedulerConfig(model=model)
+        assert served_model_name(config, cache_entry) == expected, model
+    assert served_model_name(SchedulerConfig(model=model, served_model_name="x"),
+                             cache_entry) == "x"

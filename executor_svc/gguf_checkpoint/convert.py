@@ -1,0 +1,76 @@
+"""One GGUF file -> one HF checkpoint directory (config, tokenizer, safetensors).
+
+Everything that can be refused is checked before the slow part: the architecture, the config
+numbers, every tensor's name, shape and type, the tokenizer, and the free disk space. Only then
+are the weights dequantized, and the marker file is written last.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import structlog
+
+from executor_svc.checkpoint import CheckpointError
+
+log = structlog.get_logger("executor_svc.gguf")
+
+MARKER_FILE = "folio-gguf.json"  # written last: a directory without it is not finished
+CONVERTER_VERSION = 1  # bump when the output for the same file changes; old entries rebuild
+_FREE_SPACE_MARGIN = 1.05
+
+
+def convert(gguf_file: Path, out_dir: Path, sha256: str, progress: bool) -> None:
+    """Write the checkpoint for `gguf_file` into the existing, empty `out_dir`."""
+    import gguf
+
+    from executor_svc.gguf_checkpoint.config import (
+        build_config,
+        build_generation_config,
+        read_rope_freqs,
+        tensor_names,
+    )
+    from executor_svc.gguf_checkpoint.reader import Metadata, open_gguf
+    from executor_svc.gguf_checkpoint.tokenizer import write_tokenizer
+    from executor_svc.gguf_checkpoint.weights import plan_tensors, write_safetensors
+
+    reader = open_gguf(gguf_file)
+    meta = Metadata(gguf_file, reader)
+    if meta.get("split.count", 1) != 1:
+        raise CheckpointError(gguf_file, f"is part {meta.get('split.no', 0) + 1} of a GGUF split "
+                                         f"into {meta.get('split.count')} files; merge them "
+                                         "into one file first (llama.cpp's gguf-split --merge)")
+    config = build_config(meta, tensor_names(reader), read_rope_freqs(gguf_file, reader))
+    num_tokens = len(meta.get("tokenizer.ggml.tokens") or ())
+    if num_tokens > config["vocab_size"]:  # fewer is fine: embeddings are often padded
+        raise CheckpointError(gguf_file, f"its tokenizer lists {num_tokens} tokens, more than "
+                                         f"the model's {config['vocab_size']} embeddings")
+    plan = plan_tensors(gguf_file, reader, config)
+    out_bytes = sum(int(t.n_elements) * (2 if t.tensor_type == gguf.GGMLQuantizationType.F16
+                                         else 4) for t, _ in plan)
+    _check_free_space(gguf_file, out_dir, out_bytes)
+    types = sorted({t.tensor_type.name for t, _ in plan})
+    log.info("converting GGUF to a checkpoint (once per file; weights are dequantized)",
+             file=str(gguf_file), architecture=config["architectures"][0],
+             tensors=len(plan), tensor_types=",".join(types),
+             params=sum(int(t.n_elements) for t, _ in plan), out_bytes=out_bytes,
+             out_dir=str(out_dir))
+    write_tokenizer(meta, out_dir)
+    files = write_safetensors(plan, config, out_dir, progress)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out_dir / "generation_config.json").write_text(
+        json.dumps(build_generation_config(meta), indent=2) + "\n")
+    marker = {"converter_version": CONVERTER_VERSION, "source": str(gguf_file),
+              "sha256": sha256, "weight_files": [f.name for f in files]}
+    (out_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _check_free_space(gguf_file: Path, out_dir: Path, out_bytes: int) -> None:
+    free = shutil.disk_usage(out_dir).free
+    if free < out_bytes * _FREE_SPACE_MARGIN:
+        raise CheckpointError(gguf_file, f"converting it needs about {out_bytes / 2**30:.1f} GiB "
+                                         f"in {out_dir.parent}, which has "
+                                         f"{free / 2**30:.1f} GiB free (set $FOLIO_CACHE_DIR "
+                                         "to a larger disk)")

@@ -1,0 +1,212 @@
+"""GGUF tensors -> dequantized HF-named safetensors shards, without torch.
+
+Three things happen to each tensor:
+1. its name goes from llama.cpp's (`blk.3.attn_q.weight`) to the HF one the loader expects
+   (`model.layers.3.self_attn.q_proj.weight`);
+2. it is dequantized by the `gguf` package: every quantized type comes out float32, F16 stays
+   F16, BF16 becomes float32 (numpy has no bfloat16; the widening is exact). The executor's
+   loader casts to the serving dtype;
+3. for the llama architecture, q and k (weights and biases) get llama.cpp's rotary permutation
+   undone. llama.cpp reorders each head's rows from HF's "rotate half" layout (first half of
+   the head, then second half) to interleaved pairs; undoing it restores HF's rows exactly.
+   Qwen2/Qwen3 files are written unpermuted (llama.cpp runs them with NeoX-style RoPE).
+
+Every tensor the model needs must be there with the shape the config implies, and nothing else
+may be: a mismatch is refused here, naming the GGUF file, before anything is written.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from executor_svc.checkpoint import INDEX_FILE, CheckpointError
+
+SHARD_BYTES = 2 << 30  # bounds the memory a conversion holds to one shard of float32 tensors
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+CONFIG_TENSORS = {"rope_freqs.weight"}  # read into config.json, not a weight
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF parameter name for a GGUF tensor name, None if it has no HF counterpart."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_TENSOR.fullmatch(gguf_name)
+    if m and m[2] in _LAYER_NAMES:
+        return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}.{m[3]}"
+    return None
+
+
+def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor the model built from `config` needs, with its shape."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim, vocab = config["head_dim"], config["vocab_size"]
+    q_rows = config["num_attention_heads"] * head_dim
+    kv_rows = config["num_key_value_heads"] * head_dim
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (hidden,),
+                   p + "post_attention_layernorm.weight": (hidden,),
+                   p + "self_attn.q_proj.weight": (q_rows, hidden),
+                   p + "self_attn.k_proj.weight": (kv_rows, hidden),
+                   p + "self_attn.v_proj.weight": (kv_rows, hidden),
+                   p + "self_attn.o_proj.weight": (hidden, q_rows),
+                   p + "mlp.gate_proj.weight": (inter, hidden),
+                   p + "mlp.up_proj.weight": (inter, hidden),
+                   p + "mlp.down_proj.weight": (hidden, inter)}
+        if config["model_type"] == "qwen2" or config.get("attention_bias"):
+            shapes |= {p + "self_attn.q_proj.bias": (q_rows,),
+                       p + "self_attn.k_proj.bias": (kv_rows,),
+                       p + "self_attn.v_proj.bias": (kv_rows,)}
+        if config.get("attention_bias"):  # HF's attention_bias covers o_proj too
+            shapes[p + "self_attn.o_proj.bias"] = (hidden,)
+        if config["model_type"] == "qwen3":
+            shapes |= {p + "self_attn.q_norm.weight": (head_dim,),
+                       p + "self_attn.k_norm.weight": (head_dim,)}
+    return shapes
+
+
+def plan_tensors(path: Path, reader, config: dict[str, Any]) -> list[tuple[Any, str]]:
+    """(GGUF tensor, HF name) for every weight, checked against the config: names, shapes,
+    completeness and whether the gguf package can dequantize the tensor's type."""
+    expected = expected_shapes(config)
+    plan: list[tuple[Any, str]] = []
+    checked_types: set[Any] = set()
+    for tensor in reader.tensors:
+        if tensor.name in CONFIG_TENSORS:
+            continue
+        name = hf_name(tensor.name)
+        if name is None or name not in expected:
+            raise CheckpointError(path, f"tensor {tensor.name} has no place in a "
+                                        f"{config['architectures'][0]} built from this file's "
+                                        "metadata")
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # ggml lists dims inner first
+        want = expected.pop(name)
+        if shape != want:
+            raise CheckpointError(path, f"tensor {tensor.name} has shape {shape}; the metadata "
+                                        f"implies {want}")
+        if tensor.tensor_type not in checked_types:
+            _check_dequantizable(path, tensor)
+            checked_types.add(tensor.tensor_type)
+        plan.append((tensor, name))
+    if expected:
+        missing = sorted(expected)
+        raise CheckpointError(path, f"lacks {len(missing)} tensor(s) a "
+                                    f"{config['architectures'][0]} needs, e.g. "
+                                    f"{', '.join(missing[:5])}")
+    return plan
+
+
+def _check_dequantizable(path: Path, tensor) -> None:
+    import gguf
+
+    kind = tensor.tensor_type
+    if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        return
+    try:  # one row is enough to learn whether the package implements this type
+        gguf.quants.dequantize(tensor.data[:1], kind)
+    except NotImplementedError:
+        raise CheckpointError(path, f"tensor {tensor.name} is stored as {kind.name}, which "
+                                    "cannot be dequantized (supported: F32, F16, BF16, Q4_0, "
+                                    "Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K..Q6_K and the "
+                                    "IQ types)") from None
+
+
+def unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: within each head, rows were reordered from
+    [first half | second half] to interleaved pairs (h0, h_half, h1, h_half+1, ...)."""
+    rows = weights.shape[0]
+    per_head = rows // num_heads
+    # llama.cpp: reshape(heads, 2, half, ...).swapaxes(1, 2); this is its inverse.
+    w = weights.reshape(num_heads, per_head // 2, 2, *weights.shape[1:])
+    return np.ascontiguousarray(w.swapaxes(1, 2).reshape(weights.shape))
+
+
+def dequantize(tensor, name: str, config: dict[str, Any]) -> np.ndarray:
+    """The tensor's values in HF layout: float32, or float16 where the file holds F16."""
+    import gguf
+
+    if tensor.tensor_type == gguf.GGMLQuantizationType.F16:
+        values = np.array(tensor.data, dtype=np.float16)
+    else:
+        values = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type),
+                            dtype=np.float32)
+    values = values.reshape(tuple(int(d) for d in reversed(tensor.shape.tolist())))
+    if config["model_type"] == "llama":
+        if ".self_attn.q_proj." in name:
+            values = unpermute_rotary(values, config["num_attention_heads"])
+        elif ".self_attn.k_proj." in name:
+            values = unpermute_rotary(values, config["num_key_value_heads"])
+    return np.ascontiguousarray(values)
+
+
+def write_safetensors(plan: list[tuple[Any, str]], config: dict[str, Any], out_dir: Path,
+                      progress: bool) -> list[Path]:
+    """Dequantize every planned tensor into `out_dir`: one model.safetensors, or shards of at
+    most SHARD_BYTES plus the index when the model is larger. Returns the files written."""
+    from safetensors.numpy import save_file
+    from tqdm import tqdm
+
+    shard: dict[str, np.ndarray] = {}
+    shard_bytes = 0
+    tmp_files: list[Path] = []
+    weight_map: dict[str, int] = {}  # HF name -> shard number
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes
+        tmp = out_dir / f".shard-{len(tmp_files)}.safetensors"
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        tmp_files.append(tmp)
+        shard, shard_bytes = {}, 0
+
+    with tqdm(plan, desc="dequantizing GGUF tensors", unit="tensor", file=sys.stderr,
+              disable=not progress, dynamic_ncols=True) as bar:
+        for tensor, name in bar:
+            values = dequantize(tensor, name, config)
+            if shard and shard_bytes + values.nbytes > SHARD_BYTES:
+                flush()
+            shard[name] = values
+            shard_bytes += values.nbytes
+            weight_map[name] = len(tmp_files)
+        flush()
+    if len(tmp_files) == 1:
+        final = [out_dir / "model.safetensors"]
+    else:
+        n = len(tmp_files)
+        final = [out_dir / f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for tmp, dest in zip(tmp_files, final, strict=True):
+        tmp.chmod(0o644)  # safetensors creates it private; the cache is meant to be shared
+        tmp.rename(dest)
+    if len(final) > 1:
+        import json
+
+        index = {"metadata": {"total_size": sum(f.stat().st_size for f in final)},
+                 "weight_map": {name: final[i].name for name, i in sorted(weight_map.items())}}
+        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return final
