@@ -199,7 +199,7 @@ def run_keygen(path: str) -> int:
     a container that runs this at every start keeps the pair of services in step."""
     import os
 
-    from protos.channel import generate_secret
+    from protos.channel_keys import generate_secret
 
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

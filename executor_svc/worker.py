@@ -29,14 +29,8 @@ from executor_svc.loader import (
 from executor_svc.model_config import ModelConfig
 from executor_svc.runner import ModelRunner
 from executor_svc.swap import SwapPool, num_swap_blocks_for
-from protos.channel import (
-    AuthFailed,
-    BadMessage,
-    ChannelKeys,
-    ExecutorEnd,
-    SchedulerLost,
-    read_secret,
-)
+from protos.channel import AuthFailed, BadMessage, ExecutorEnd, SchedulerLost
+from protos.channel_keys import ChannelKeys, read_secret
 from protos.plan import (
     PROTOCOL_VERSION,
     ExecutorError,

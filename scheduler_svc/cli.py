@@ -20,10 +20,10 @@ from pathlib import Path
 import structlog
 import zmq
 
-from protos.channel import (
+from protos.channel import SchedulerEnd
+from protos.channel_keys import (
     SECRET_ENV,
     ChannelKeys,
-    SchedulerEnd,
     check_insecure_address,
     generate_secret,
     read_secret,

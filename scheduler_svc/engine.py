@@ -1,25 +1,19 @@
 """The engine loop: executor connections, then schedule -> plan -> result -> outputs, forever.
 
 One asyncio task runs the loop; gRPC handlers call `submit`/`abort` from the same event loop,
-so no locks are needed. A reader task moves every channel event into `_inbox`, so the loop can
-wait on "an event or new work" without racing two readers on the socket.
+so no locks are needed. A reader task (`channel_reader.py`) moves every channel event into
+`_inbox`, so the loop can wait on "an event or new work" without two readers on the socket.
 
     handlers --submit/abort--> Registry --admit--> Scheduler <--schedule/update-- loop
        ^                          ^                                  | StepPlan / StepResult
        +-- client queues <-- OutputProcessor <-- StepOutputs --------+  (ZeroMQ, executor)
 
-Failure model (what survives what):
-- a bad request: refused at submit with a status; nothing else notices.
-- a bad channel message: logged (rate-limited) and dropped; the reader never dies.
-- a failed step (ExecutorError): the requests of that step end with INTERNAL.
-- the executor's death (connection closed, heartbeat silence, or no result within
-  --executor-timeout): health goes NOT_SERVING at once, the Scheduler is dropped, and every
-  request waits in the registry, its stream open. The next executor to connect gets every
-  unfinished request again, recomputed from prompt + streamed tokens (no token lost, none
-  repeated). A request still waiting after --resume-timeout ends with UNAVAILABLE.
-- a bug in the scheduler (an exception in this loop): the requests of the step involved end
-  with INTERNAL; the Scheduler is rebuilt from the registry and the executor told to drop its
-  state; every other request resumes as after an executor loss, on the same executor.
+Failure model (docs/architecture.md, "Failures"): a bad request is refused at submit; a bad
+channel message is dropped; a failed step ends its requests; a lost executor (connection
+closed, heartbeat silence, no result within --executor-timeout) leaves every request waiting in
+the registry, to resume on the next executor from prompt + streamed tokens, or to end with
+UNAVAILABLE after --resume-timeout; an exception in this loop ends the requests of the step
+involved and rebuilds the Scheduler from the registry on the same executor.
 """
 
 from __future__ import annotations
@@ -32,7 +26,7 @@ from collections.abc import Awaitable, Callable
 import structlog
 import zmq
 
-from protos.channel import AuthFailed, BadMessage, PeerLost, SchedulerEnd
+from protos.channel import PeerLost, SchedulerEnd
 from protos.plan import (
     PROTOCOL_VERSION,
     ExecutorError,
@@ -45,6 +39,7 @@ from protos.plan import (
     Welcome,
 )
 from scheduler_svc.admission import admit
+from scheduler_svc.channel_reader import ChannelReader
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.errors import (
@@ -67,7 +62,6 @@ from scheduler_svc.tokenizer import Tokenizer
 log = structlog.get_logger("folio.scheduler.engine")
 
 MAX_WAITING_REQUESTS = 65536  # beyond this, new requests get RESOURCE_EXHAUSTED
-MAX_INBOX = 4096  # queued channel events; beyond it, only the connected executor's are kept
 NO_EXECUTOR = ("no executor connected; start one with `python -m executor_svc --model DIR "
                "--scheduler-address ADDR`, or wait until it has loaded the model")
 ANOTHER_EXECUTOR = ("another executor is connected to this scheduler; this one is refused "
@@ -92,7 +86,6 @@ class Engine:
         self._hello: Hello | None = None  # the connected executor's Hello
         self._on_executor_change = on_executor_change
         self._shutdown_executor_on_stop = shutdown_executor_on_stop
-        self._inbox: asyncio.Queue = asyncio.Queue()
         self._wakeup = asyncio.Event()
         self._stopping = False
         self._next_arrival = 0
@@ -100,6 +93,8 @@ class Engine:
         self.num_executor_losses = 0
         self.stats = StatsLogger(config.stats_interval_s)
         self._warn = LogLimiter(log)
+        self._reader = ChannelReader(channel, self._from_executor, self._warn)
+        self._inbox = self._reader.inbox
         # Counters of schedulers retired with their executor, for cumulative ServerStats.
         self._past_totals = dict.fromkeys(COUNTERS, 0)
 
@@ -157,7 +152,7 @@ class Engine:
     # ---- the loop --------------------------------------------------------------------------
 
     async def run(self) -> None:
-        reader = asyncio.create_task(self._read_channel(), name="folio-channel-reader")
+        reader = asyncio.create_task(self._reader.run(), name="folio-channel-reader")
         try:
             while not self._stopping:
                 self._wakeup.clear()
@@ -181,33 +176,6 @@ class Engine:
                 await self._run_step(plan)
                 return
         await self._wait_for_event()
-
-    async def _read_channel(self) -> None:
-        num_read = 0
-        while True:
-            num_read += 1
-            if num_read % 32 == 0:
-                await asyncio.sleep(0)  # queued events return without yielding: let others run
-            try:
-                event = await self.channel.recv()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug in the channel code: never let the reader die of it
-                log.exception("reading the executor channel failed")
-                await asyncio.sleep(0.1)
-                continue
-            match event:
-                # Only logged: handled here, so a flood of them never reaches the loop.
-                case BadMessage(reason=reason):
-                    self._warn.warning("dropped a malformed executor-channel message",
-                                       error=reason, known_executor=self._from_executor(event))
-                case AuthFailed(reason=reason):
-                    self._warn.warning("refused an executor-channel connection", reason=reason)
-                case _ if self._inbox.qsize() >= MAX_INBOX and not self._from_executor(event):
-                    self._warn.warning("dropped executor-channel traffic: too many queued "
-                                       "events")
-                case _:
-                    self._inbox.put_nowait(event)
 
     def _from_executor(self, event) -> bool:
         identity = event[0] if isinstance(event, tuple) else getattr(event, "identity", None)

@@ -25,7 +25,7 @@ import time
 
 import structlog
 
-from protos.channel import SECRET_ENV
+from protos.channel_keys import SECRET_ENV
 
 log = structlog.get_logger("folio.scheduler.supervisor")
 

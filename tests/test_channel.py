@@ -14,15 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protos.channel import (
-    ChannelKeys,
-    ProtocolError,
-    check_insecure_address,
-    decode,
-    encode,
-    is_loopback,
-    read_secret,
-)
+from protos.channel import ProtocolError, decode, encode
+from protos.channel_keys import ChannelKeys, check_insecure_address, is_loopback, read_secret
 from protos.plan import (
     CachedRequest,
     ExecutorError,

@@ -147,7 +147,7 @@ def test_invalid_argument_prints_code_and_message(default_server):
 
 
 def test_keygen_writes_a_private_secret_once(tmp_path, capsys):
-    from protos.channel import ChannelKeys, read_secret
+    from protos.channel_keys import ChannelKeys, read_secret
 
     path = tmp_path / "channel.secret"
     assert main(["keygen", str(path)]) == 0

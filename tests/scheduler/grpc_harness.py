@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.channel import MAX_FRAME_BYTES, ChannelKeys, SchedulerEnd
+from protos.channel import MAX_FRAME_BYTES, SchedulerEnd
+from protos.channel_keys import ChannelKeys
 from protos.folio.v1 import generator_pb2 as pb
 from protos.folio.v1 import generator_pb2_grpc as pb_grpc
 from scheduler_svc.config import SchedulerConfig

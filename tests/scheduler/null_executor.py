@@ -14,7 +14,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from protos.channel import ChannelKeys, ExecutorEnd, SchedulerLost
+from protos.channel import ExecutorEnd, SchedulerLost
+from protos.channel_keys import ChannelKeys
 from protos.plan import (
     PROTOCOL_VERSION,
     ExecutorError,

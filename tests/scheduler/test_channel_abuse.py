@@ -16,7 +16,8 @@ import msgpack
 import pytest
 import zmq
 
-from protos.channel import ChannelKeys, decode, encode
+from protos.channel import decode, encode
+from protos.channel_keys import ChannelKeys
 from protos.plan import Hello, Reject, StepResult
 from tests.scheduler.grpc_harness import (
     SERVING,
