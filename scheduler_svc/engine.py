@@ -255,7 +255,7 @@ class Engine:
         log.error("executor failed a step", step=plan.step_id, error=message)
         failed = self.scheduler.fail_requests(self.scheduler.abandon_in_flight())
         error = ExecutorFailed(f"the executor failed step {plan.step_id}: {message}")
-        for client in self._clients_of(r.req_id for r in failed):
+        for client in self.registry.clients_of(r.req_id for r in failed):
             self._end_client(client, error)
 
     # ---- executor lifecycle ----------------------------------------------------------------
@@ -357,7 +357,7 @@ class Engine:
             failure = ExecutorFailed(f"internal scheduler error ({type(error).__name__}: "
                                      f"{error}) while running this request; see the server log")
             self._retire_scheduler()
-            for client in self._clients_of(blamed):
+            for client in self.registry.clients_of(blamed):
                 self._end_client(client, failure)
             self.scheduler = new_scheduler(self.executor, self._hello, self.config,
                                            first_step_id=self._next_step_id,
@@ -388,16 +388,6 @@ class Engine:
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _clients_of(self, seq_ids) -> list[ClientRequest]:
-        """The client requests these scheduler sequence ids belong to (ids are "<id>" or
-        "<id>/<suffix>", and a client id never contains '/')."""
-        found: dict[str, ClientRequest] = {}
-        for seq_id in seq_ids:
-            client = self.registry.get(seq_id.split("/", 1)[0])
-            if client is not None:
-                found[client.req_id] = client
-        return list(found.values())
-
     def _drop_from_scheduler(self, client: ClientRequest) -> None:
         if self.scheduler is None:
             return
@@ -411,10 +401,4 @@ class Engine:
         self.outputs.fail(client, error)
 
     def _log_stats(self) -> None:
-        stats = self.server_stats()
-        self.stats.maybe_log(num_running=stats["num_running"], num_waiting=stats["num_waiting"],
-                             num_swapped=stats["num_swapped"],
-                             num_free_blocks=stats["kv_blocks_free"],
-                             num_free_swap_blocks=stats["swap_blocks_free"],
-                             num_preemptions=stats["num_preemptions"],
-                             prefix_cache_hit_rate=stats["prefix_cache_hit_rate"])
+        self.stats.maybe_log_server(self.server_stats())

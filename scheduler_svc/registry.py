@@ -27,7 +27,7 @@ leaves with its last one (every sequence finished, an abort, or an error).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from scheduler_svc.detokenizer import IncrementalDetokenizer
@@ -105,6 +105,16 @@ class Registry:
 
     def sequence(self, seq_id: str) -> tuple[ClientRequest, SequenceOutput] | None:
         return self._sequences.get(seq_id)
+
+    def clients_of(self, seq_ids: Iterable[str]) -> list[ClientRequest]:
+        """The client requests these scheduler sequence ids belong to (ids are "<id>" or
+        "<id>/<suffix>", and a client id never contains '/')."""
+        found: dict[str, ClientRequest] = {}
+        for seq_id in seq_ids:
+            client = self._requests.get(seq_id.split("/", 1)[0])
+            if client is not None:
+                found[client.req_id] = client
+        return list(found.values())
 
     def add(self, client: ClientRequest) -> None:
         assert client.req_id not in self._requests, f"duplicate request id {client.req_id}"

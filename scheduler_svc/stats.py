@@ -58,6 +58,14 @@ class StatsLogger:
         self._num_sampled += num_sampled
         self._num_steps += 1
 
+    def maybe_log_server(self, stats: dict[str, int | bool]) -> None:
+        """`maybe_log` from the ServerStats fields (`server_stats`)."""
+        self.maybe_log(num_running=stats["num_running"], num_waiting=stats["num_waiting"],
+                       num_swapped=stats["num_swapped"], num_free_blocks=stats["kv_blocks_free"],
+                       num_free_swap_blocks=stats["swap_blocks_free"],
+                       num_preemptions=stats["num_preemptions"],
+                       prefix_cache_hit_rate=stats["prefix_cache_hit_rate"])
+
     def maybe_log(self, num_running: int, num_waiting: int, num_free_blocks: int,
                   num_swapped: int = 0, num_free_swap_blocks: int = 0, num_preemptions: int = 0,
                   prefix_cache_hit_rate: float = 0.0) -> None:
