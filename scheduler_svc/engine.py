@@ -90,7 +90,6 @@ class Engine:
         self._stopping = False
         self._next_arrival = 0
         self._next_step_id = 0
-        self.num_executor_losses = 0
         self.stats = StatsLogger(config.stats_interval_s)
         self._warn = LogLimiter(log)
         self._reader = ChannelReader(channel, self._from_executor, self._warn)
@@ -304,7 +303,6 @@ class Engine:
             return
         self._retire_scheduler()
         self.executor = self._hello = None
-        self.num_executor_losses += 1
         num_waiting = self.registry.suspend_all(time.monotonic())
         log.error("executor lost; requests wait for the next one", reason=reason,
                   num_requests=num_waiting, resume_timeout_s=self.config.resume_timeout_s)

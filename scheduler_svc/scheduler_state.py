@@ -92,10 +92,6 @@ class SchedulerState:
             failed += self._end_group(group, RequestStatus.FINISHED_ERROR)
         return failed
 
-    def unfinished_ids(self) -> list[str]:
-        """Every unfinished sequence id (hidden ones included), for the engine's bookkeeping."""
-        return list(self.requests)
-
     def running_ids(self) -> list[str]:
         return [r.req_id for r in self.running]
 
