@@ -159,8 +159,8 @@ class Engine:
                     await self._iterate()
                 except Exception as e:  # a scheduler bug: scope it, keep serving
                     log.exception("engine step failed")
-                    await self._recover(e)
-                self._log_stats()
+                    self._recover(e)
+                self.stats.maybe_log_server(self.server_stats())
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -343,27 +343,27 @@ class Engine:
                 f"the executor was lost and none came back within "
                 f"{self.config.resume_timeout_s:g}s; retry later"))
 
-    async def _recover(self, error: Exception) -> None:
+    def _recover(self, error: Exception) -> None:
         """After an exception in the loop: end the requests it most likely concerns, and
-        rebuild the Scheduler from the registry on the same executor."""
+        rebuild the Scheduler from the registry on the same executor (if even that fails,
+        every request ends)."""
         sched = self.scheduler
         if sched is None or self.executor is None:
             return
         try:
             blamed = sched.abandon_in_flight() or sched.running_ids() or \
                 [r.req_id for r in list(sched.waiting)[:1]]
+            self._retire_scheduler()
             failure = ExecutorFailed(f"internal scheduler error ({type(error).__name__}: "
                                      f"{error}) while running this request; see the server log")
-            self._retire_scheduler()
             for client in self.registry.clients_of(blamed):
-                self._end_client(client, failure)
+                self.outputs.fail(client, failure)
             self.scheduler = new_scheduler(self.executor, self._hello, self.config,
                                            first_step_id=self._next_step_id,
                                            reset_executor=True)
             self._readmit_all()
         except Exception:
             log.exception("recovering from a scheduler error failed; ending every request")
-            self.scheduler = None
             for client in self.registry:
                 self.outputs.fail(client, ExecutorFailed("internal scheduler error; see the "
                                                          "server log"))
@@ -379,9 +379,11 @@ class Engine:
         info = self.executor
         self._retire_scheduler()
         self.executor = self._hello = None
-        if info is not None and self._shutdown_executor_on_stop:
+        if info is None:
+            return
+        if self._shutdown_executor_on_stop:
             await self._send_quietly(info.identity, Shutdown())
-        if info is not None and self._on_executor_change is not None:
+        if self._on_executor_change is not None:
             await self._on_executor_change(False, reason)
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -397,6 +399,3 @@ class Engine:
     def _end_client(self, client: ClientRequest, error: FolioError) -> None:
         self._drop_from_scheduler(client)
         self.outputs.fail(client, error)
-
-    def _log_stats(self) -> None:
-        self.stats.maybe_log_server(self.server_stats())

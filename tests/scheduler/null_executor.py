@@ -65,6 +65,8 @@ class PlanMirror:
 
     def apply(self, plan: StepPlan) -> StepResult:
         self.num_plans += 1
+        if plan.reset:  # the scheduler rebuilt its state: whatever the executor held is gone
+            self.reqs.clear()
         for req_id in plan.finished_req_ids + plan.preempted_req_ids:
             if self.reqs.pop(req_id, None) is None:
                 raise PlanViolation(f"step {plan.step_id}: dropping unknown request {req_id}")
@@ -149,6 +151,8 @@ class PlanMirror:
     def fail(self, plan: StepPlan) -> ExecutorError:
         """Fail the step: like the real executor, keep no state for its requests."""
         self.num_plans += 1
+        if plan.reset:  # the scheduler rebuilt its state: whatever the executor held is gone
+            self.reqs.clear()
         for req_id in plan.finished_req_ids + plan.preempted_req_ids:
             self.reqs.pop(req_id, None)
         for req in plan.new_reqs + plan.cached_reqs:

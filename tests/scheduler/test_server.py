@@ -379,3 +379,34 @@ def test_served_model_name_is_never_a_path(tmp_path):
         assert served_model_name(config, cache_entry) == expected, model
     assert served_model_name(SchedulerConfig(model=model, served_model_name="x"),
                              cache_entry) == "x"
+
+
+async def test_a_scheduler_exception_ends_only_that_steps_requests(harness, monkeypatch):
+    """A bug that raises in the engine loop: the requests of the step involved end with
+    INTERNAL; the Scheduler is rebuilt and the executor told to drop its state (`reset`: the
+    plan-checking executor would see a write into the failed request's blocks otherwise);
+    serving goes on, token-exact, and every block comes back."""
+    from scheduler_svc.scheduler import Scheduler
+
+    await harness.serve(step_delay_s=0.02, hello=make_hello(num_kv_blocks=32))
+    running = harness.stub.Generate(gen_request([5, 6, 7], max_tokens=40))
+    await running.read()
+    real_update, calls = Scheduler.update, []
+
+    def broken_update(self, result):
+        calls.append(result.step_id)
+        if len(calls) == 1:
+            raise RuntimeError("a scheduler bug")
+        return real_update(self, result)
+
+    monkeypatch.setattr(Scheduler, "update", broken_update)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(running)
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert "RuntimeError: a scheduler bug" in err.value.details()
+    monkeypatch.undo()
+    assert await harness.health_status() == SERVING
+    responses = await collect(harness.stub.Generate(gen_request([8, 9], max_tokens=5)))
+    assert [t for r in responses for t in r.token_ids] == null_continuation([8, 9], 5)
+    stats = await wait_idle(harness)
+    assert stats.kv_blocks_free == stats.kv_blocks_total
