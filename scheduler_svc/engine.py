@@ -386,8 +386,6 @@ class Engine:
         if self._on_executor_change is not None:
             await self._on_executor_change(False, reason)
 
-    # ---- helpers ---------------------------------------------------------------------------
-
     def _drop_from_scheduler(self, client: ClientRequest) -> None:
         if self.scheduler is None:
             return
