@@ -5,10 +5,15 @@
 Hello is resent every `HELLO_RETRY_S` seconds until the scheduler answers, so the executor may
 start before the scheduler binds. A resent Hello can earn more than one Welcome; the extras are
 ignored.
+
+Plans are run in the order they arrive; the scheduler sends the next one while this one runs
+(overlapped scheduling), so it is usually queued when a step ends. After a failed step, the plan
+behind it may still name the failed requests: they are skipped in that one plan.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -155,15 +160,22 @@ def serve(end: ExecutorEnd, runner: ModelRunner) -> int | None:
     """Answer plans until Shutdown (an exit code) or until the scheduler is lost (None: the
     caller drops every request and says Hello again, to this scheduler or its successor)."""
     stats = _Stats()
+    result_sent_at: float | None = None  # when the previous step's answer went out
+    failed_req_ids: set[str] = set()  # of the previous step, if it failed
     while True:
         msg = end.recv(timeout_ms=int(STATS_INTERVAL_S * 1000))
         match msg:
             case None:
                 pass
             case StepPlan():
+                idle_s = 0.0 if result_sent_at is None else time.perf_counter() - result_sent_at
                 if msg.reset:
                     runner.requests.clear()
-                end.send(_step(runner, msg, stats))
+                    failed_req_ids = set()
+                reply = _step(runner, _without(msg, failed_req_ids), stats, idle_s)
+                failed_req_ids = _scheduled_ids(msg) if isinstance(reply, ExecutorError) else set()
+                end.send(reply)
+                result_sent_at = time.perf_counter()
             case Shutdown():
                 log.info("shutdown requested by the scheduler")
                 return EXIT_OK
@@ -197,7 +209,23 @@ def _warn_once(event: str, level: str = "warning", **fields) -> None:
         getattr(log, level)(event, **fields)
 
 
-def _step(runner: ModelRunner, plan: StepPlan, stats: _Stats) -> StepResult | ExecutorError:
+def _scheduled_ids(plan: StepPlan) -> set[str]:
+    return {r.req_id for r in plan.new_reqs} | {r.req_id for r in plan.cached_reqs}
+
+
+def _without(plan: StepPlan, req_ids: set[str]) -> StepPlan:
+    """`plan` less the requests of a step that failed (their state is gone; the scheduler
+    fails them when it reads the ExecutorError, and names them in no later plan)."""
+    if not req_ids or not (_scheduled_ids(plan) & req_ids):
+        return plan
+    log.info("skipping the requests of the failed step", num_requests=len(req_ids))
+    return dataclasses.replace(
+        plan, new_reqs=[r for r in plan.new_reqs if r.req_id not in req_ids],
+        cached_reqs=[r for r in plan.cached_reqs if r.req_id not in req_ids])
+
+
+def _step(runner: ModelRunner, plan: StepPlan, stats: _Stats,
+          idle_s: float) -> StepResult | ExecutorError:
     structlog.contextvars.bind_contextvars(step=plan.step_id)
     try:
         out = runner.execute(plan)
@@ -209,7 +237,7 @@ def _step(runner: ModelRunner, plan: StepPlan, stats: _Stats) -> StepResult | Ex
     stats.add(out.num_tokens, len(out.sampled), out.execute_time_s)
     log.debug("step done", step=plan.step_id, num_tokens=out.num_tokens,
               num_sampled=len(out.sampled), execute_time_s=round(out.execute_time_s, 6))
-    return StepResult(plan.step_id, out.sampled, out.execute_time_s, out.logprobs)
+    return StepResult(plan.step_id, out.sampled, out.execute_time_s, out.logprobs, idle_s)
 
 
 class _Stats:

@@ -11,7 +11,8 @@ Conversation (scheduler binds a ZeroMQ ROUTER, each executor connects a DEALER):
        | <-- Welcome | Reject ------    |   Reject carries a reason; the executor exits
        | <-- StepPlan(step 0) --------  |
        | -- StepResult(step 0) ------>  |   sampled ids per request that finished its prompt
-       | <-- StepPlan(step 1) --------  |   ... one plan in flight at a time
+       | <-- StepPlan(step 1) --------  |   sent while step 0 runs (overlapped scheduling):
+       | -- StepResult(step 1) ------>  |   at most two plans in flight, run in order
        | <-- Shutdown ----------------  |
 
 A StepPlan is a diff against what the executor already holds:
@@ -32,7 +33,11 @@ refused whole and never reaches the code that acts on it.
 
 Invariant: for every scheduled request, num_computed_tokens + num_scheduled_tokens <= the number
 of tokens the executor holds for it; the executor samples a token exactly when that sum equals
-the number of tokens it holds (prompt fully computed, or a decode step).
+the number of tokens it holds (prompt fully computed, or a decode step). The executor runs plans
+strictly in the order sent, and counts its holdings after the previous plan (including the
+token it appended there), so a plan may be sent before the previous plan's result arrives.
+When a step fails (ExecutorError), the executor also skips the failed requests in the one plan
+that may already be queued behind it.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 # ---- strict field readers: exact types (bool is not an int here), or TypeError -------------
@@ -321,14 +326,18 @@ class StepResult:
     sampled: list[tuple[str, list[int]]] = field(default_factory=list)
     execute_time_s: float = 0.0  # executor-side wall time of the step, for stats
     logprobs: list[tuple[str, list[int], list[float]]] = field(default_factory=list)
+    # How long the executor waited for this plan after sending its previous result (0 for
+    # the first plan of a connection): the executor's idle time between steps.
+    idle_time_s: float = 0.0
 
     def to_wire(self) -> list:
         return [self.TAG, self.step_id, [[r, ids] for r, ids in self.sampled],
-                self.execute_time_s, [[r, ids, lps] for r, ids, lps in self.logprobs]]
+                self.execute_time_s, [[r, ids, lps] for r, ids, lps in self.logprobs],
+                self.idle_time_s]
 
     @classmethod
     def from_wire(cls, w: list) -> StepResult:
-        _list(w, 5)
+        _list(w, 6)
         sampled = []
         for entry in _list(w[2]):  # one per sampled request per step: checked inline
             if not (type(entry) is list and len(entry) == 2 and type(entry[0]) is str
@@ -345,7 +354,7 @@ class StepResult:
             if len(ids) != len(lps):
                 raise ValueError("logprobs: as many token ids as values")
             logprobs.append((_str(req_id), ids, lps))
-        return cls(_nat(w[1]), sampled, _float(w[3]), logprobs)
+        return cls(_nat(w[1]), sampled, _float(w[3]), logprobs, _float(w[5]))
 
 
 @dataclass(frozen=True)

@@ -167,3 +167,52 @@ def test_config_errors_are_sentences(argv, message, capsys):
 
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+async def test_pipelined_plans_and_the_plan_behind_a_failed_step(checkpoint_cache, tmp_path):
+    """Overlapped scheduling: the next plan arrives before the previous result is read. It
+    counts the token the previous step appended; after a failed step, the plan queued behind
+    it skips the failed request and serves the others."""
+    hf_model, model_dir = checkpoint_cache("qwen2")
+    sched = SchedulerEnd("tcp://127.0.0.1:0")
+    proc = _start(model_dir, sched.address, tmp_path / "executor.log")
+    try:
+        peer, hello = await _recv(sched)
+        assert isinstance(hello, Hello)
+        await sched.send(peer, Welcome(PROTOCOL_VERSION))
+        driver = PlanDriver(num_blocks=64, seed=11)
+        prompt_a, prompt_b = [3, 1, 4, 1, 5, 9, 2, 6], [27, 18, 28, 18]
+        plans = [driver.plan(new_reqs=[driver.new("a", prompt_a, len(prompt_a))])]
+        for _ in range(2):  # decode the token the step before samples, sent before its result
+            driver.num_tokens["a"] += 1
+            plans.append(driver.plan(cached_reqs=[driver.cached("a", 1)]))
+        for plan in plans:
+            await sched.send(peer, plan)
+        tokens = []
+        for plan in plans:
+            _, result = await _recv(sched, timeout=30)
+            assert isinstance(result, StepResult) and result.step_id == plan.step_id
+            assert result.idle_time_s >= 0
+            tokens += [t for _, ids in result.sampled for t in ids]
+        assert tokens == hf_greedy(hf_model, prompt_a, 3)
+
+        # A step that fails (a logprobs count beyond the vocabulary), with a plan behind it
+        # that names the failed request next to a healthy one.
+        bad = driver.plan(new_reqs=[driver.new("d", [5, 5, 5], 3,
+                                               SamplingSpec(temperature=0.0,
+                                                            num_logprobs=10**6))])
+        driver.num_tokens["d"] += 1
+        behind = driver.plan(cached_reqs=[driver.cached("d", 1)],
+                             new_reqs=[driver.new("b", prompt_b, len(prompt_b))])
+        await sched.send(peer, bad)
+        await sched.send(peer, behind)
+        _, err = await _recv(sched, timeout=30)
+        assert isinstance(err, ExecutorError) and err.step_id == bad.step_id
+        _, result = await _recv(sched, timeout=30)
+        assert isinstance(result, StepResult) and result.step_id == behind.step_id
+        assert result.sampled == [("b", hf_greedy(hf_model, prompt_b, 1))]
+        await sched.send(peer, Shutdown())
+        assert await asyncio.to_thread(proc.wait, 30) == 0
+    finally:
+        _stop(proc)
+        sched.close()

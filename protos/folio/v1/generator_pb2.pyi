@@ -172,7 +172,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "num_preemptions", "num_finished_requests", "num_prompt_tokens", "num_generated_tokens", "num_steps", "executor_connected", "num_swapped", "swap_blocks_total", "swap_blocks_free", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "num_swap_outs")
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "num_preemptions", "num_finished_requests", "num_prompt_tokens", "num_generated_tokens", "num_steps", "executor_connected", "num_swapped", "swap_blocks_total", "swap_blocks_free", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "num_swap_outs", "executor_busy_s", "executor_idle_s", "scheduler_busy_s")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +190,9 @@ class ServerStats(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAP_OUTS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_blocks_total: int
@@ -207,4 +210,7 @@ class ServerStats(_message.Message):
     prefix_cache_hits: int
     prefix_cache_hit_rate: float
     num_swap_outs: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., executor_connected: _Optional[bool] = ..., num_swapped: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_swap_outs: _Optional[int] = ...) -> None: ...
+    executor_busy_s: float
+    executor_idle_s: float
+    scheduler_busy_s: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., executor_connected: _Optional[bool] = ..., num_swapped: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_swap_outs: _Optional[int] = ..., executor_busy_s: _Optional[float] = ..., executor_idle_s: _Optional[float] = ..., scheduler_busy_s: _Optional[float] = ...) -> None: ...
