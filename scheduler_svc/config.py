@@ -42,6 +42,7 @@ class SchedulerConfig:
     stats_interval_s: float = 10.0
     enable_prefix_caching: bool = True
     preemption_mode: str = "auto"  # see preemption.preemption_mode
+    overlap_scheduling: bool = True  # plan step N+1 while step N runs (engine.py)
     # Fault tolerance: how long requests of a lost executor wait for the next one; the
     # executor channel's secret (None: $FOLIO_CHANNEL_SECRET, else an unauthenticated channel,
     # allowed on loopback only unless insecure_channel); serve: restarts of a crashed executor.
@@ -168,6 +169,10 @@ def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentPars
                    help="how to free KV blocks when they run out: auto (swap a long context "
                    "to the executor's CPU pool if it has room, else recompute), recompute, or "
                    "swap (default auto)")
+    p.add_argument("--overlap-scheduling", dest="overlap_scheduling",
+                   action=argparse.BooleanOptionalAction, default=True,
+                   help="plan the next step while the executor runs this one (default on; "
+                   "--no-overlap-scheduling runs schedule, step and result in lockstep)")
     f = p.add_argument_group("fault tolerance and the executor channel")
     f.add_argument("--resume-timeout", dest="resume_timeout_s", type=float, default=120.0,
                    help="seconds the requests of a lost executor wait for the next one before "

@@ -1,5 +1,10 @@
 """The engine loop: executor connections, then schedule -> plan -> result -> outputs, forever.
 
+Overlapped scheduling (on unless --no-overlap-scheduling): after sending plan N the loop plans
+and sends N+1 at once, then waits for N's result, so the executor finds its next plan queued
+when a step ends. Where the Scheduler cannot plan ahead (a preemption, a beam search; see
+scheduler.py "Overlap") it returns no plan and the loop waits for the result first (lockstep).
+
 One asyncio task runs the loop; gRPC handlers call `submit`/`abort` from the same event loop,
 so no locks are needed. A reader task (`channel_reader.py`) moves every channel event into
 `_inbox`, so the loop can wait on "an event or new work" without two readers on the socket.
@@ -90,6 +95,12 @@ class Engine:
         self._stopping = False
         self._next_arrival = 0
         self._next_step_id = 0
+        self._max_in_flight = 2 if config.overlap_scheduling else 1
+        # Whether the executor had work queued when it finished the last step: its wait for
+        # the next plan counts as idle time only then (not while the server had nothing to do).
+        self._work_queued = False
+        self._idle_counts: dict[int, bool] = {}  # step id -> count its idle time
+        self.num_overlapped_steps = 0  # plans sent while the previous one was still running
         self.stats = StatsLogger(config.stats_interval_s)
         self._warn = LogLimiter(log)
         self._reader = ChannelReader(channel, self._from_executor, self._warn)
@@ -140,6 +151,7 @@ class Engine:
         """ServerStats fields: counters cover every executor this server has had; without an
         executor, requests waiting for one count as waiting."""
         stats = server_stats(self.scheduler, self._past_totals, self.executor is not None)
+        stats.update(self.stats.step_times())
         if self.scheduler is None:
             stats["num_waiting"] = len(self.registry)
         return stats
@@ -168,13 +180,29 @@ class Engine:
             await self._close("the server is shutting down")
 
     async def _iterate(self) -> None:
-        """One turn of the loop: a step if there is one to run, else wait for an event."""
+        """One turn of the loop: send a plan if one can go now; then, with the pipeline full
+        or nothing more to plan, wait for the oldest result; with nothing in flight, wait for
+        an event."""
         self._expire_suspended()
-        if self.scheduler is not None and self.scheduler.has_unfinished():
-            if (plan := self.scheduler.schedule()) is not None:
-                await self._run_step(plan)
-                return
-        await self._wait_for_event()
+        sched = self.scheduler
+        if sched is None:
+            await self._wait_for_event()
+            return
+        plan = None
+        if sched.has_unfinished() and sched.num_in_flight < self._max_in_flight:
+            start = time.perf_counter()
+            plan = sched.schedule()
+            self.stats.scheduler_busy_s += time.perf_counter() - start
+            if plan is not None:
+                if not await self._send_plan(plan):
+                    return
+                if sched.num_in_flight < self._max_in_flight:
+                    return  # plan the next step while this one runs
+        if sched.num_in_flight:
+            await self._await_result(sched)
+        elif plan is None:
+            self._work_queued = False
+            await self._wait_for_event()
 
     def _from_executor(self, event) -> bool:
         identity = event[0] if isinstance(event, tuple) else getattr(event, "identity", None)
@@ -195,18 +223,25 @@ class Engine:
         else:
             get.cancel()
 
-    async def _run_step(self, plan: StepPlan) -> None:
-        info = self.executor
-        step_log = log.bind(step=plan.step_id)
-        step_log.debug("step planned", num_new=len(plan.new_reqs),
-                       num_cached=len(plan.cached_reqs),
-                       num_scheduled_tokens=plan.num_scheduled_tokens)
+    async def _send_plan(self, plan: StepPlan) -> bool:
+        log.debug("step planned", step=plan.step_id, num_new=len(plan.new_reqs),
+                  num_cached=len(plan.cached_reqs),
+                  num_scheduled_tokens=plan.num_scheduled_tokens,
+                  num_in_flight=self.scheduler.num_in_flight)
         self._next_step_id = plan.step_id + 1
+        overlapped = self.scheduler.num_in_flight > 1
+        self.num_overlapped_steps += overlapped
+        self._idle_counts[plan.step_id] = self._work_queued or overlapped
         try:
-            await self.channel.send(info.identity, plan)
+            await self.channel.send(self.executor.identity, plan)
+            return True
         except zmq.ZMQError as e:
             await self._lose_executor(f"sending step {plan.step_id} failed: {e}")
-            return
+            return False
+
+    async def _await_result(self, sched: Scheduler) -> None:
+        """Wait for the oldest plan's result (the executor answers in order) and apply it."""
+        info, plan = self.executor, sched.oldest_in_flight()
         deadline = time.monotonic() + self.config.executor_timeout_s
         while (remaining := deadline - time.monotonic()) > 0:
             try:
@@ -216,11 +251,11 @@ class Engine:
             match event:
                 case (identity, StepResult(step_id=plan.step_id) as result) \
                         if identity == info.identity:
-                    self.stats.record_step(plan.num_scheduled_tokens, len(result.sampled))
-                    self.outputs.process(self.scheduler.update(result))
+                    self._apply_result(sched, plan, result)
                     return
                 case (identity, ExecutorError(step_id=plan.step_id) as error) \
                         if identity == info.identity:
+                    self._idle_counts.pop(plan.step_id, None)
                     self._fail_step(plan, error.message)
                     return
             await self._handle(event)
@@ -230,6 +265,16 @@ class Engine:
                                   f"{self.config.executor_timeout_s:g}s")
         # If it ever wakes up: drop its state and say Hello again.
         await self._send_quietly(info.identity, Reject(UNKNOWN_EXECUTOR, retry=True))
+
+    def _apply_result(self, sched: Scheduler, plan: StepPlan, result: StepResult) -> None:
+        start = time.perf_counter()
+        self.outputs.process(sched.update(result))
+        self._work_queued = sched.has_unfinished()
+        self.stats.record_step(plan.num_scheduled_tokens, len(result.sampled),
+                               result.execute_time_s,
+                               result.idle_time_s if self._idle_counts.pop(plan.step_id, False)
+                               else 0.0,
+                               time.perf_counter() - start)
 
     async def _handle(self, event) -> None:
         """Any channel event other than the in-flight step's answer."""
@@ -252,7 +297,7 @@ class Engine:
 
     def _fail_step(self, plan: StepPlan, message: str) -> None:
         log.error("executor failed a step", step=plan.step_id, error=message)
-        failed = self.scheduler.fail_requests(self.scheduler.abandon_in_flight())
+        failed = self.scheduler.fail_requests(self.scheduler.abandon_oldest())
         error = ExecutorFailed(f"the executor failed step {plan.step_id}: {message}")
         for client in self.registry.clients_of(r.req_id for r in failed):
             self._end_client(client, error)

@@ -71,8 +71,12 @@ def cached_prefix(bm: BlockManager, req: Request) -> list[int]:
 
 
 def cache_computed_blocks(bm: BlockManager, req: Request) -> None:
-    """Offer `req`'s full, computed blocks to the cache (after the step that wrote them)."""
-    num_full = req.num_computed_tokens // bm.block_size
+    """Offer `req`'s full, computed blocks to the cache (after the step that wrote them).
+
+    Under overlapped scheduling num_computed_tokens may count a position whose token is still
+    in flight; only blocks of known tokens get a key. A block keyed here may still be written
+    by the step in flight, but any plan that reuses it runs after that step."""
+    num_full = min(req.num_computed_tokens, req.num_tokens) // bm.block_size
     if num_full <= bm.num_offered(req.req_id):
         return  # no block filled up since the last offer (most decode steps): nothing to key
     bm.cache_blocks(req.req_id, request_block_keys(req, req.num_computed_tokens,

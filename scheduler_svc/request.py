@@ -91,6 +91,10 @@ class Request:
     group: object | None = None
     index: int = 0
     pending_token_ids: list[int] = field(default_factory=list)
+    # Overlapped scheduling: steps in flight that will sample a token for this request, whose
+    # ids the scheduler does not know yet. num_tokens counts known tokens only; the next plan
+    # schedules from num_tokens + num_placeholders (scheduler.py, "Overlap").
+    num_placeholders: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

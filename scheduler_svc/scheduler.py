@@ -18,7 +18,23 @@ of steps, makes every state transition (queues, statuses, block tables, what the
 holds). `preemption.py` and the sequence groups only return decisions, which it applies. A Scheduler serves one executor connection; what outlives the connection (every
 client's request and the tokens streamed so far) is in `registry.py`.
 
-Invariants between plans (one plan is in flight at a time):
+Overlap. The engine plans step N+1 while the executor runs step N: `schedule()` may be called
+with one plan in flight (never two). A request that samples in a step in flight holds a
+*placeholder* per such step (`Request.num_placeholders`): its token is not known yet, but the
+executor appends it to its own copy, so the next plan schedules the request's next position as
+if the token were there. `update()` turns the oldest placeholder into the real token; a token
+computed past a stop is discarded (the request is gone by then). With a plan in flight,
+`schedule()` returns None instead of a plan, and the engine falls back to lockstep (waits for
+the result, then schedules), when the plan would
+- preempt (blocks run short): victims are only chosen with nothing in flight, so a preempted
+  request never has a token in flight, and swap/recompute see settled state;
+- serve a beam search: beams choose their next tokens from each step's logprobs;
+and it swaps nothing in right after a plan that swapped out. Decodes never go past max_tokens
+or max_model_len counting placeholders. Requests sent as NewRequest (admitted, resumed, forked)
+have no placeholder. The executor runs plans in order, so a block freed (or offered to the
+prefix cache) while a step is in flight is only reused by a later step.
+
+Invariants between plans (at most two plans are in flight):
 - `running` and `swapped` are sorted by arrival (oldest first); `waiting` is FCFS with
   recompute-preempted requests put back at the front.
 - a running request has a GPU block table covering its computed tokens, a swapped one a CPU
@@ -49,10 +65,12 @@ from protos.plan import CachedRequest, NewRequest, StepPlan, StepResult
 from scheduler_svc.preemption import preemption_mode, swap_in_fits
 from scheduler_svc.prefix_cache import cache_computed_blocks, cached_prefix
 from scheduler_svc.request import Request, RequestStatus
-from scheduler_svc.scheduler_state import SchedulerState
+from scheduler_svc.scheduler_state import InFlight, SchedulerState
 from scheduler_svc.sequence_group import BeamGroup, num_seq_slots
 
 log = structlog.get_logger("folio.scheduler.scheduler")
+
+MAX_IN_FLIGHT = 2  # the plan the executor runs and the one planned meanwhile
 
 
 class StepOutput(NamedTuple):
@@ -85,18 +103,24 @@ class Scheduler(SchedulerState):
     # ---- one step --------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
-        """The next step's plan, or None when nothing can be scheduled."""
-        assert self._in_flight is None, "schedule() called with a plan still in flight"
+        """The next step's plan, or None when nothing can be scheduled now (with a plan in
+        flight: also when this step must wait for its result, see "Overlap")."""
+        assert len(self._in_flight) < MAX_IN_FLIGHT, "schedule() with two plans in flight"
+        overlapping = bool(self._in_flight)
+        if overlapping and self.has_beam_search():
+            return None
         step = _Step(budget=self.max_num_batched_tokens)
         # 1-2. Running requests get their tokens: decodes first, then prompt chunks.
         wants = self._budget_running(step)
+        if overlapping and self._num_blocks_needed(wants) > self.block_manager.num_free_blocks:
+            return None  # someone must be preempted: only with nothing in flight
         # 3. Blocks for them, preempting the newest running requests if need be.
         wants = self._make_room(wants, step)
         for req, num_new in wants:
             self._schedule_running(req, num_new, step)
         # 4-5. Only if nobody had to make room: swapped requests, then waiting ones.
         step.num_seq_slots = num_seq_slots(self.running)
-        if not step.preempted:
+        if not step.preempted and not (overlapping and self._in_flight[-1].plan.swap_out):
             self._resume_swapped(step)
         if not step.preempted and not self.swapped:
             self._admit_waiting(step)
@@ -111,15 +135,14 @@ class Scheduler(SchedulerState):
         self._reset_executor = False
         self._pending_finished_ids, self._pending_preempted_ids = [], []
         self._next_step_id += 1
-        self._in_flight, self._in_flight_swapped_out = plan, step.swapped_out
+        self._in_flight.append(InFlight(plan, step.swapped_out))
         return plan
 
     def update(self, result: StepResult) -> list[StepOutput]:
-        """Apply the in-flight plan's sampled tokens; finish requests that hit a stop."""
-        plan = self._in_flight
-        assert plan is not None and plan.step_id == result.step_id, \
-            f"result for step {result.step_id} does not match the plan in flight"
-        self._in_flight, self._in_flight_swapped_out = None, []
+        """Apply the oldest in-flight plan's sampled tokens; finish requests that hit a stop."""
+        assert self._in_flight and self._in_flight[0].plan.step_id == result.step_id, \
+            f"result for step {result.step_id} does not match the oldest plan in flight"
+        plan = self._in_flight.popleft().plan
         self.num_steps += 1
         if self.enable_prefix_caching:
             # The step wrote its blocks: full ones become reusable, before anything is freed.
@@ -132,14 +155,17 @@ class Scheduler(SchedulerState):
         for req_id, token_ids in result.sampled:
             req = self.requests.get(req_id)
             if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # mid-prompt: the executor must not sample (protocol), ignore it
+                continue  # finished or aborted while the step ran: a token past its end
             if req.group is not None and req not in req.group.outputs:
+                if req.num_computed_tokens < req.num_tokens:
+                    continue  # mid-prompt: the executor must not sample (protocol)
                 # A parallel-sampling parent or a beam: its draw is no client's token.
                 outputs += [StepOutput(r, list(r.output_token_ids), True)
                             for r in self._on_hidden_sample(req, logprobs.get(req_id))]
                 continue
+            if req.num_placeholders == 0:
+                continue  # no step in flight samples for it: the executor must not (protocol)
+            req.num_placeholders -= 1
             new_token_ids: list[int] = []
             finished = False
             for token_id in token_ids:
@@ -155,20 +181,29 @@ class Scheduler(SchedulerState):
                 self.groups.pop(req.group.req_id, None)
         return outputs
 
-    def abandon_in_flight(self) -> list[str]:
-        """The in-flight step failed: forget it and return the ids it scheduled."""
-        plan, self._in_flight = self._in_flight, None
-        if plan is None:
+    def abandon_oldest(self) -> list[str]:
+        """The oldest in-flight step failed: forget it and return the ids it scheduled (the
+        caller fails them). A plan still in flight behind it stays: the executor skips the
+        failed requests in it (executor_svc/worker.py)."""
+        if not self._in_flight:
             return []
+        failed = self._in_flight.popleft()
         # Requests it swapped out may have no KV on the CPU: they start over by recompute.
-        for req in self._in_flight_swapped_out:
+        for req in failed.swapped_out:
             if req.status is RequestStatus.SWAPPED:
                 self.swapped.remove(req)
                 self.block_manager.free(req.req_id)
                 req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
                 self.waiting.appendleft(req)
-        self._in_flight_swapped_out = []
+        plan = failed.plan
         return [r.req_id for r in plan.new_reqs] + [r.req_id for r in plan.cached_reqs]
+
+    def abandon_in_flight(self) -> list[str]:
+        """Forget every plan in flight; returns the ids they scheduled."""
+        req_ids: list[str] = []
+        while self._in_flight:
+            req_ids += self.abandon_oldest()
+        return list(dict.fromkeys(req_ids))
 
     # ---- the phases of schedule() ----------------------------------------------------------
 
@@ -177,7 +212,12 @@ class Scheduler(SchedulerState):
         decodes: list[tuple[Request, int]] = []
         prefills: list[tuple[Request, int]] = []
         for req in self.running:  # one pass: it runs every step over every running request
-            num_lacking = req.num_tokens - req.num_computed_tokens
+            num_placeholders = req.num_placeholders
+            num_lacking = req.num_tokens + num_placeholders - req.num_computed_tokens
+            if num_placeholders and (
+                    len(req.output_token_ids) + num_placeholders >= req.max_tokens
+                    or req.num_tokens + num_placeholders >= self.max_model_len):
+                continue  # the token in flight is its last: nothing to compute after it
             if num_lacking == 1:
                 decodes.append((req, 1))
             elif num_lacking > 1:
@@ -196,8 +236,7 @@ class Scheduler(SchedulerState):
         """Preempt the newest running requests until the blocks `wants` need are free; returns
         the wants of the requests still running."""
         bm = self.block_manager
-        while sum(bm.num_blocks_needed(r.req_id, r.num_computed_tokens + n)
-                  for r, n in wants) > bm.num_free_blocks:
+        while self._num_blocks_needed(wants) > bm.num_free_blocks:
             self._preempt(self.running[-1], step)  # non-empty: wants holds running requests
             # Not just the victim: preempting a beam ends all beams of its search.
             wants = [(r, n) for r, n in wants if r.status is RequestStatus.RUNNING]
@@ -296,7 +335,13 @@ class Scheduler(SchedulerState):
 
     # ---- helpers ---------------------------------------------------------------------------
 
+    def _num_blocks_needed(self, wants: list[tuple[Request, int]]) -> int:
+        bm = self.block_manager
+        return sum(bm.num_blocks_needed(r.req_id, r.num_computed_tokens + n) for r, n in wants)
+
     def _new_request(self, req: Request, num_new: int) -> NewRequest:
+        # The executor's copy is replaced by the known tokens: nothing may be in flight for it.
+        assert req.num_placeholders == 0, f"{req.req_id} re-sent with a token in flight"
         self._executor_req_ids.add(req.req_id)
         req.pending_token_ids = []  # all_token_ids carries them
         return NewRequest(req.req_id, req.all_token_ids, req.sampling,
@@ -310,13 +355,17 @@ class Scheduler(SchedulerState):
             step.num_seq_slots + num_seq_slots([req]) <= self.max_num_seqs
 
     def _advance(self, req: Request, num_new: int) -> None:
-        # Tokens count as computed once scheduled: only one plan is in flight, and a failed
-        # step fails its requests, so the count never has to roll back.
+        # Tokens count as computed once scheduled: the executor runs plans in order, and a
+        # failed step fails its requests, so the count never has to roll back.
         assert num_new >= 1
         if req.num_computed_tokens < len(req.prompt_token_ids):  # a prompt chunk
             prompt_end = min(req.num_computed_tokens + num_new, len(req.prompt_token_ids))
             self.num_prompt_tokens += prompt_end - req.num_computed_tokens
         req.num_computed_tokens += num_new
+        if (req.num_computed_tokens == req.num_tokens + req.num_placeholders
+                and req.sampling.append_sampled
+                and (req.group is None or req in req.group.outputs)):
+            req.num_placeholders += 1  # it samples this step; the executor appends the token
 
     def _stop_status(self, req: Request, token_id: int) -> RequestStatus | None:
         if not req.ignore_eos and token_id in req.eos_token_ids:

@@ -10,12 +10,21 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from dataclasses import dataclass, field
 
 from protos.plan import StepPlan
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import PREEMPTION_MODES
 from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.sequence_group import BeamGroup, ParallelGroup, SequenceGroup
+
+
+@dataclass
+class InFlight:
+    """A plan sent to the executor whose result has not been applied yet."""
+
+    plan: StepPlan
+    swapped_out: list[Request] = field(default_factory=list)  # victims of its swap_out
 
 
 class SchedulerState:
@@ -40,8 +49,8 @@ class SchedulerState:
         self._pending_preempted_ids: list[str] = []
         self._next_step_id = first_step_id
         self._reset_executor = reset_executor  # the first plan tells the executor to drop all
-        self._in_flight: StepPlan | None = None
-        self._in_flight_swapped_out: list[Request] = []
+        # Oldest first; at most two (overlapped scheduling, scheduler.py "Overlap").
+        self._in_flight: deque[InFlight] = deque()
         # Counters for stats.
         self.num_preemptions = 0
         self.num_swap_outs = 0  # preemptions by swap (the rest recomputed)
@@ -98,9 +107,20 @@ class SchedulerState:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def has_beam_search(self) -> bool:
+        return any(isinstance(g, BeamGroup) for g in self.groups.values())
+
     @property
     def next_step_id(self) -> int:
         return self._next_step_id
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def oldest_in_flight(self) -> StepPlan | None:
+        """The plan whose result comes next (the executor runs plans in order)."""
+        return self._in_flight[0].plan if self._in_flight else None
     # ---- transitions shared by the phases of a step ------------------------------------------
 
     def _start_running(self, req: Request) -> None:

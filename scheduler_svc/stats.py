@@ -46,17 +46,33 @@ def retire_counters(past_totals: dict[str, int], scheduler: Scheduler) -> None:
 
 
 class StatsLogger:
+    """The periodic INFO line, and the step time totals of ServerStats (`step_times`):
+    executor busy (running steps), executor idle (waiting for the next plan while work was
+    queued) and scheduler busy (planning steps and applying results), in seconds."""
+
     def __init__(self, interval_s: float):
         self.interval_s = interval_s
         self._last_log = time.monotonic()
         self._num_tokens = 0  # scheduled (prefill + decode) since the last line
         self._num_sampled = 0
         self._num_steps = 0
+        self._busy_s = self._idle_s = 0.0  # executor, since the last line
+        self.executor_busy_s = self.executor_idle_s = self.scheduler_busy_s = 0.0  # totals
 
-    def record_step(self, num_scheduled_tokens: int, num_sampled: int) -> None:
+    def record_step(self, num_scheduled_tokens: int, num_sampled: int, busy_s: float = 0.0,
+                    idle_s: float = 0.0, scheduler_s: float = 0.0) -> None:
         self._num_tokens += num_scheduled_tokens
         self._num_sampled += num_sampled
         self._num_steps += 1
+        self._busy_s += busy_s
+        self._idle_s += idle_s
+        self.executor_busy_s += busy_s
+        self.executor_idle_s += idle_s
+        self.scheduler_busy_s += scheduler_s
+
+    def step_times(self) -> dict[str, float]:
+        return dict(executor_busy_s=self.executor_busy_s, executor_idle_s=self.executor_idle_s,
+                    scheduler_busy_s=self.scheduler_busy_s)
 
     def maybe_log_server(self, stats: dict[str, int | bool]) -> None:
         """`maybe_log` from the ServerStats fields (`server_stats`)."""
@@ -81,6 +97,9 @@ class StatsLogger:
                      prefix_cache_hit_rate=round(prefix_cache_hit_rate, 3),
                      num_steps=self._num_steps,
                      tokens_per_s=round(self._num_tokens / elapsed, 1),
-                     generated_tokens_per_s=round(self._num_sampled / elapsed, 1))
+                     generated_tokens_per_s=round(self._num_sampled / elapsed, 1),
+                     executor_idle_fraction=round(
+                         self._idle_s / (self._idle_s + self._busy_s or 1.0), 3))
         self._last_log = now
         self._num_tokens = self._num_sampled = self._num_steps = 0
+        self._busy_s = self._idle_s = 0.0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from protos.channel import ExecutorEnd, SchedulerLost
 from protos.channel_keys import ChannelKeys
@@ -62,9 +62,15 @@ class PlanMirror:
     cpu: dict[int, list[Slot]] = field(default_factory=dict)
     num_swapped_out: int = 0  # blocks moved to the CPU pool so far
     num_copied: int = 0
+    failed_req_ids: set[str] = field(default_factory=set)  # of the last step, if it failed
 
     def apply(self, plan: StepPlan) -> StepResult:
         self.num_plans += 1
+        # Like the real executor: the plan queued behind a failed step skips its requests.
+        failed, self.failed_req_ids = self.failed_req_ids, set()
+        if failed and not plan.reset:
+            plan = replace(plan, new_reqs=[r for r in plan.new_reqs if r.req_id not in failed],
+                           cached_reqs=[r for r in plan.cached_reqs if r.req_id not in failed])
         if plan.reset:  # the scheduler rebuilt its state: whatever the executor held is gone
             self.reqs.clear()
         for req_id in plan.finished_req_ids + plan.preempted_req_ids:
@@ -157,6 +163,7 @@ class PlanMirror:
             self.reqs.pop(req_id, None)
         for req in plan.new_reqs + plan.cached_reqs:
             self.reqs.pop(req.req_id, None)
+        self.failed_req_ids = {r.req_id for r in plan.new_reqs + plan.cached_reqs}
         return ExecutorError(plan.step_id, "simulated CUDA error")
 
 

@@ -8,10 +8,14 @@
    abort) on pools small enough to force preemption, with every preemption mode and prefix
    caching on or off: every plan passes the KV-simulating PlanMirror, the invariants hold,
    every request finishes within a bounded number of steps with the same tokens as an
-   uninterrupted run, and when all have ended no block is held or leaked.
+   uninterrupted run, and when all have ended no block is held or leaked. The same workloads
+   run overlapped too (a plan scheduled while the previous one's result is outstanding, as
+   the engine does), against the same oracle.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -156,10 +160,11 @@ op = st.one_of(
 @given(ops=st.lists(op, min_size=8, max_size=50), num_blocks=st.integers(3, 10),
        bs=st.sampled_from([2, 4]),
        num_cpu_blocks=st.integers(0, 8), mode=st.sampled_from(["auto", "recompute", "swap"]),
-       caching=st.booleans(), max_num_seqs=st.integers(2, 4), extra_budget=st.integers(0, 12))
+       caching=st.booleans(), max_num_seqs=st.integers(2, 4), extra_budget=st.integers(0, 12),
+       overlap=st.booleans())
 def test_random_workloads_finish_exactly_and_leak_nothing(ops, num_blocks, bs, num_cpu_blocks,
                                                           mode, caching, max_num_seqs,
-                                                          extra_budget):
+                                                          extra_budget, overlap):
     max_model_len = num_blocks * bs  # every request fits the pool alone
     sched = Scheduler(BlockManager(num_blocks, bs, num_cpu_blocks), max_num_seqs,
                       max_num_seqs + extra_budget, max_model_len,
@@ -168,11 +173,18 @@ def test_random_workloads_finish_exactly_and_leak_nothing(ops, num_blocks, bs, n
     reqs: list[Request] = []
     aborted: set[str] = set()
 
+    depth = 2 if overlap else 1
+    in_flight: deque = deque()  # results the executor produced, not yet applied
+
     def one_step() -> None:
-        plan = sched.schedule()
-        assert plan is not None, "unfinished requests but nothing schedulable"
-        assert plan.num_scheduled_tokens <= sched.max_num_batched_tokens
-        sched.update(mirror.apply(plan))
+        plan = sched.schedule() if sched.has_unfinished() and len(in_flight) < depth else None
+        if plan is None:
+            assert in_flight, "unfinished requests but nothing schedulable"
+        else:
+            assert plan.num_scheduled_tokens <= sched.max_num_batched_tokens
+            in_flight.append(mirror.apply(plan))  # the executor runs plans in order
+        if plan is None or len(in_flight) == depth:
+            sched.update(in_flight.popleft())
         sched.block_manager.check_invariants()
 
     for o in ops:
@@ -186,7 +198,7 @@ def test_random_workloads_finish_exactly_and_leak_nothing(ops, num_blocks, bs, n
                           eos_token_ids=frozenset({EOS}))
             reqs.append(req)
             sched.add_request(req)
-        elif o[0] == "step" and sched.has_unfinished():
+        elif o[0] == "step" and (sched.has_unfinished() or in_flight):
             one_step()
         elif o[0] == "abort" and reqs:
             req = reqs[o[1] % len(reqs)]
@@ -194,7 +206,7 @@ def test_random_workloads_finish_exactly_and_leak_nothing(ops, num_blocks, bs, n
                 aborted.add(req.req_id)
     bound = 10 * sum(r.num_prompt_tokens + r.max_tokens for r in reqs) + 10
     num_steps = 0
-    while sched.has_unfinished():
+    while sched.has_unfinished() or in_flight:
         assert num_steps < bound, "a request waits forever"
         one_step()
         num_steps += 1

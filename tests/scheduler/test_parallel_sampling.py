@@ -7,6 +7,8 @@ Every plan runs through `KVMirror`, which checks that each sequence reads only i
 
 from __future__ import annotations
 
+from collections import deque
+
 from protos.plan import SamplingSpec
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.request import Request, RequestStatus
@@ -39,17 +41,28 @@ def make_group(req_id: str, num_prompt: int, n: int, arrival: int = 0, max_token
                          SamplingSpec(temperature=temperature, seed=seed), new_request)
 
 
-def run(sched: Scheduler, mirror: KVMirror, max_steps: int = 300, on_step=None):
-    """Step until nothing is unfinished; returns {(req_id, index): tokens} and the plans."""
+def run(sched: Scheduler, mirror: KVMirror, max_steps: int = 300, on_step=None,
+        overlap: bool = False):
+    """Step until nothing is unfinished; returns {(req_id, index): tokens} and the plans.
+    With `overlap`, each plan is made while the previous one's result is still out (as the
+    engine does), and the result is applied after."""
     tokens: dict[tuple[str, int], list[int]] = {}
     finished: dict[tuple[str, int], RequestStatus] = {}
     plans = []
-    while sched.has_unfinished():
+    in_flight: deque = deque()  # results made by the executor, not applied yet
+    depth = 2 if overlap else 1
+    while sched.has_unfinished() or in_flight:
         assert len(plans) < max_steps, "requests never finished"
-        plan = sched.schedule()
-        assert plan is not None and plan.num_scheduled_tokens <= sched.max_num_batched_tokens
-        plans.append(plan)
-        for out in sched.update(mirror.apply(plan)):
+        plan = sched.schedule() if sched.has_unfinished() and len(in_flight) < depth else None
+        if plan is None:
+            assert in_flight, "unfinished requests but nothing schedulable"
+        else:
+            assert plan.num_scheduled_tokens <= sched.max_num_batched_tokens
+            plans.append(plan)
+            in_flight.append(mirror.apply(plan))
+        if plan is not None and len(in_flight) < depth:
+            continue
+        for out in sched.update(in_flight.popleft()):
             key = (out.req.group.req_id if out.req.group else out.req.req_id, out.req.index)
             assert key not in finished, f"{key} got output after it finished"
             tokens.setdefault(key, []).extend(out.new_token_ids)
