@@ -6,13 +6,35 @@ from __future__ import annotations
 from dataclasses import replace
 
 from protos.plan import SamplingSpec
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.errors import DuplicateRequest, FolioError, Overloaded
 from scheduler_svc.handshake import ExecutorInfo
 from scheduler_svc.inputs import check_beam_fits, check_for_executor
-from scheduler_svc.registry import ClientRequest, SequenceOutput
-from scheduler_svc.request import Request
+from scheduler_svc.registry import ClientRequest, Registry, SequenceOutput
+from scheduler_svc.request import Request, SubmitParams
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence_group import BeamGroup, ParallelGroup
 from scheduler_svc.sequence_params import sequence_seed
+from scheduler_svc.tokenizer import Tokenizer
+
+MAX_WAITING_REQUESTS = 65536  # beyond this, new requests get RESOURCE_EXHAUSTED
+
+
+def submit_request(sched: Scheduler, registry: Registry, params: SubmitParams,
+                   info: ExecutorInfo, tokenizer: Tokenizer, arrival: int) -> ClientRequest:
+    """A new client request, checked against the executor and queued on `sched` (the caller
+    adds it to the registry). Raises a FolioError the client can act on."""
+    max_tokens = check_for_executor(params, info.vocab_size, info.max_model_len)
+    if params.req_id in registry:
+        raise DuplicateRequest(f"request_id {params.req_id!r} is already in use by a "
+                               "waiting or running request; pick another or leave it empty")
+    if len(sched.waiting) >= MAX_WAITING_REQUESTS:
+        raise Overloaded(f"{len(sched.waiting)} requests are already waiting; retry later")
+    client = ClientRequest(params.req_id, params, max_tokens, arrival,
+                           [SequenceOutput(i, IncrementalDetokenizer(tokenizer))
+                            for i in range(params.sequence.n)])
+    admit(sched, client, info, tokenizer.eos_token_ids)
+    return client
 
 
 def admit(sched: Scheduler, client: ClientRequest, info: ExecutorInfo,
@@ -62,3 +84,22 @@ def admit(sched: Scheduler, client: ClientRequest, info: ExecutorInfo,
         sched.add_request(req)
     return no_room
 
+
+
+def readmit_all(sched: Scheduler, registry: Registry, info: ExecutorInfo,
+                eos_token_ids: frozenset[int]
+                ) -> tuple[list[tuple[ClientRequest, FolioError]],
+                           list[tuple[ClientRequest, SequenceOutput]]]:
+    """Queue every unfinished request of `registry` on a new Scheduler, in arrival order.
+    Returns (requests that cannot run on this executor, with why; sequences with no room
+    left): the caller ends the first with an error and the second with LENGTH."""
+    refused, no_room = [], []
+    for client in registry:
+        if client.suspended_at is not None:
+            client.suspended_at = None
+            client.num_resumes += 1
+        try:
+            no_room += [(client, seq) for seq in admit(sched, client, info, eos_token_ids)]
+        except FolioError as e:
+            refused.append((client, e))
+    return refused, no_room

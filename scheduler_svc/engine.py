@@ -1,9 +1,6 @@
 """The engine loop: executor connections, then schedule -> plan -> result -> outputs, forever.
-
-Overlapped scheduling (on unless --no-overlap-scheduling): after sending plan N the loop plans
-and sends N+1 at once, then waits for N's result, so the executor finds its next plan queued
-when a step ends. Where the Scheduler cannot plan ahead (a preemption, a beam search; see
-scheduler.py "Overlap") it returns no plan and the loop waits for the result first (lockstep).
+With overlapped scheduling (scheduler.py "Overlap") the loop sends plan N+1 before it waits for
+step N's result; where the Scheduler cannot plan ahead it returns no plan (lockstep).
 
 One asyncio task runs the loop; gRPC handlers call `submit`/`abort` from the same event loop,
 so no locks are needed. A reader task (`channel_reader.py`) moves every channel event into
@@ -33,7 +30,6 @@ import zmq
 
 from protos.channel import PeerLost, SchedulerEnd
 from protos.plan import (
-    PROTOCOL_VERSION,
     ExecutorError,
     Hello,
     Message,
@@ -41,24 +37,19 @@ from protos.plan import (
     Shutdown,
     StepPlan,
     StepResult,
-    Welcome,
 )
-from scheduler_svc.admission import admit
+from scheduler_svc.admission import readmit_all, submit_request
 from scheduler_svc.channel_reader import ChannelReader
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.errors import (
-    DuplicateRequest,
     ExecutorFailed,
     ExecutorUnavailable,
     FolioError,
-    Overloaded,
 )
-from scheduler_svc.handshake import ExecutorInfo, check_hello, log_connected, new_scheduler
-from scheduler_svc.inputs import check_for_executor
+from scheduler_svc.handshake import ExecutorInfo, answer_hello, log_connected, new_scheduler
 from scheduler_svc.log_limit import LogLimiter
 from scheduler_svc.output_processor import OutputProcessor
-from scheduler_svc.registry import ClientRequest, Registry, SequenceOutput
+from scheduler_svc.registry import ClientRequest, Registry
 from scheduler_svc.request import RequestStatus, SubmitParams
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.stats import COUNTERS, StatsLogger, retire_counters, server_stats
@@ -66,11 +57,8 @@ from scheduler_svc.tokenizer import Tokenizer
 
 log = structlog.get_logger("folio.scheduler.engine")
 
-MAX_WAITING_REQUESTS = 65536  # beyond this, new requests get RESOURCE_EXHAUSTED
 NO_EXECUTOR = ("no executor connected; start one with `python -m executor_svc --model DIR "
                "--scheduler-address ADDR`, or wait until it has loaded the model")
-ANOTHER_EXECUTOR = ("another executor is connected to this scheduler; this one is refused "
-                    "while it serves (it will be welcomed if that one is lost)")
 UNKNOWN_EXECUTOR = "this scheduler has no handshake with this connection; send Hello"
 
 # (connected, reason) -> None: health, and the supervisor of a spawned executor.
@@ -96,11 +84,6 @@ class Engine:
         self._next_arrival = 0
         self._next_step_id = 0
         self._max_in_flight = 2 if config.overlap_scheduling else 1
-        # Whether the executor had work queued when it finished the last step: its wait for
-        # the next plan counts as idle time only then (not while the server had nothing to do).
-        self._work_queued = False
-        self._idle_counts: dict[int, bool] = {}  # step id -> count its idle time
-        self.num_overlapped_steps = 0  # plans sent while the previous one was still running
         self.stats = StatsLogger(config.stats_interval_s)
         self._warn = LogLimiter(log)
         self._reader = ChannelReader(channel, self._from_executor, self._warn)
@@ -115,25 +98,14 @@ class Engine:
         The returned request's `queue` receives its stream's messages."""
         if self.scheduler is None or self.executor is None:
             raise ExecutorUnavailable(NO_EXECUTOR)
-        max_tokens = check_for_executor(params, self.executor.vocab_size,
-                                        self.executor.max_model_len)
-        if params.req_id in self.registry:
-            raise DuplicateRequest(f"request_id {params.req_id!r} is already in use by a "
-                                   "waiting or running request; pick another or leave it empty")
-        if len(self.scheduler.waiting) >= MAX_WAITING_REQUESTS:
-            raise Overloaded(f"{len(self.scheduler.waiting)} requests are already waiting; "
-                             "retry later")
-        client = ClientRequest(
-            params.req_id, params, max_tokens, self._next_arrival,
-            [SequenceOutput(i, IncrementalDetokenizer(self.tokenizer))
-             for i in range(params.sequence.n)])
-        admit(self.scheduler, client, self.executor, self.tokenizer.eos_token_ids)
+        client = submit_request(self.scheduler, self.registry, params, self.executor,
+                                self.tokenizer, self._next_arrival)
         self._next_arrival += 1
         self.registry.add(client)
         self._wakeup.set()
         log.debug("request queued", req_id=client.req_id, n=params.sequence.n,
                   beam_width=params.sequence.beam_width,
-                  num_prompt_tokens=len(params.prompt_token_ids), max_tokens=max_tokens)
+                  num_prompt_tokens=len(params.prompt_token_ids), max_tokens=client.max_tokens)
         return client
 
     def abort(self, req_id: str) -> bool:
@@ -201,7 +173,7 @@ class Engine:
         if sched.num_in_flight:
             await self._await_result(sched)
         elif plan is None:
-            self._work_queued = False
+            self.stats.went_idle()
             await self._wait_for_event()
 
     def _from_executor(self, event) -> bool:
@@ -229,9 +201,7 @@ class Engine:
                   num_scheduled_tokens=plan.num_scheduled_tokens,
                   num_in_flight=self.scheduler.num_in_flight)
         self._next_step_id = plan.step_id + 1
-        overlapped = self.scheduler.num_in_flight > 1
-        self.num_overlapped_steps += overlapped
-        self._idle_counts[plan.step_id] = self._work_queued or overlapped
+        self.stats.plan_sent(plan.step_id, overlapped=self.scheduler.num_in_flight > 1)
         try:
             await self.channel.send(self.executor.identity, plan)
             return True
@@ -255,7 +225,7 @@ class Engine:
                     return
                 case (identity, ExecutorError(step_id=plan.step_id) as error) \
                         if identity == info.identity:
-                    self._idle_counts.pop(plan.step_id, None)
+                    self.stats.step_failed(plan.step_id)
                     self._fail_step(plan, error.message)
                     return
             await self._handle(event)
@@ -269,12 +239,8 @@ class Engine:
     def _apply_result(self, sched: Scheduler, plan: StepPlan, result: StepResult) -> None:
         start = time.perf_counter()
         self.outputs.process(sched.update(result))
-        self._work_queued = sched.has_unfinished()
-        self.stats.record_step(plan.num_scheduled_tokens, len(result.sampled),
-                               result.execute_time_s,
-                               result.idle_time_s if self._idle_counts.pop(plan.step_id, False)
-                               else 0.0,
-                               time.perf_counter() - start)
+        self.stats.record_step(plan, result, time.perf_counter() - start,
+                               work_queued=sched.has_unfinished())
 
     async def _handle(self, event) -> None:
         """Any channel event other than the in-flight step's answer."""
@@ -314,26 +280,15 @@ class Engine:
             return False
 
     async def _handshake(self, identity: bytes, hello: Hello) -> None:
-        if self.executor is not None:
-            if identity == self.executor.identity:
-                # An executor resends Hello until answered: a copy after our Welcome is no
-                # restart (a restarted process connects anew, with a new identity).
-                if hello == self._hello:
-                    await self._send_quietly(identity, Welcome(PROTOCOL_VERSION))
-                else:
-                    self._warn.warning("ignored a changed Hello from the connected executor")
-                return
-            self._warn.warning("refused a second executor", executor_id=hello.executor_id)
-            await self._send_quietly(identity, Reject(ANOTHER_EXECUTOR, retry=True))
+        answer, note = answer_hello(self.executor, self._hello, identity, hello, self.tokenizer)
+        if note is not None:
+            final = isinstance(answer, Reject) and not answer.retry
+            (log.error if final else self._warn.warning)(note, executor_id=hello.executor_id)
+        if answer is None or not await self._send_quietly(identity, answer):
             return
-        reason = check_hello(hello, self.tokenizer)
-        if reason is not None:
-            log.error("executor rejected", executor_id=hello.executor_id, reason=reason)
-            await self._send_quietly(identity, Reject(reason))
+        if self.executor is not None or isinstance(answer, Reject):
             return
         info = ExecutorInfo.from_hello(identity, hello, self.config.max_model_len)
-        if not await self._send_quietly(identity, Welcome(PROTOCOL_VERSION)):
-            return
         self.executor, self._hello = info, hello
         self.scheduler = new_scheduler(info, hello, self.config,
                                        first_step_id=self._next_step_id)
@@ -362,23 +317,15 @@ class Engine:
 
     def _readmit_all(self) -> None:
         """Queue every unfinished request on the new Scheduler, in arrival order."""
-        num_resumed = 0
-        for client in self.registry:
-            if client.suspended_at is not None:
-                client.suspended_at = None
-                client.num_resumes += 1
-            try:
-                no_room = admit(self.scheduler, client, self.executor,
-                                self.tokenizer.eos_token_ids)
-            except FolioError as e:
-                self._end_client(client, ExecutorUnavailable(
-                    f"the request cannot resume on the new executor: {e}"))
-                continue
-            for seq in no_room:
-                self.outputs.finish(client, seq, RequestStatus.FINISHED_LENGTH)
-            num_resumed += 1
-        if num_resumed:
-            log.info("requests resumed", num_requests=num_resumed)
+        refused, no_room = readmit_all(self.scheduler, self.registry, self.executor,
+                                       self.tokenizer.eos_token_ids)
+        for client, e in refused:
+            self._end_client(client, ExecutorUnavailable(
+                f"the request cannot resume on the new executor: {e}"))
+        for client, seq in no_room:
+            self.outputs.finish(client, seq, RequestStatus.FINISHED_LENGTH)
+        if len(self.registry):
+            log.info("requests resumed", num_requests=len(self.registry))
 
     def _expire_suspended(self) -> None:
         if self.scheduler is not None:
@@ -398,23 +345,24 @@ class Engine:
         try:
             blamed = sched.abandon_in_flight() or sched.running_ids() or \
                 [r.req_id for r in list(sched.waiting)[:1]]
-            self._retire_scheduler()
             failure = ExecutorFailed(f"internal scheduler error ({type(error).__name__}: "
                                      f"{error}) while running this request; see the server log")
             for client in self.registry.clients_of(blamed):
                 self.outputs.fail(client, failure)
-            self.scheduler = new_scheduler(self.executor, self._hello, self.config,
-                                           first_step_id=self._next_step_id,
-                                           reset_executor=True)
+            self._reset_scheduler()
             self._readmit_all()
         except Exception:
             log.exception("recovering from a scheduler error failed; ending every request")
             for client in self.registry:
                 self.outputs.fail(client, ExecutorFailed("internal scheduler error; see the "
                                                          "server log"))
-            self.scheduler = new_scheduler(self.executor, self._hello, self.config,
-                                           first_step_id=self._next_step_id,
-                                           reset_executor=True)
+            self._reset_scheduler()
+
+    def _reset_scheduler(self) -> None:
+        """A new Scheduler on the same executor, whose first plan drops all it holds."""
+        self._retire_scheduler()
+        self.scheduler = new_scheduler(self.executor, self._hello, self.config,
+                                       first_step_id=self._next_step_id, reset_executor=True)
 
     async def _close(self, reason: str) -> None:
         """Shutting down: end every request with UNAVAILABLE."""
@@ -432,12 +380,11 @@ class Engine:
             await self._on_executor_change(False, reason)
 
     def _drop_from_scheduler(self, client: ClientRequest) -> None:
-        if self.scheduler is None:
-            return
-        if client.is_group:
-            self.scheduler.abort_group(client.req_id)
-        for seq in client.sequences:  # resumed group sequences run as plain requests
-            self.scheduler.abort_request(client.seq_id(seq.index))
+        if self.scheduler is not None:
+            if client.is_group:
+                self.scheduler.abort_group(client.req_id)
+            for seq in client.sequences:  # resumed group sequences run as plain requests
+                self.scheduler.abort_request(client.seq_id(seq.index))
 
     def _end_client(self, client: ClientRequest, error: FolioError) -> None:
         self._drop_from_scheduler(client)

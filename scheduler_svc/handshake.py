@@ -1,7 +1,7 @@
 """Connecting an executor: checking its Hello, the model facts the scheduler keeps from it, and
 the fresh Scheduler (with a BlockManager sized by the Hello) that serves it.
 
-`Engine._handshake` runs these steps and answers Welcome or Reject. One executor is connected at
+`answer_hello` decides the answer and `Engine._handshake` applies it. One executor is connected at
 a time: a Hello from another connection while one is connected is refused with a retryable
 Reject (it is never swapped in); once the connected one is lost, the next Hello is welcomed and
 every unfinished request resumes on it (registry.py).
@@ -13,13 +13,16 @@ from dataclasses import dataclass
 
 import structlog
 
-from protos.plan import PROTOCOL_VERSION, Hello
+from protos.plan import PROTOCOL_VERSION, Hello, Reject, Welcome
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.tokenizer import Tokenizer
 
 log = structlog.get_logger("folio.scheduler.engine")  # part of the engine's connection log
+
+ANOTHER_EXECUTOR = ("another executor is connected to this scheduler; this one is refused "
+                    "while it serves (it will be welcomed if that one is lost)")
 
 
 @dataclass(frozen=True)
@@ -99,3 +102,22 @@ def log_connected(info: ExecutorInfo, hello: Hello, config: SchedulerConfig) -> 
         log.warning("--preemption-mode swap, but the executor has no CPU swap pool: "
                     "preempted requests will be recomputed",
                     hint="start the executor with --swap-space GiB")
+
+
+def answer_hello(connected: ExecutorInfo | None, connected_hello: Hello | None,
+                 identity: bytes, hello: Hello, tokenizer: Tokenizer
+                 ) -> tuple[Welcome | Reject | None, str | None]:
+    """(answer, what to log): no answer to a changed Hello from the connected executor; a
+    Welcome with `connected` None means: connect this executor."""
+    if connected is not None:
+        if identity == connected.identity:
+            # An executor resends Hello until answered: a copy after our Welcome is no
+            # restart (a restarted process connects anew, with a new identity).
+            if hello == connected_hello:
+                return Welcome(PROTOCOL_VERSION), None
+            return None, "ignored a changed Hello from the connected executor"
+        return Reject(ANOTHER_EXECUTOR, retry=True), "refused a second executor"
+    reason = check_hello(hello, tokenizer)
+    if reason is not None:
+        return Reject(reason), f"executor rejected: {reason}"
+    return Welcome(PROTOCOL_VERSION), None

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 if TYPE_CHECKING:
+    from protos.plan import StepPlan, StepResult
     from scheduler_svc.scheduler import Scheduler
 
 log = structlog.get_logger("folio.scheduler.stats")
@@ -48,7 +49,12 @@ def retire_counters(past_totals: dict[str, int], scheduler: Scheduler) -> None:
 class StatsLogger:
     """The periodic INFO line, and the step time totals of ServerStats (`step_times`):
     executor busy (running steps), executor idle (waiting for the next plan while work was
-    queued) and scheduler busy (planning steps and applying results), in seconds."""
+    queued) and scheduler busy (planning steps and applying results), in seconds.
+
+    A step's reported idle time counts only if the executor had work queued when it finished
+    the step before: the plan went out while another was in flight (overlap), or requests
+    were unfinished when the previous result was applied. A server with nothing to do is not
+    an idle executor."""
 
     def __init__(self, interval_s: float):
         self.interval_s = interval_s
@@ -58,15 +64,32 @@ class StatsLogger:
         self._num_steps = 0
         self._busy_s = self._idle_s = 0.0  # executor, since the last line
         self.executor_busy_s = self.executor_idle_s = self.scheduler_busy_s = 0.0  # totals
+        self.num_overlapped_steps = 0  # plans sent while the previous one was still running
+        self._work_queued = False  # unfinished requests when the last result was applied
+        self._idle_counts: dict[int, bool] = {}  # step id in flight -> its idle time counts
 
-    def record_step(self, num_scheduled_tokens: int, num_sampled: int, busy_s: float = 0.0,
-                    idle_s: float = 0.0, scheduler_s: float = 0.0) -> None:
-        self._num_tokens += num_scheduled_tokens
-        self._num_sampled += num_sampled
+    def plan_sent(self, step_id: int, overlapped: bool) -> None:
+        self.num_overlapped_steps += overlapped
+        self._idle_counts[step_id] = overlapped or self._work_queued
+
+    def step_failed(self, step_id: int) -> None:
+        self._idle_counts.pop(step_id, None)
+
+    def went_idle(self) -> None:
+        self._work_queued = False
+
+    def record_step(self, plan: StepPlan, result: StepResult, scheduler_s: float,
+                    work_queued: bool) -> None:
+        """A step's result was applied (taking `scheduler_s`); `work_queued`: requests are
+        still unfinished after it."""
+        idle_s = result.idle_time_s if self._idle_counts.pop(plan.step_id, False) else 0.0
+        self._work_queued = work_queued
+        self._num_tokens += plan.num_scheduled_tokens
+        self._num_sampled += len(result.sampled)
         self._num_steps += 1
-        self._busy_s += busy_s
+        self._busy_s += result.execute_time_s
         self._idle_s += idle_s
-        self.executor_busy_s += busy_s
+        self.executor_busy_s += result.execute_time_s
         self.executor_idle_s += idle_s
         self.scheduler_busy_s += scheduler_s
 
