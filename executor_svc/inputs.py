@@ -1,76 +1,131 @@
-"""Step inputs: one flattened batch, assembled on the host and sent to the device at once.
+"""Step inputs: gathered from the persistent batch's rows, sent to the device in one copy.
 
-The per-token arithmetic runs in numpy (building these small index arrays with torch on the
-host costs several times more per step), into one int64 buffer, pinned on CUDA::
+Given the rows scheduled this step (in plan order) and how many tokens each computes, every
+array is built with numpy indexing over the rows (no per-token or per-block Python loop) into
+one host buffer, pinned on CUDA, of 8-byte-aligned typed segments::
 
-    | input_ids | positions | slot_mapping | logits_indices | seq_lens | query_start_loc | block_tables |
-      num_tokens  num_tokens  num_tokens     num_logits       num_seqs   num_seqs + 1     num_seqs*max_blocks
+    int64:   input_ids | positions | slot_mapping | logits_indices | top_k | seeded_rows | seeds
+             | token_indices | logprob_rows
+    int32:   seq_lens | query_start_loc | block_tables
+    float32: temperature | top_p
 
-That buffer crosses to the device in one asynchronous copy; the pieces are views of the device
-copy (the int32 ones converted there), so the step pays one host-to-device transfer, not seven.
+That buffer crosses to the device in one asynchronous copy and every piece is a typed view of
+the device copy, so a step pays one host-to-device transfer and the sampler reads its
+parameters from the device without another (on the CPU the "copy" is the buffer itself).
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from executor_svc.batch import BatchMetadata
+from executor_svc.input_batch import InputBatch
+from executor_svc.sampler import GREEDY_EPS, SamplingBatch
+
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 
 
-def build_inputs(token_chunks: Iterable[Sequence[int]], block_rows: Sequence[Sequence[int]],
-                 num_computed: Sequence[int], query_lens: Sequence[int],
-                 num_held: Sequence[int], block_size: int, device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor, BatchMetadata, np.ndarray]:
-    """Per sequence i: its token ids to compute (`token_chunks[i]`, query_lens[i] of them), its
-    block table, tokens already computed, and tokens held. Returns (input_ids, positions, batch
-    metadata, samples) where samples [num_seqs] bool marks the sequences that sample this step
-    (their scheduled tokens reach the end of what they hold), in logits row order."""
-    num_seqs = len(block_rows)
-    computed = np.asarray(num_computed, dtype=np.int64)  # [num_seqs]
-    q_lens = np.asarray(query_lens, dtype=np.int64)  # [num_seqs]
-    num_blocks = np.fromiter(map(len, block_rows), dtype=np.int64, count=num_seqs)
-    num_tokens, max_blocks = int(q_lens.sum()), int(num_blocks.max())
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    batch: BatchMetadata
+    sample_rows: np.ndarray  # [num_logits] int64: persistent-batch rows that sample, logits order
+    sampling: SamplingBatch  # one row per logits row
+    logprob_rows: torch.Tensor  # [num_lp] int64: logits rows that asked for top logprobs
+    logprob_rows_host: np.ndarray  # [num_lp] int64: the same, on the host
+    num_logprobs: np.ndarray  # [num_lp] int64: how many each asked for
 
-    seq_lens = computed + q_lens  # [num_seqs]
-    samples = seq_lens == np.asarray(num_held, dtype=np.int64)  # prompt done, or a decode step
-    num_logits = int(samples.sum())
-    sizes = (num_tokens, num_tokens, num_tokens, num_logits, num_seqs, num_seqs + 1,
-             num_seqs * max_blocks)
-    offsets = np.cumsum((0,) + sizes)
-    host = torch.empty(int(offsets[-1]), dtype=torch.int64, pin_memory=device.type == "cuda")
-    buf = host.numpy()
-    (input_ids, positions, slot_mapping, logits_indices, seq_lens_out, query_start_loc,
-     block_flat) = (buf[a:b] for a, b in itertools.pairwise(offsets))
 
-    input_ids[:] = np.fromiter(itertools.chain.from_iterable(token_chunks), dtype=np.int64,
-                               count=num_tokens)
-    block_tables = block_flat.reshape(num_seqs, max_blocks)  # padded with block 0
-    block_tables[:] = 0
-    block_tables[np.arange(max_blocks) < num_blocks[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(block_rows), dtype=np.int64, count=int(num_blocks.sum()))
+class _Staging:
+    """One host buffer of named typed segments, copied to the device at once."""
+
+    def __init__(self, segments: list[tuple[str, torch.dtype, int]], device: torch.device):
+        self.spans: dict[str, tuple[int, int, torch.dtype]] = {}
+        offset = 0
+        for name, dtype, count in segments:
+            nbytes = count * dtype.itemsize
+            self.spans[name] = (offset, offset + nbytes, dtype)
+            offset += -(-nbytes // 8) * 8  # keep every segment 8-byte aligned
+        self.host = torch.empty(offset, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.device = device
+        raw = self.host.numpy()
+        self.np = {name: raw[a:b].view(_NUMPY_DTYPES[dtype])
+                   for name, (a, b, dtype) in self.spans.items()}
+
+    def to_device(self) -> dict[str, torch.Tensor]:
+        dev = self.host.to(self.device, non_blocking=True)
+        return {name: dev[a:b].view(dtype) for name, (a, b, dtype) in self.spans.items()}
+
+
+def build_step_inputs(ib: InputBatch, rows: np.ndarray, query_lens: np.ndarray,
+                      device: torch.device) -> StepInputs:
+    """rows [num_seqs] int64 (distinct, held), query_lens [num_seqs] int64 >= 1: the tokens
+    ``num_computed[row] .. num_computed[row] + query_len - 1`` of each row are computed. A row
+    samples when that reaches the end of the tokens it holds (prompt done, or a decode)."""
+    num_seqs, block_size = len(rows), ib.block_size
+    computed = ib.num_computed[rows]  # [num_seqs]
+    seq_lens = computed + query_lens  # [num_seqs]
+    samples = seq_lens == ib.num_tokens[rows]  # [num_seqs] bool
+    sample_rows = rows[samples]  # [num_logits]
+    num_tokens, num_logits = int(query_lens.sum()), len(sample_rows)
+    width = int(ib.num_blocks[rows].max())  # block table columns this step
+    seeded = np.flatnonzero(ib.has_seed[sample_rows])  # [num_seeded] logits rows
+    logprob_rows = np.flatnonzero(ib.num_logprobs[sample_rows])  # [num_lp] logits rows
+    i64, i32, f32 = torch.int64, torch.int32, torch.float32
+    stage = _Staging([
+        ("input_ids", i64, num_tokens), ("positions", i64, num_tokens),
+        ("slot_mapping", i64, num_tokens), ("logits_indices", i64, num_logits),
+        ("top_k", i64, num_logits), ("seeded_rows", i64, len(seeded)),
+        ("seeds", i64, len(seeded)), ("token_indices", i64, len(seeded)),
+        ("logprob_rows", i64, len(logprob_rows)),
+        ("seq_lens", i32, num_seqs), ("query_start_loc", i32, num_seqs + 1),
+        ("block_tables", i32, num_seqs * width),
+        ("temperature", f32, num_logits), ("top_p", f32, num_logits)], device)
+    h = stage.np
+
+    query_start_loc = h["query_start_loc"]
     query_start_loc[0] = 0
-    np.cumsum(q_lens, out=query_start_loc[1:])
-    seq_idx = np.repeat(np.arange(num_seqs), q_lens)  # [num_tokens]
-    positions[:] = computed[seq_idx] + np.arange(num_tokens) - query_start_loc[seq_idx]
-    slot_mapping[:] = (block_tables[seq_idx, positions // block_size] * block_size
-                       + positions % block_size)
-    logits_indices[:] = (query_start_loc[1:] - 1)[samples]
-    seq_lens_out[:] = seq_lens
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    seq_idx = np.repeat(np.arange(num_seqs), query_lens)  # [num_tokens]
+    positions = h["positions"]
+    positions[:] = np.arange(num_tokens) - (query_start_loc[:-1] - computed)[seq_idx]
+    h["input_ids"][:] = ib.token_ids[rows[seq_idx], positions]
+    block_tables = h["block_tables"].reshape(num_seqs, width)  # padded with 0 (InputBatch)
+    np.take(ib.block_table[:, :width], rows, axis=0, out=block_tables)
+    h["slot_mapping"][:] = (block_tables[seq_idx, positions // block_size].astype(np.int64)
+                            * block_size + positions % block_size)
+    h["logits_indices"][:] = (query_start_loc[1:] - 1)[samples]
+    h["seq_lens"][:] = seq_lens
 
-    dev = host.to(device, non_blocking=True)
-    (d_input_ids, d_positions, d_slot_mapping, d_logits_indices, d_seq_lens, d_query_start_loc,
-     d_block_flat) = (dev[a:b] for a, b in itertools.pairwise(offsets))
+    temperature = h["temperature"]
+    temperature[:] = ib.temperature[sample_rows]
+    h["top_p"][:] = ib.top_p[sample_rows]
+    h["top_k"][:] = ib.top_k[sample_rows]
+    h["seeded_rows"][:] = seeded
+    h["seeds"][:] = ib.seed[sample_rows[seeded]]
+    h["token_indices"][:] = ib.num_tokens[sample_rows[seeded]]  # the sampled token's index
+    h["logprob_rows"][:] = logprob_rows
+
+    d = stage.to_device()
     batch = BatchMetadata(
-        slot_mapping=d_slot_mapping,
-        block_tables=d_block_flat.view(num_seqs, max_blocks).to(torch.int32),
-        seq_lens=d_seq_lens.to(torch.int32),
-        query_start_loc=d_query_start_loc.to(torch.int32),
-        max_query_len=int(q_lens.max()),
+        slot_mapping=d["slot_mapping"],
+        block_tables=d["block_tables"].view(num_seqs, width),
+        seq_lens=d["seq_lens"],
+        query_start_loc=d["query_start_loc"],
+        max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
-        logits_indices=d_logits_indices,
+        logits_indices=d["logits_indices"],
     )
-    return d_input_ids, d_positions, batch, samples
+    sampling = SamplingBatch(
+        temperature=d["temperature"], top_p=d["top_p"], top_k=d["top_k"],
+        seeded_rows=d["seeded_rows"], seeds=d["seeds"], token_indices=d["token_indices"],
+        all_greedy=bool((temperature < GREEDY_EPS).all()),
+        any_filter=bool((h["top_p"] < 1.0).any() or (h["top_k"] > 0).any()),
+    )
+    return StepInputs(d["input_ids"], d["positions"], batch, sample_rows, sampling,
+                      d["logprob_rows"], logprob_rows,
+                      ib.num_logprobs[sample_rows[logprob_rows]])

@@ -1,15 +1,17 @@
 """Apply a step plan to the executor's request state, move KV blocks, run the model, sample.
 
-The runner mirrors what the scheduler has told it about each request::
-
-    req_id -> RequestState(token_ids, block_ids, num_computed_tokens, sampling)
+The runner mirrors what the scheduler has told it about each request in a persistent
+``InputBatch`` (``input_batch.py``): one row per held request, updated in place from each plan's
+diff. ``runner.requests`` is that batch, read as a Mapping ``req_id -> RequestState`` (a copy);
+``requests.clear()`` (or ``reset()``) drops everything.
 
 Invariants (checked every step, a violation fails the step with a message):
-- ``num_computed_tokens + num_scheduled <= len(token_ids)`` and fits the request's blocks;
-- a request samples exactly when that sum equals ``len(token_ids)``. With
-  ``append_sampled`` (the default) the sampled id is appended, so the next decode step schedules
-  it without the scheduler resending any token ids; otherwise the scheduler picks the next token
-  (beam search) and sends it in ``CachedRequest.new_token_ids``, appended before computing.
+- ``num_computed_tokens + num_scheduled <= num_tokens`` (the tokens held) and fits the request's
+  blocks and max_model_len;
+- a request samples exactly when that sum equals ``num_tokens``. With ``append_sampled`` (the
+  default) the sampled id is appended, so the next decode step schedules it without the
+  scheduler resending any token ids; otherwise the scheduler picks the next token (beam search)
+  and sends it in ``CachedRequest.new_token_ids``, appended before computing.
 
 Order within a step, after the plan is validated and request state updated:
 ``swap_out`` (device -> CPU pool), then ``swap_in`` (CPU pool -> device), then ``block_copies``
@@ -23,16 +25,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import structlog
 import torch
 from torch import nn
 
-from executor_svc.batch import BatchMetadata
-from executor_svc.inputs import build_inputs
+from executor_svc.input_batch import InputBatch, RequestState
+from executor_svc.inputs import StepInputs, build_step_inputs
 from executor_svc.kv_cache import KVCache
-from executor_svc.sampler import SamplingBatch, sample, top_logprobs
+from executor_svc.sampler import sample, top_logprobs
 from executor_svc.swap import SwapPool
-from protos.plan import SamplingSpec, StepPlan
+from protos.plan import CachedRequest, NewRequest, SamplingSpec, StepPlan
+
+__all__ = ["ModelRunner", "PlanError", "RequestState", "Scheduled", "StepOutput"]
 
 log = structlog.get_logger(__name__)
 
@@ -41,13 +46,12 @@ class PlanError(ValueError):
     """A plan that contradicts what the executor holds (a scheduler bug, or lost state)."""
 
 
-@dataclass
-class RequestState:
-    req_id: str
-    token_ids: list[int]
-    sampling: SamplingSpec
-    block_ids: list[int]
-    num_computed_tokens: int
+@dataclass(frozen=True)
+class Scheduled:
+    """What a step computes: persistent-batch rows in plan order (new requests first)."""
+
+    rows: np.ndarray  # [num_seqs] int64, distinct
+    query_lens: np.ndarray  # [num_seqs] int64 >= 1: tokens computed this step
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,16 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.device = device
-        self.requests: dict[str, RequestState] = {}
+        self.input_batch = InputBatch(max_model_len, block_size)
+
+    @property
+    def requests(self) -> InputBatch:
+        """The held requests: ``req_id in``, ``len``, ``[req_id]`` (a copy), ``clear()``."""
+        return self.input_batch
+
+    def reset(self) -> None:
+        """Drop every request (StepPlan.reset, or a new scheduler)."""
+        self.input_batch.clear()
 
     @property
     def num_swap_blocks(self) -> int:
@@ -82,52 +95,66 @@ class ModelRunner:
         start = time.perf_counter()
         try:
             with torch.inference_mode():
-                scheduled = self._apply(plan)
+                scheduled = self.apply(plan)
                 self._move_blocks(plan)
-                sampled, logprobs = self._run(scheduled) if scheduled else ([], [])
+                sampled, logprobs = self._run(scheduled) if len(scheduled.rows) else ([], [])
         except Exception:
             for req_id in [r.req_id for r in plan.new_reqs] + [r.req_id for r in plan.cached_reqs]:
-                self.requests.pop(req_id, None)
+                self.input_batch.remove(req_id)
             raise
-        num_tokens = sum(n for _, n in scheduled)
+        num_tokens = int(scheduled.query_lens.sum())
         return StepOutput(sampled, num_tokens, time.perf_counter() - start, logprobs)
 
-    def _apply(self, plan: StepPlan) -> list[tuple[RequestState, int]]:
-        """Validate the plan and update request state from the diff; return (request,
-        num_scheduled) to compute. Nothing has moved in the KV cache yet."""
+    def apply(self, plan: StepPlan) -> Scheduled:
+        """Validate the plan and write its diff into the persistent batch; return the rows to
+        compute. Nothing has moved in the KV cache yet."""
         self._check_pairs(plan)
+        batch = self.input_batch
         for req_id in (*plan.finished_req_ids, *plan.preempted_req_ids):
-            self.requests.pop(req_id, None)
-        scheduled: list[tuple[RequestState, int]] = []
-        for new in plan.new_reqs:
-            self._check_block_ids(new.req_id, new.block_ids)
-            self._check_token_ids(new.req_id, new.token_ids)
-            self._check_sampling(new.req_id, new.sampling)
-            state = RequestState(new.req_id, list(new.token_ids), new.sampling,
-                                 list(new.block_ids), new.num_computed_tokens)
-            self.requests[new.req_id] = state  # replaces any older copy (resume after preempt)
-            scheduled.append((state, new.num_scheduled_tokens))
-        for cached in plan.cached_reqs:
-            state = self.requests.get(cached.req_id)
-            if state is None:
-                raise PlanError(f"request {cached.req_id} is not held by the executor")
-            if cached.num_computed_tokens != state.num_computed_tokens:
-                raise PlanError(
-                    f"request {cached.req_id}: scheduler counts {cached.num_computed_tokens} "
-                    f"computed tokens, executor {state.num_computed_tokens}")
+            batch.remove(req_id)
+        rows = [self._add(new) for new in plan.new_reqs]  # replaces older copies (a resume)
+        rows += [self._update(cached) for cached in plan.cached_reqs]
+        counts = [r.num_scheduled_tokens for r in plan.new_reqs]
+        counts += [r.num_scheduled_tokens for r in plan.cached_reqs]
+        row_arr = np.array(rows, dtype=np.int64)  # [num_entries]
+        count_arr = np.array(counts, dtype=np.int64)  # [num_entries]
+        self._check_scheduled(row_arr, count_arr)
+        keep = count_arr > 0
+        return Scheduled(row_arr[keep], count_arr[keep])
+
+    def _add(self, new: NewRequest) -> int:
+        self._check_block_ids(new.req_id, new.block_ids)
+        self._check_token_ids(new.req_id, new.token_ids)
+        self._check_sampling(new.req_id, new.sampling)
+        self._check_capacity(new.req_id, len(new.token_ids), len(new.block_ids))
+        return self.input_batch.add(new.req_id, new.token_ids, new.block_ids,
+                                    new.num_computed_tokens, new.sampling)
+
+    def _update(self, cached: CachedRequest) -> int:
+        batch = self.input_batch
+        row = batch.row_of.get(cached.req_id)
+        if row is None:
+            raise PlanError(f"request {cached.req_id} is not held by the executor")
+        if cached.num_computed_tokens != batch.num_computed[row]:
+            raise PlanError(
+                f"request {cached.req_id}: scheduler counts {cached.num_computed_tokens} "
+                f"computed tokens, executor {batch.num_computed[row]}")
+        if cached.new_block_ids:
             self._check_block_ids(cached.req_id, cached.new_block_ids)
-            state.block_ids.extend(cached.new_block_ids)
-            if cached.new_token_ids:
-                if state.sampling.append_sampled:
-                    raise PlanError(
-                        f"request {cached.req_id}: new_token_ids sent, but the executor appends "
-                        "this request's sampled tokens itself (append_sampled is True)")
-                self._check_token_ids(cached.req_id, cached.new_token_ids)
-                state.token_ids.extend(cached.new_token_ids)
-            scheduled.append((state, cached.num_scheduled_tokens))
-        for state, num_scheduled in scheduled:
-            self._check(state, num_scheduled)
-        return [(s, n) for s, n in scheduled if n > 0]
+            self._check_capacity(cached.req_id, int(batch.num_tokens[row]),
+                                 int(batch.num_blocks[row]) + len(cached.new_block_ids))
+            batch.append_blocks(row, cached.new_block_ids)
+        if cached.new_token_ids:
+            if batch.append_sampled[row]:
+                raise PlanError(
+                    f"request {cached.req_id}: new_token_ids sent, but the executor appends "
+                    "this request's sampled tokens itself (append_sampled is True)")
+            self._check_token_ids(cached.req_id, cached.new_token_ids)
+            self._check_capacity(cached.req_id,
+                                 int(batch.num_tokens[row]) + len(cached.new_token_ids),
+                                 int(batch.num_blocks[row]))
+            batch.append_tokens(row, cached.new_token_ids)
+        return row
 
     def _move_blocks(self, plan: StepPlan) -> None:
         """swap_out, then swap_in, then copy-on-write: the order the protocol promises."""
@@ -174,77 +201,91 @@ class ModelRunner:
             raise PlanError(f"request {req_id}: num_logprobs {sampling.num_logprobs} is outside "
                             f"0..{self.vocab_size} (the model's vocabulary)")
 
-    def _check(self, state: RequestState, num_scheduled: int) -> None:
-        end = state.num_computed_tokens + num_scheduled
-        if num_scheduled < 0 or end > len(state.token_ids):
-            hint = ("" if state.sampling.append_sampled else
+    def _check_capacity(self, req_id: str, num_tokens: int, num_blocks: int) -> None:
+        # A row holds max_model_len + 1 tokens (the last one sampled, never computed) and the
+        # blocks max_model_len tokens need.
+        batch = self.input_batch
+        if num_tokens > batch.max_num_tokens:
+            raise PlanError(f"request {req_id}: {num_tokens} tokens held exceed max_model_len "
+                            f"{self.max_model_len} (+1 sampled)")
+        if num_blocks > batch.max_num_blocks:
+            raise PlanError(f"request {req_id}: {num_blocks} blocks exceed the "
+                            f"{batch.max_num_blocks} that max_model_len {self.max_model_len} "
+                            f"needs at block size {self.block_size}")
+
+    def _check_scheduled(self, rows: np.ndarray, counts: np.ndarray) -> None:
+        """Every entry's scheduled tokens are held, fit its blocks and max_model_len; no request
+        is scheduled twice. Vectorised; the first offending entry (plan order) is reported."""
+        batch = self.input_batch
+        if len(np.unique(rows)) != len(rows):
+            seen: set[int] = set()
+            twice = next(r for r in rows.tolist() if r in seen or seen.add(r))
+            raise PlanError(f"request {batch.req_ids[twice]} appears twice in one plan")
+        computed, held = batch.num_computed[rows], batch.num_tokens[rows]  # [num_entries]
+        num_blocks = batch.num_blocks[rows]
+        end = computed + counts
+        over_tokens = (counts < 0) | (end > held)
+        over_blocks = end > num_blocks * self.block_size
+        over_len = end > self.max_model_len
+        bad = over_tokens | over_blocks | over_len
+        if not bad.any():
+            return
+        i = int(np.argmax(bad))
+        row, req_id = int(rows[i]), batch.req_ids[int(rows[i])]
+        if over_tokens[i]:
+            hint = ("" if batch.append_sampled[row] else
                     "; it does not append its samples (append_sampled is False), so the plan "
                     "must send the next tokens in new_token_ids")
-            raise PlanError(f"request {state.req_id}: {state.num_computed_tokens} computed + "
-                            f"{num_scheduled} scheduled exceeds its {len(state.token_ids)} "
-                            f"tokens{hint}")
-        if end > len(state.block_ids) * self.block_size:
-            raise PlanError(f"request {state.req_id}: {end} tokens do not fit its "
-                            f"{len(state.block_ids)} blocks of {self.block_size}")
-        if end > self.max_model_len:
-            raise PlanError(f"request {state.req_id}: {end} tokens exceed max_model_len "
-                            f"{self.max_model_len}")
+            raise PlanError(f"request {req_id}: {computed[i]} computed + {counts[i]} scheduled "
+                            f"exceeds its {held[i]} tokens{hint}")
+        if over_blocks[i]:
+            raise PlanError(f"request {req_id}: {end[i]} tokens do not fit its "
+                            f"{num_blocks[i]} blocks of {self.block_size}")
+        raise PlanError(f"request {req_id}: {end[i]} tokens exceed max_model_len "
+                        f"{self.max_model_len}")
 
-    def prepare(self, scheduled: list[tuple[RequestState, int]]
-                ) -> tuple[torch.Tensor, torch.Tensor, BatchMetadata, list[RequestState]]:
-        """Flatten the scheduled tokens into (input_ids, positions, batch metadata) on the
-        device, and list the requests that sample (in logits row order)."""
-        # Per-request loops only gather Python scalars and lists; inputs.py does the rest.
-        states = [s for s, _ in scheduled]
-        query_lens = [n for _, n in scheduled]
-        num_computed = [s.num_computed_tokens for s in states]
-        input_ids, positions, batch, samples = build_inputs(
-            (s.token_ids[c:c + n] for s, c, n in zip(states, num_computed, query_lens,
-                                                     strict=True)),
-            [s.block_ids for s in states], num_computed, query_lens,
-            [len(s.token_ids) for s in states], self.block_size, self.device)
-        sampling_reqs = [s for s, flag in zip(states, samples.tolist(), strict=True) if flag]
-        return input_ids, positions, batch, sampling_reqs
+    def prepare(self, scheduled: Scheduled) -> StepInputs:
+        """The step's flattened inputs on the device, gathered from the scheduled rows."""
+        return build_step_inputs(self.input_batch, scheduled.rows, scheduled.query_lens,
+                                 self.device)
 
-    def _run(self, scheduled: list[tuple[RequestState, int]]
+    def _run(self, scheduled: Scheduled
              ) -> tuple[list[tuple[str, list[int]]], list[tuple[str, list[int], list[float]]]]:
-        input_ids, positions, batch, sampling_reqs = self.prepare(scheduled)
-        logits = self.model(input_ids, positions, batch)  # [num_sampling, vocab]
+        inputs = self.prepare(scheduled)
+        logits = self.model(inputs.input_ids, inputs.positions, inputs.batch)  # [num_logits, vocab]
+        sample_rows = inputs.sample_rows  # [num_logits]
         sampled: list[int] = []
         logprobs: list[tuple[str, list[int], list[float]]] = []
-        if sampling_reqs:
-            sampling = SamplingBatch.from_specs(
-                [s.sampling for s in sampling_reqs],
-                [len(s.token_ids) for s in sampling_reqs], self.device)
-            sampled, logprobs = self._sample(logits, sampling, sampling_reqs)
-        for state, n in scheduled:
-            state.num_computed_tokens += n
-        for state, token_id in zip(sampling_reqs, sampled, strict=True):
-            if state.sampling.append_sampled:
-                state.token_ids.append(token_id)
-        log.debug("step computed", num_seqs=len(scheduled), num_tokens=len(input_ids),
+        if len(sample_rows):
+            sampled, logprobs = self._sample(logits, inputs)
+        batch = self.input_batch
+        batch.num_computed[scheduled.rows] += scheduled.query_lens
+        appends = batch.append_sampled[sample_rows]  # [num_logits] bool
+        batch.append_sampled_tokens(sample_rows[appends],
+                                    np.array(sampled, dtype=np.int64)[appends])
+        log.debug("step computed", num_seqs=len(scheduled.rows), num_tokens=len(inputs.input_ids),
                   num_sampled=len(sampled), num_logprobs=len(logprobs))
-        return [(s.req_id, [t]) for s, t in zip(sampling_reqs, sampled, strict=True)], logprobs
+        req_ids = [batch.req_ids[r] for r in sample_rows.tolist()]
+        return [(r, [t]) for r, t in zip(req_ids, sampled, strict=True)], logprobs
 
-    def _sample(self, logits: torch.Tensor, sampling: SamplingBatch,
-                sampling_reqs: list[RequestState]
+    def _sample(self, logits: torch.Tensor, inputs: StepInputs
                 ) -> tuple[list[int], list[tuple[str, list[int], list[float]]]]:
         """Sampled ids, plus top logprobs for the rows that ask, in the step's one host sync."""
-        sampled_ids = sample(logits, sampling)  # [num_rows]
-        lp_rows = [i for i, s in enumerate(sampling_reqs) if s.sampling.num_logprobs > 0]
-        if not lp_rows:
+        sampled_ids = sample(logits, inputs.sampling)  # [num_logits]
+        if not len(inputs.num_logprobs):
             return sampled_ids.tolist(), []
-        k = max(sampling_reqs[i].sampling.num_logprobs for i in lp_rows)
-        rows = torch.tensor(lp_rows, dtype=torch.long).to(self.device)
-        top_ids, top_lps = top_logprobs(logits, rows, k)  # [len(lp_rows), k] each
+        k = int(inputs.num_logprobs.max())
+        top_ids, top_lps = top_logprobs(logits, inputs.logprob_rows, k)  # [num_lp, k] each
         # One transfer for everything: token ids (< 2**53) and fp32 logprobs are exact in fp64.
         host = torch.cat([sampled_ids.double(), top_ids.flatten().double(),
                           top_lps.flatten().double()]).tolist()
-        num_rows, num_top = len(sampling_reqs), len(lp_rows) * k
+        num_rows, num_top = len(inputs.sample_rows), len(inputs.num_logprobs) * k
         flat_ids, flat_lps = host[num_rows:num_rows + num_top], host[num_rows + num_top:]
         logprobs = []
-        for j, row in enumerate(lp_rows):
-            state = sampling_reqs[row]
-            span = slice(j * k, j * k + state.sampling.num_logprobs)
-            logprobs.append((state.req_id, [int(t) for t in flat_ids[span]], flat_lps[span]))
+        for j, (row, n) in enumerate(zip(inputs.logprob_rows_host.tolist(),
+                                         inputs.num_logprobs.tolist(), strict=True)):
+            req_id = self.input_batch.req_ids[int(inputs.sample_rows[row])]
+            assert req_id is not None
+            span = slice(j * k, j * k + n)
+            logprobs.append((req_id, [int(t) for t in flat_ids[span]], flat_lps[span]))
         return [int(t) for t in host[:num_rows]], logprobs

@@ -1,13 +1,27 @@
 """Batched sampling: greedy, temperature, top-k, top-p, per-request seeds; top logprobs.
 
-One row of logits per request that samples this step. Greedy rows (temperature 0) take the exact
-argmax. The other rows draw with the exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)``
-picks token i with probability probs[i], so the only random input is a noise row.
+One row of logits per request that samples this step, and one batched computation for all of
+them: the only Python branches test flags the host computed from the plan (all greedy, any
+filter, how many rows are seeded), never a row's values. Greedy rows (temperature 0) take the
+exact argmax. The other rows draw with the exponential race: ``argmax(probs / E)`` with
+``E ~ Exp(1)`` per vocab entry picks token v with probability probs[v], so the only random input
+is a noise row.
 
-A seeded request's noise row comes from a generator seeded with (seed, index of the token being
-drawn). Its draws therefore depend on nothing but its own logits, seed and length: not on the
-other requests in the batch, nor on whether it was preempted and recomputed in between.
-Unseeded rows share one draw from the device's global generator.
+The random stream. A seeded row's noise is counter-based: for vocab entry v of the token at
+index i (the position the sampled token will have in its request) it is a pure function of
+(seed, i, v), computed with batched integer ops on the device (``seeded_exponentials``):
+
+    (k1, k2) = per-row keys, hashed from the seed's two 32-bit halves and i
+    x = mix32(mix32((k1 + v * 0x9E3779B9) mod 2**32) xor k2)       32 random bits
+    u = (x + 0.5) / 2**32  in (0, 1);   E = -log(u)                 in float64, then float32
+
+mix32 is a 32-bit xor-shift-multiply finaliser. The 32-bit values live in int64 tensors and
+every multiplier is below 2**31, so no product reaches 2**63: no signed overflow, and every
+right shift sees a non-negative value (torch's >> is arithmetic). A seeded request's draws
+therefore depend only on its logits, seed and token index: not on its neighbours in the batch,
+its row, the device's generator, or whether it was preempted and recomputed. Unseeded rows
+share one batched draw from the device's global generator (cheaper than the hash, and nothing
+asks them to be reproducible).
 """
 
 from __future__ import annotations
@@ -18,59 +32,98 @@ import torch
 
 from protos.plan import SamplingSpec
 
-_GREEDY_EPS = 1e-5  # temperatures below this are greedy
+GREEDY_EPS = 1e-5  # temperatures below this are greedy
+_MASK32 = 0xFFFFFFFF
+_MIX_MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)  # both < 2**31: see the docstring
+_GOLDEN32 = 0x9E3779B9  # spreads consecutive vocab ids over the 32-bit key space
+_KEY_SALTS = (0x243F6A88, 0x85A308D3)
 _MASK64 = (1 << 64) - 1
 
 
-def _seed_for(seed: int, index: int) -> int:
-    """Mix (seed, token index) into one 64-bit generator seed (splitmix64 finaliser)."""
-    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+def seed_bits(seed: int) -> int:
+    """A seed's low 64 bits as a signed int64 (seeds are any int; the API allows 0..2**63-1)."""
+    return ((seed & _MASK64) ^ (1 << 63)) - (1 << 63)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """x int64 in [0, 2**32) -> a bijective 32-bit hash of it, in place."""
+    m1, m2 = _MIX_MULTIPLIERS
+    x ^= x >> 16
+    x.mul_(m1).bitwise_and_(_MASK32)
+    x ^= x >> 15
+    x.mul_(m2).bitwise_and_(_MASK32)
+    x ^= x >> 15
+    return x
+
+
+def seeded_bits(seeds: torch.Tensor, token_indices: torch.Tensor, vocab: int) -> torch.Tensor:
+    """seeds [n] int64 (any 64-bit pattern), token_indices [n] int64 >= 0 -> [n, vocab] int64
+    in [0, 2**32): the random bits of each (seed, token index, vocab entry)."""
+    seed_lo, seed_hi = seeds & _MASK32, (seeds >> 32) & _MASK32  # [n]; & undoes the sign
+    index = token_indices & _MASK32
+    k1 = _mix32(_mix32(_mix32(seed_lo ^ _KEY_SALTS[0]) ^ seed_hi) ^ index)  # [n]
+    k2 = _mix32(_mix32(_mix32(seed_hi ^ _KEY_SALTS[1]) ^ seed_lo) ^ index)  # [n]
+    offsets = torch.arange(vocab, device=seeds.device).mul_(_GOLDEN32)  # [vocab], < 2**63
+    x = (k1[:, None] + offsets[None, :]).bitwise_and_(_MASK32)  # [n, vocab]
+    x = _mix32(x)
+    x ^= k2[:, None]
+    return _mix32(x)
+
+
+def seeded_exponentials(seeds: torch.Tensor, token_indices: torch.Tensor,
+                        vocab: int) -> torch.Tensor:
+    """[n] seeds and token indices -> Exp(1) noise [n, vocab] float32, all > 0."""
+    u = seeded_bits(seeds, token_indices, vocab).double().add_(0.5).mul_(2.0 ** -32)
+    return u.log_().neg_().float()
 
 
 @dataclass(frozen=True)
 class SamplingBatch:
+    """Sampling parameters of the rows that sample this step, already on the device."""
+
     temperature: torch.Tensor  # [num_rows] float32, 0 = greedy
     top_p: torch.Tensor  # [num_rows] float32, 1 = off
     top_k: torch.Tensor  # [num_rows] int64, 0 = off
-    seeds: list[int | None]  # per row; None = global generator
-    token_indices: list[int]  # per row: index the sampled token will have in its request
+    seeded_rows: torch.Tensor  # [num_seeded] int64, increasing: rows with their own seed
+    seeds: torch.Tensor  # [num_seeded] int64: the seeds' low 64 bits
+    token_indices: torch.Tensor  # [num_seeded] int64: index the sampled token will have
     all_greedy: bool
     any_filter: bool  # some row uses top-k or top-p
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
 
     @classmethod
     def from_specs(cls, specs: list[SamplingSpec], token_indices: list[int],
                    device: torch.device) -> SamplingBatch:
-        temperature = [s.temperature for s in specs]
-        top_p = [s.top_p for s in specs]
-        top_k = [s.top_k for s in specs]
-        # One host-to-device copy for all three (top-k values are exact in float64).
-        params = torch.tensor([temperature, top_p, top_k], dtype=torch.float64).to(device)
+        """For tests and tools. The runner builds its batches from the persistent batch's
+        arrays, in the step's one host-to-device copy (inputs.py)."""
+        seeded = [i for i, s in enumerate(specs) if s.seed is not None]
         return cls(
-            temperature=params[0].float(),  # [num_rows]
-            top_p=params[1].float(),
-            top_k=params[2].long(),
-            seeds=[s.seed for s in specs],
-            token_indices=list(token_indices),
-            all_greedy=all(t < _GREEDY_EPS for t in temperature),
-            any_filter=any(p < 1.0 for p in top_p) or any(k > 0 for k in top_k),
+            temperature=torch.tensor([s.temperature for s in specs], device=device),
+            top_p=torch.tensor([s.top_p for s in specs], device=device),
+            top_k=torch.tensor([s.top_k for s in specs], dtype=torch.int64, device=device),
+            seeded_rows=torch.tensor(seeded, dtype=torch.int64, device=device),
+            seeds=torch.tensor([seed_bits(specs[i].seed or 0) for i in seeded],
+                               dtype=torch.int64, device=device),
+            token_indices=torch.tensor([token_indices[i] for i in seeded], dtype=torch.int64,
+                                       device=device),
+            all_greedy=all(s.temperature < GREEDY_EPS for s in specs),
+            any_filter=any(s.top_p < 1.0 or s.top_k > 0 for s in specs),
         )
 
 
-def _exponential_noise(batch: SamplingBatch, num_rows: int, vocab: int,
-                       device: torch.device) -> torch.Tensor:
+def _exponential_noise(batch: SamplingBatch, vocab: int, device: torch.device) -> torch.Tensor:
+    num_rows, num_seeded = batch.num_rows, batch.seeded_rows.shape[0]
+    if num_seeded == num_rows:
+        return seeded_exponentials(batch.seeds, batch.token_indices, vocab)
     noise = torch.empty(num_rows, vocab, dtype=torch.float32, device=device)
-    noise.exponential_()
-    # Seeded rows redraw from their own generator; this loop holds only the random draw.
-    for row, seed in enumerate(batch.seeds):
-        if seed is None:
-            continue
-        gen = torch.Generator(device=device)
-        gen.manual_seed(_seed_for(seed, batch.token_indices[row]))
-        noise[row].exponential_(generator=gen)
-    return noise.clamp_min_(1e-20)  # [num_rows, vocab]
+    noise.exponential_().clamp_min_(1e-20)  # [num_rows, vocab]; some torch builds can draw 0
+    if num_seeded:
+        noise.index_copy_(0, batch.seeded_rows,
+                          seeded_exponentials(batch.seeds, batch.token_indices, vocab))
+    return noise
 
 
 def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor,
@@ -90,15 +143,15 @@ def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor,
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits [num_rows, vocab] float32 -> token ids [num_rows] int64 (on the logits' device)."""
-    assert logits.shape[0] == len(batch.seeds), "one logits row per sampling request"
+    assert logits.shape[0] == batch.num_rows, "one logits row per sampling request"
     greedy_ids = logits.argmax(dim=-1)  # [num_rows]
     if batch.all_greedy:
         return greedy_ids
     num_rows, vocab = logits.shape
-    is_greedy = batch.temperature < _GREEDY_EPS
+    is_greedy = batch.temperature < GREEDY_EPS
     temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
     scaled = logits / temperature[:, None]  # [num_rows, vocab]
-    noise = _exponential_noise(batch, num_rows, vocab, logits.device)
+    noise = _exponential_noise(batch, vocab, logits.device)  # [num_rows, vocab]
     sampled_ids = (scaled.softmax(dim=-1) / noise).argmax(dim=-1)  # [num_rows]
     if batch.any_filter:
         # Work in sorted order; a stable sort keeps ties in index order, like argmax. Each

@@ -4,12 +4,16 @@ the same code are the oracle."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from executor_svc.inputs import build_inputs
+from executor_svc.input_batch import InputBatch
+from executor_svc.inputs import build_step_inputs
 from executor_svc.kv_cache import KVCache
+from executor_svc.sampler import seeded_bits
 from executor_svc.swap import SwapPool
+from protos.plan import SamplingSpec
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,14 +50,30 @@ def test_swap_round_trip_through_pinned_staging():
 
 
 def test_step_inputs_on_cuda_equal_the_cpu_build():
-    token_chunks = [[5, 6, 7], [9], list(range(100, 140))]
-    block_rows = [[3, 1], [7, 8, 9], list(range(20, 31))]
-    args = (block_rows, [2, 10, 0], [3, 1, 40], [5, 11, 44], 4)  # the last one does not sample
-    cpu = build_inputs(token_chunks, *args, torch.device("cpu"))
-    gpu = build_inputs(token_chunks, *args, CUDA)
-    for a, b in zip(cpu[:2], gpu[:2], strict=True):
-        assert b.is_cuda and torch.equal(a, b.cpu())
-    for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc", "logits_indices"):
-        a, b = getattr(cpu[2], name), getattr(gpu[2], name)
+    batch = InputBatch(max_model_len=64, block_size=4)
+    specs = [SamplingSpec(temperature=0.7, top_p=0.9, seed=5, num_logprobs=2),
+             SamplingSpec(temperature=0.0), SamplingSpec(top_k=3)]
+    seqs = [([5, 6, 7, 8, 9], [3, 1]), (list(range(30, 41)), [7, 8, 9]),
+            (list(range(100, 144)), list(range(20, 31)))]
+    for i, ((token_ids, block_ids), spec) in enumerate(zip(seqs, specs, strict=True)):
+        batch.add(f"r{i}", token_ids, block_ids, [2, 10, 0][i], spec)
+    rows, query_lens = np.array([2, 0, 1]), np.array([40, 3, 1])  # the first does not sample
+    cpu = build_step_inputs(batch, rows, query_lens, torch.device("cpu"))
+    gpu = build_step_inputs(batch, rows, query_lens, CUDA)
+    for name in ("input_ids", "positions", "logprob_rows"):
+        a, b = getattr(cpu, name), getattr(gpu, name)
         assert b.is_cuda and a.dtype == b.dtype and torch.equal(a, b.cpu()), name
-    assert (cpu[3] == gpu[3]).all()
+    for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc", "logits_indices"):
+        a, b = getattr(cpu.batch, name), getattr(gpu.batch, name)
+        assert b.is_cuda and a.dtype == b.dtype and torch.equal(a, b.cpu()), name
+    for name in ("temperature", "top_p", "top_k", "seeded_rows", "seeds", "token_indices"):
+        a, b = getattr(cpu.sampling, name), getattr(gpu.sampling, name)
+        assert b.is_cuda and a.dtype == b.dtype and torch.equal(a, b.cpu()), name
+    assert (cpu.sample_rows == gpu.sample_rows).all() and cpu.sample_rows.tolist() == [0, 1]
+
+
+def test_seeded_noise_on_cuda_equals_the_cpu_stream():
+    seeds = torch.tensor([0, 7, -3, 2**63 - 1])
+    token_indices = torch.tensor([0, 1, 500, 40_000])
+    cpu = seeded_bits(seeds, token_indices, 50_000)
+    assert torch.equal(cpu, seeded_bits(seeds.to(CUDA), token_indices.to(CUDA), 50_000).cpu())

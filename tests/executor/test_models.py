@@ -7,7 +7,6 @@ import dataclasses
 import pytest
 import torch
 
-from executor_svc.runner import RequestState
 from protos.plan import NewRequest, SamplingSpec
 from tests.executor.harness import ARCHS, PlanDriver, hf_greedy, make_runner
 
@@ -25,12 +24,9 @@ def test_prefill_logits_match_hf(arch, checkpoint_cache):
     runner = make_runner(model_dir)
     driver = PlanDriver(seed=1)
     # One batch of prompts of different lengths, on shuffled blocks.
-    scheduled = []
-    for i, prompt in enumerate(PROMPTS):
-        new = driver.new(f"r{i}", prompt, len(prompt))
-        state = RequestState(new.req_id, list(prompt), new.sampling, new.block_ids, 0)
-        scheduled.append((state, len(prompt)))
-    input_ids, positions, batch, _ = runner.prepare(scheduled)
+    new_reqs = [driver.new(f"r{i}", prompt, len(prompt)) for i, prompt in enumerate(PROMPTS)]
+    inputs = runner.prepare(runner.apply(driver.plan(new_reqs=new_reqs)))
+    input_ids, positions, batch = inputs.input_ids, inputs.positions, inputs.batch
     # Ask for the logits of every token row, not just the last of each prompt.
     batch = dataclasses.replace(batch, logits_indices=torch.arange(batch.num_tokens))
     with torch.inference_mode():

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from executor_svc.input_batch import INITIAL_CAPACITY
 from executor_svc.runner import PlanError
-from protos.plan import CachedRequest, SamplingSpec
-from tests.executor.harness import PlanDriver, make_runner
+from protos.plan import CachedRequest, NewRequest, SamplingSpec
+from tests.executor.harness import BLOCK_SIZE, PlanDriver, make_runner
 
 PROMPT = [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11]
 SEEDED = SamplingSpec(temperature=0.9, top_k=50, top_p=0.95, seed=7)
@@ -92,3 +93,56 @@ def test_bad_plans_fail_with_a_reason_and_drop_the_requests(checkpoint_cache):
     assert runner.execute(driver.plan(new_reqs=[new])).sampled[0][0] == "b"
     assert runner.execute(driver.plan(finished_req_ids=["b"])).sampled == []
     assert runner.requests == {}
+
+
+def test_plans_that_do_not_fit_a_row_are_refused(checkpoint_cache):
+    _, model_dir = checkpoint_cache("llama2")
+    runner, driver = make_runner(model_dir), PlanDriver(seed=14)
+    max_len = runner.max_model_len
+    new = driver.new("a", PROMPT, len(PROMPT))
+    long = NewRequest("a", [1] * (max_len + 2), new.sampling, new.block_ids, 0, 1)
+    with pytest.raises(PlanError, match=f"{max_len + 2} tokens held exceed max_model_len"):
+        runner.execute(driver.plan(new_reqs=[long]))
+    wide = NewRequest("a", PROMPT, new.sampling, [0] * (max_len // BLOCK_SIZE + 1), 0, 1)
+    with pytest.raises(PlanError, match="blocks exceed the .* that max_model_len"):
+        runner.execute(driver.plan(new_reqs=[wide]))
+    with pytest.raises(PlanError, match="request a appears twice in one plan"):
+        runner.execute(driver.plan(new_reqs=[new], cached_reqs=[CachedRequest("a", [], 0, 1)]))
+    assert runner.requests == {}
+
+
+def test_more_requests_than_rows_each_decode_as_if_alone(checkpoint_cache):
+    # More requests than the persistent batch's first capacity, finishing and arriving at
+    # different steps so rows are freed, reused and the arrays grow while requests are held.
+    _, model_dir = checkpoint_cache("llama2")
+    prompts = {f"r{i}": [(7 * i + j) % 290 + 1 for j in range(3 + i % 5)]
+               for i in range(INITIAL_CAPACITY + 12)}
+    num_new = {req_id: 2 + i % 4 for i, req_id in enumerate(prompts)}
+
+    def run(req_ids_by_step: list[list[str]], num_blocks: int):
+        runner, driver = make_runner(model_dir, num_blocks), PlanDriver(num_blocks, seed=15)
+        generated: dict[str, list[int]] = {}
+        running: list[str] = []
+        step = 0
+        while step < len(req_ids_by_step) or running:
+            arriving = req_ids_by_step[step] if step < len(req_ids_by_step) else []
+            done = [r for r in running if len(generated[r]) >= num_new[r]]
+            running = [r for r in running if r not in done]
+            out = runner.execute(driver.plan(
+                new_reqs=[driver.new(r, prompts[r], len(prompts[r])) for r in arriving],
+                cached_reqs=driver.decode_all(running), finished_req_ids=done))
+            driver.record(out.sampled)
+            for req_id, ids in out.sampled:
+                generated.setdefault(req_id, []).extend(ids)
+            running += arriving
+            step += 1
+        assert runner.requests == {}  # every row was freed by the last plan
+        return generated, runner.input_batch.capacity
+
+    names = list(prompts)
+    together, capacity = run([names[:INITIAL_CAPACITY - 4], [], names[INITIAL_CAPACITY - 4:]],
+                             400)
+    assert capacity > INITIAL_CAPACITY
+    for req_id in names:
+        alone, _ = run([[req_id]], 16)
+        assert together[req_id][:num_new[req_id]] == alone[req_id][:num_new[req_id]]

@@ -1,10 +1,21 @@
-"""The batched sampler: greedy is argmax, filters hold, seeds reproduce regardless of batch."""
+"""The batched sampler: greedy is argmax, filters hold, seeds reproduce regardless of batch, and
+the seeded random stream is the integer hash it is defined as, with the right distribution."""
 
 from __future__ import annotations
 
-import torch
+import math
 
-from executor_svc.sampler import SamplingBatch, sample
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from executor_svc.sampler import (
+    SamplingBatch,
+    sample,
+    seed_bits,
+    seeded_bits,
+    seeded_exponentials,
+)
 from protos.plan import SamplingSpec
 
 CPU = torch.device("cpu")
@@ -99,3 +110,126 @@ def test_top_k_then_top_p_and_temperature():
     # A very low temperature concentrates on the argmax.
     ids = _sample(logits[:200], [SamplingSpec(temperature=0.01)] * 200)
     assert set(ids.tolist()) == {1}
+
+
+# ---- the seeded random stream ----------------------------------------------------------------
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x21F0AAAD) & _M32
+    x ^= x >> 15
+    x = (x * 0x735A2D97) & _M32
+    return x ^ (x >> 15)
+
+
+def _reference_bits(seed: int, index: int, v: int) -> int:
+    """The stream the sampler's docstring defines, in Python's unbounded ints."""
+    lo, hi = seed & _M32, (seed >> 32) & _M32
+    k1 = _mix32(_mix32(_mix32(lo ^ 0x243F6A88) ^ hi) ^ index)
+    k2 = _mix32(_mix32(_mix32(hi ^ 0x85A308D3) ^ lo) ^ index)
+    return _mix32(_mix32((k1 + v * 0x9E3779B9) & _M32) ^ k2)
+
+
+def test_seeded_bits_equal_the_integer_definition():
+    # Seeds with the top bit set, beyond 64 bits, negative: int64 tensors must not overflow
+    # or sign-extend anywhere.
+    seeds = [0, 1, 2**31, 2**32 + 5, 2**63 - 1, 2**64 + 9, -1, -(2**40)]
+    indices = [0, 1, 7, 2**20, 3, 2**31 - 1, 12, 99]
+    bits = seeded_bits(torch.tensor([seed_bits(s) for s in seeds]), torch.tensor(indices), 5000)
+    assert bits.dtype == torch.int64 and int(bits.min()) >= 0 and int(bits.max()) <= _M32
+    for row, (seed, index) in enumerate(zip(seeds, indices, strict=True)):
+        for v in (0, 1, 2, 1234, 4999):
+            assert int(bits[row, v]) == _reference_bits(seed & (2**64 - 1), index, v)
+
+
+def test_seeded_bits_are_uniform_and_streams_differ():
+    seeds = torch.tensor([seed_bits(s) for s in (0, 1, 2**32, 2**63 - 1)])
+    bits = seeded_bits(seeds.repeat_interleave(64), torch.arange(256) % 64, 4096)  # [256, 4096]
+    counts = torch.bincount((bits >> 24).flatten(), minlength=256).double()  # top byte
+    expected = bits.numel() / 256
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 340, chi2  # 255 degrees of freedom; p ~ 3e-4
+    # Every (seed, index) gets its own row: no two rows share even their first entries.
+    assert len({tuple(row[:4].tolist()) for row in bits}) == 256
+    # Adjacent vocab entries and adjacent token indices are uncorrelated.
+    u = bits.double() / 2**32
+    assert abs(float(torch.corrcoef(torch.stack([u[:, :-1].flatten(),
+                                                   u[:, 1:].flatten()]))[0, 1])) < 0.01
+    assert abs(float(torch.corrcoef(torch.stack([u[:-1].flatten(),
+                                                   u[1:].flatten()]))[0, 1])) < 0.01
+
+
+def test_seeded_noise_is_exponential():
+    noise = seeded_exponentials(torch.full((400,), seed_bits(5)), torch.arange(400), 5000)
+    assert noise.dtype == torch.float32 and bool((noise > 0).all())
+    assert abs(float(noise.double().mean()) - 1.0) < 0.005  # sd of the mean: 0.0007
+    assert abs(float(noise.double().var()) - 1.0) < 0.02
+    # P(E > t) = exp(-t), checked in the tail too.
+    for t in (0.01, 1.0, 5.0):
+        assert abs(float((noise > t).double().mean()) - math.exp(-t)) < 0.004, t
+
+
+def _chi_square(ids: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(ids, minlength=len(probs)).double()
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "a token outside the support was drawn"
+    expected = probs[keep].double() * len(ids)
+    return float(((counts[keep] - expected) ** 2 / expected).sum())
+
+
+def test_seeded_draws_follow_the_distribution_exactly():
+    # One seed, 20000 consecutive token indices: the race over the hash's noise must draw each
+    # token with its probability (chi-square, 7 degrees of freedom: 24.3 is p = 0.001).
+    probs = torch.tensor([0.3, 0.25, 0.15, 0.1, 0.08, 0.07, 0.04, 0.01])
+    n = 20000
+    logits = probs.log().repeat(n, 1)
+    ids = _sample(logits, [SamplingSpec(temperature=1.0, seed=42)] * n, list(range(n)))
+    assert _chi_square(ids, probs) < 24.3
+    # Through the filtered (sorted) path: top-k 5 then top-p 0.7 keeps the first three.
+    ids = _sample(logits, [SamplingSpec(temperature=1.0, top_k=5, top_p=0.7, seed=43)] * n,
+                  list(range(n)))
+    kept = torch.where(torch.arange(8) < 3, probs, 0.0)
+    assert _chi_square(ids, kept / kept.sum()) < 13.8  # 2 degrees of freedom, p = 0.001
+    # Different seeds at the same token index are draws from the same distribution too.
+    specs = [SamplingSpec(temperature=0.5, seed=s) for s in range(n)]
+    tempered = probs ** 2 / (probs ** 2).sum()
+    assert _chi_square(_sample(logits, specs, [100] * n), tempered) < 24.3
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_a_seeded_row_draws_the_same_in_any_batch(data):
+    vocab = data.draw(st.sampled_from([7, 300, 4099]))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    mine = torch.randn(1, vocab, generator=gen) * 3
+    spec = SamplingSpec(temperature=data.draw(st.sampled_from([0.3, 1.0, 1.7])),
+                        top_k=data.draw(st.sampled_from([0, 1, 5])),
+                        top_p=data.draw(st.sampled_from([1.0, 0.9, 0.5])),
+                        seed=data.draw(st.integers(0, 2**63 - 1)))
+    index = data.draw(st.integers(0, 10**6))
+    alone = _sample(mine, [spec], [index])
+    neighbours = data.draw(st.lists(st.builds(
+        SamplingSpec, temperature=st.sampled_from([0.0, 0.7, 1.0]),
+        top_k=st.sampled_from([0, 3]), top_p=st.sampled_from([1.0, 0.8]),
+        seed=st.one_of(st.none(), st.integers(0, 2**63 - 1))), max_size=6))
+    at = data.draw(st.integers(0, len(neighbours)))
+    specs = neighbours[:at] + [spec] + neighbours[at:]
+    logits = torch.randn(len(specs), vocab, generator=gen)
+    logits[at] = mine[0]
+    indices = [data.draw(st.integers(0, 10**6)) for _ in specs]
+    indices[at] = index
+    assert _sample(logits, specs, indices)[at] == alone[0]
+
+
+def test_sampling_creates_no_generator(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the sampler must not build a torch.Generator")
+
+    monkeypatch.setattr(torch, "Generator", refuse)
+    logits = torch.randn(4, 100)
+    specs = [SamplingSpec(seed=1), SamplingSpec(seed=2, top_k=5), SamplingSpec(),
+             SamplingSpec(temperature=0.0)]
+    assert _sample(logits, specs).shape == (4,)
