@@ -31,7 +31,7 @@ from scheduler_svc.tokenizer import ChatTurn
 if TYPE_CHECKING:
     from scheduler_svc.block_manager import BlockManager
 
-MAX_SEED = 2**63 - 1  # the executor seeds a torch generator, which takes a signed 64-bit int
+MAX_SEED = 2**63 - 1  # seeds travel as msgpack ints and feed the executor's hashed stream
 MAX_REQUEST_ID_CHARS = 256  # ids are logged and echoed in every response
 # Beam search asks the executor for (1 + stop ids) x beam_width logprobs per beam and ranks
 # them in Python each step, so the stop list is bounded.
