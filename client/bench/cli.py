@@ -202,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # a peer that fails to start must not end the benchmark
                 skipped[name] = f"failed to start: {str(e)[:2000]}"
                 peer.stop()
+            if name in skipped:
+                progress.total -= args.reps
             progress.update(2)
         load_before = os.getloadavg()
         for rep in range(args.reps):
