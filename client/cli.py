@@ -5,6 +5,7 @@
     folio generate "Once upon a time" --max-tokens 32      streams text as it arrives
     folio info | folio stats | folio health
     folio keygen PATH                  a channel secret for --channel-secret-file
+    folio bench throughput|latency|serve ...   Folio side by side with vLLM and HF (client/bench)
     ... --api-key KEY (or FOLIO_API_KEY) --tls-ca server.pem    a server with auth and TLS
 
 Service modules are imported inside their subcommands: `folio generate` never loads torch, and
@@ -42,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in SERVICE_COMMANDS.items():
         # Parsed by the service itself (run_service); listed here for `folio --help`.
         sub.add_parser(name, help=help_text, add_help=False)
+    sub.add_parser("bench", help="benchmark Folio against vLLM and HF transformers on one "
+                   "workload (see `folio bench --help`)", add_help=False)
 
     def client_parser(name: str, help_text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -219,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in SERVICE_COMMANDS:
         return run_service(argv[0], argv[1:])
+    if argv and argv[0] == "bench":
+        from client.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "keygen":
         return run_keygen(args.path)

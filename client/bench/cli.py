@@ -1,0 +1,263 @@
+"""`folio bench throughput|latency|serve`: one seeded workload, Folio and its peers, one run.
+
+    folio bench throughput --random-model qwen2.5-0.5b --num-prompts 16 --input-len 128 \\
+        --output-len 32 --peers folio,vllm,hf,hf-batch --reps 3 --out bench/results
+
+Every peer loads the same checkpoint directory in the same dtype and gets the same prompt
+token ids (greedy, EOS ignored, so each request yields exactly its output length). Peers start
+once and stay up; repetitions interleave them (folio, vllm, hf, folio, vllm, hf, ...), each
+after a warm-up, and the report gives the median and range over repetitions. A peer that
+cannot run here (no vLLM venv, a failed start) is reported as skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+from client.bench import models, report
+from client.bench.folio_peer import FolioPeer
+from client.bench.load import competing_load
+from client.bench.metrics import MODES, aggregate, same_tokens, summarize
+from client.bench.runner_peer import PeerUnavailable, RunnerPeer
+from client.bench.workload import DATASETS, WorkloadSpec, make_requests, warmup_requests
+
+PEERS = ("folio", "vllm", "hf", "hf-batch")
+OFFLINE_PEERS = ("vllm", "hf", "hf-batch")  # no streaming server: not in serve mode
+VLLM_VENV = report.REPO_ROOT / ".venv-vllm"
+DEFAULT_MAX_MODEL_LEN = 4096  # caps the context (and so the KV sizing) of long-context configs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="folio bench", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=MODES)
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=os.environ.get("FOLIO_MODEL") or None,
+                   help="what `folio serve --model` takes (a checkpoint dir, a .gguf file, "
+                   "folio:tiny-random; default: Folio's default model)")
+    m.add_argument("--random-model", choices=sorted(models.RANDOM_MODELS), default=None,
+                   help="a random-weight checkpoint from this real config instead (seeded, "
+                   "cached under $FOLIO_CACHE_DIR/bench-models)")
+    m.add_argument("--model-seed", type=int, default=0, help="seed of --random-model weights")
+    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    m.add_argument("--max-model-len", type=int, default=None,
+                   help=f"context cap for every peer (default: the config's, at most "
+                   f"{DEFAULT_MAX_MODEL_LEN})")
+    w = p.add_argument_group("workload")
+    w.add_argument("--dataset", choices=DATASETS, default="random")
+    w.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per repetition (default 16; latency: --batch-size)")
+    w.add_argument("--input-len", type=int, default=128)
+    w.add_argument("--output-len", type=int, default=32)
+    w.add_argument("--batch-size", type=int, default=1, help="latency mode: requests at once")
+    w.add_argument("--request-rate", type=float, default=math.inf,
+                   help="serve mode: Poisson arrivals per second (default inf: all at once)")
+    w.add_argument("--seed", type=int, default=0)
+    r = p.add_argument_group("peers and repetitions")
+    r.add_argument("--peers", default=",".join(PEERS),
+                   help=f"comma-separated, from {','.join(PEERS)} (default all)")
+    r.add_argument("--reps", type=int, default=3, help="interleaved repetitions (default 3)")
+    r.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the untimed warm-up run of each peer")
+    r.add_argument("--competing-load", action="store_true",
+                   help="run a busy loop pinned to one core during every timed run")
+    r.add_argument("--threads", type=int, default=None,
+                   help="OMP_NUM_THREADS for Folio's executor and the HF peers")
+    r.add_argument("--max-num-seqs", type=int, default=256, help="Folio and vLLM")
+    r.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="Folio, vLLM and hf-batch")
+    r.add_argument("--kv-cache-gib", type=int, default=2,
+                   help="KV cache size for Folio (--kv-cache-memory) and vLLM "
+                   "(VLLM_CPU_KVCACHE_SPACE), GiB (default 2)")
+    r.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for `folio serve` (repeatable), e.g. --serve-arg=--no-prefix-caching")
+    r.add_argument("--vllm-python", default=os.environ.get("FOLIO_BENCH_VLLM_PYTHON")
+                   or str(VLLM_VENV / "bin" / "python"),
+                   help="the vLLM venv's python (default .venv-vllm/bin/python at the repo "
+                   "root; bench/install_vllm_cpu.sh makes it)")
+    r.add_argument("--vllm-threads-bind", default=None,
+                   help="VLLM_CPU_OMP_THREADS_BIND (default: every usable core, like Folio; "
+                   "vLLM's own 'auto' keeps one core in reserve)")
+    r.add_argument("--hf-batch-size", type=int, default=16, help="padded batch of `hf`")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default="bench/results", help="directory for the result files")
+    o.add_argument("--name", default=None, help="file name after the date (default: "
+                   "MODE-MODEL-DTYPE)")
+    return p
+
+
+def parse_peers(text: str) -> list[str]:
+    peers = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in peers if x not in PEERS]
+    if unknown or not peers:
+        raise SystemExit(f"folio bench: --peers takes names from {', '.join(PEERS)}; "
+                         f"got {text!r}")
+    return list(dict.fromkeys(peers))
+
+
+def usable_cpus() -> str:
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    return ",".join(map(str, cpus))
+
+
+def make_peer(name: str, args, folio_model: str, model_dir: Path, max_model_len: int,
+              kv_tokens: int, log_dir: Path):
+    threads_env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+    if name == "folio":
+        serve_args = ["--dtype", args.dtype, "--max-model-len", str(max_model_len),
+                      "--max-num-seqs", str(args.max_num_seqs),
+                      "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                      "--kv-cache-memory", f"{args.kv_cache_gib}GiB", *args.serve_arg]
+        return FolioPeer(folio_model, serve_args, threads_env, log_dir)
+    if name == "vllm":
+        spec = {"model_dir": str(model_dir), "dtype": args.dtype, "seed": args.seed,
+                "max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
+                "max_num_batched_tokens": args.max_num_batched_tokens}
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib),
+               "VLLM_CPU_OMP_THREADS_BIND": args.vllm_threads_bind or usable_cpus(),
+               # The bench's Folio-side PYTHONPATH must not leak into the vLLM venv.
+               "PYTHONPATH": ""}
+        return RunnerPeer(name, args.vllm_python, "vllm_runner.py", spec, env, log_dir)
+    spec = {"kind": name, "model_dir": str(model_dir), "dtype": args.dtype,
+            "batch_size": args.hf_batch_size, "threads": args.threads, "kv_tokens": kv_tokens,
+            "max_model_len": max_model_len,
+            "max_num_batched_tokens": args.max_num_batched_tokens}
+    return RunnerPeer(name, sys.executable, "hf_runner.py", spec, threads_env, log_dir)
+
+
+def resolve_model(args) -> tuple[str, Path]:
+    """(what `folio serve --model` gets, the HF checkpoint dir the other peers load)."""
+    if args.random_model:
+        model_dir = models.random_model_dir(args.random_model, args.model_seed)
+        return str(model_dir), model_dir
+    model_dir = models.resolve_model_dir(args.model)
+    return (args.model if args.model is not None else str(model_dir)), model_dir
+
+
+def default_name(args, model_dir: Path) -> str:
+    model = args.random_model or model_dir.name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{args.mode}-{model}-{args.dtype}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tqdm import tqdm
+
+    args = build_parser().parse_args(argv)
+    peer_names = parse_peers(args.peers)
+    if args.reps < 1:
+        raise SystemExit("folio bench: --reps must be at least 1")
+    facts = report.machine_facts()
+    folio_model, model_dir = resolve_model(args)
+    config = models.read_config(model_dir)
+    max_model_len = args.max_model_len or min(models.max_model_len(config),
+                                               DEFAULT_MAX_MODEL_LEN)
+    num_prompts = args.batch_size if args.mode == "latency" else (args.num_prompts or 16)
+    try:
+        spec = WorkloadSpec(dataset=args.dataset, num_prompts=num_prompts,
+                            input_len=args.input_len, output_len=args.output_len,
+                            request_rate=args.request_rate if args.mode == "serve" else math.inf,
+                            seed=args.seed, vocab_size=int(config["vocab_size"]),
+                            max_model_len=max_model_len)
+    except ValueError as e:
+        raise SystemExit(f"folio bench: {e}") from None
+    first_reqs = make_requests(spec, 0)
+    kv_tokens = sum(r.prompt_len + r.output_len for r in first_reqs)
+    stem = f"{datetime.date.today().isoformat()}-{args.name or default_name(args, model_dir)}"
+    log_dir = Path(args.out) / f"{stem}-logs"
+
+    skipped: dict[str, str] = {}
+    if args.mode == "serve":
+        for name in peer_names:
+            if name in OFFLINE_PEERS:
+                skipped[name] = "an offline peer: serve mode needs a streaming server"
+    candidates = [n for n in peer_names if n not in skipped]
+    peers, peer_info = [], {}
+    total = 2 * len(candidates) + args.reps * len(candidates)
+    progress = tqdm(total=total, desc="folio bench", unit="step", file=sys.stderr)
+    per_rep: dict[str, list[dict[str, float]]] = {}
+    raw: dict[str, list[dict]] = {}
+    load_before = os.getloadavg()
+    try:
+        for name in candidates:
+            progress.set_postfix_str(f"starting {name}")
+            peer = make_peer(name, args, folio_model, model_dir, max_model_len, kv_tokens,
+                             log_dir)
+            try:
+                peer_info[name] = peer.start()
+                if args.warmup:
+                    progress.set_postfix_str(f"warming up {name}")
+                    peer.run(args.mode, warmup_requests(spec))
+                peers.append(peer)
+            except PeerUnavailable as e:
+                skipped[name] = f"{e}" + (" (run bench/install_vllm_cpu.sh)"
+                                          if name == "vllm" else "")
+                peer.stop()
+            except Exception as e:  # a peer that fails to start must not end the benchmark
+                skipped[name] = f"failed to start: {str(e)[:2000]}"
+                peer.stop()
+            if name in skipped:
+                progress.total -= args.reps
+            progress.update(2)
+        load_before = os.getloadavg()
+        for rep in range(args.reps):
+            requests = make_requests(spec, rep)
+            reference = None
+            for peer in peers:
+                progress.set_postfix_str(f"rep {rep + 1}/{args.reps}: {peer.name}")
+                with competing_load(args.competing_load):
+                    run = peer.run(args.mode, requests)
+                metrics = summarize(args.mode, run)
+                reference = reference or (run if peer.name == "folio" else None)
+                if reference is not None and peer.name != "folio":
+                    metrics["same tokens as folio (%)"] = 100.0 * same_tokens(run, reference)
+                per_rep.setdefault(peer.name, []).append(metrics)
+                raw.setdefault(peer.name, []).append({
+                    "rep": rep, "elapsed_s": run.elapsed_s, "metrics": metrics,
+                    "requests": [{"prompt_len": t.prompt_len, "num_output": t.num_output,
+                                  "ttft_s": t.ttft_s, "e2e_s": t.e2e_s} for t in run.requests]})
+                progress.update(1)
+    finally:
+        progress.set_postfix_str("stopping peers")
+        for peer in peers:
+            with contextlib.suppress(Exception):
+                peer.stop()
+        progress.close()
+    load_after = os.getloadavg()
+
+    aggregates = {name: aggregate(reps) for name, reps in per_rep.items()}
+    requested = sum(r.output_len for r in first_reqs)
+    short = {n: a["output tokens"].low for n, a in aggregates.items()
+             if a["output tokens"].low != requested}
+    result = {
+        "mode": args.mode, "name": stem, "dtype": args.dtype, "reps": args.reps,
+        "competing_load": args.competing_load, "machine": facts,
+        "load_before": list(load_before), "load_after": list(load_after),
+        "model": {"dir": str(model_dir), "folio_model": folio_model,
+                  "architecture": (config.get("architectures") or ["?"])[0],
+                  "random_weights": (model_dir / models.MARKER).exists(),
+                  "max_model_len": max_model_len, "config": config},
+        "workload": spec.to_dict() | {"requested_output_tokens": requested},
+        "settings": {k: v for k, v in vars(args).items() if k != "mode"}
+        | {"request_rate": None if math.isinf(args.request_rate) else args.request_rate},
+        "peers": peer_info, "skipped": skipped, "short_outputs": short, "runs": raw,
+    }
+    paths = report.write(Path(args.out), stem, result, aggregates)
+    print((Path(args.out) / f"{stem}.md").read_text())
+    for n, got in short.items():
+        print(f"folio bench: {n} produced {got:.0f} output tokens, not {requested}",
+              file=sys.stderr)
+    if result.get("plot_skipped"):
+        print(f"folio bench: {result['plot_skipped']}", file=sys.stderr)
+    print("wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
+    return 0 if aggregates and not short else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

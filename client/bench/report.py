@@ -1,0 +1,158 @@
+"""The result files of one `folio bench` run: JSON (everything), Markdown (the side-by-side
+table) and a PNG bar plot (when matplotlib is installed: `pip install -e '.[bench]'`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from client.bench.metrics import Aggregate
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# Rows that are plotted, per mode (the table has every metric).
+PLOTTED = {
+    "throughput": ("output tok/s", "total tok/s"),
+    "latency": ("TTFT p50 (ms)", "TPOT p50 (ms)"),
+    "serve": ("TTFT p50 (ms)", "TPOT p50 (ms)", "ITL p50 (ms)"),
+}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit() -> str | None:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True,
+                              text=True, timeout=30).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (commit + ("+dirty" if dirty else "")) if commit else None
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def machine_facts() -> dict:
+    """What the run's numbers depend on, besides the software: taken at the start."""
+    return {
+        "cpu": cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "folio_env": {d: _version(d) for d in ("torch", "transformers", "grpcio", "folio")},
+        "git_commit": git_commit(),
+        "command": " ".join(["folio", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"]
+        else " ".join(sys.argv),
+    }
+
+
+def _cell(agg: Aggregate | None) -> str:
+    if agg is None:
+        return "—"
+    fmt = (lambda x: f"{x:.3g}") if abs(agg.median) < 100 else (lambda x: f"{x:.0f}")
+    if len(agg.values) == 1 or agg.low == agg.high:
+        return fmt(agg.median)
+    return f"{fmt(agg.median)} ({fmt(agg.low)}–{fmt(agg.high)})"
+
+
+def markdown(result: dict, aggregates: dict[str, dict[str, Aggregate]]) -> str:
+    peers = list(aggregates)
+    rows = list(dict.fromkeys(k for agg in aggregates.values() for k in agg))
+    with_ratio = "folio" in aggregates and "vllm" in aggregates
+    header = ["metric", *peers] + (["folio / vllm"] if with_ratio else [])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        cells = [row] + [_cell(aggregates[p].get(row)) for p in peers]
+        if with_ratio:
+            f, v = aggregates["folio"].get(row), aggregates["vllm"].get(row)
+            cells.append(f"{f.median / v.median:.2f}" if f and v and v.median else "—")
+        lines.append("| " + " | ".join(cells) + " |")
+    w, m = result["workload"], result["machine"]
+    rate = w["request_rate"] if w["request_rate"] is not None else "inf"
+    out = [
+        f"# folio bench {result['mode']}: {result['name']}",
+        "",
+        f"- model: `{result['model']['dir']}` ({result['model']['architecture']}, "
+        f"{result['dtype']}{', random weights' if result['model']['random_weights'] else ''})",
+        f"- workload: {w['dataset']}, {w['num_prompts']} requests, input {w['input_len']} / "
+        f"output {w['output_len']} tokens" + (" (means of log-normal lengths)"
+                                              if w["dataset"] == "sharegpt-like" else "")
+        + f", request rate {rate}, seed {w['seed']}",
+        f"- repetitions: {result['reps']} (interleaved; cells are median (min–max))"
+        + (", with a competing busy process on one core" if result["competing_load"] else ""),
+        f"- machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, load average "
+        f"{result['load_before'][0]:.2f} before / {result['load_after'][0]:.2f} after",
+        f"- commit: {m['git_commit']}; command: `{m['command']}`",
+        "",
+        *lines,
+        "",
+    ]
+    if with_ratio:
+        out.append("folio / vllm above 1 is better for rates (tok/s, req/s), below 1 for times.")
+    for name, why in result["skipped"].items():
+        out.append(f"- {name} skipped: {why}")
+    return "\n".join(out) + "\n"
+
+
+def plot(path: Path, mode: str, aggregates: dict[str, dict[str, Aggregate]]) -> str | None:
+    """Write the bar plot; return why not when it cannot be drawn."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "matplotlib is not installed (pip install -e '.[bench]'); no plot"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [m for m in PLOTTED[mode] if any(m in a for a in aggregates.values())]
+    peers = list(aggregates)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.5), squeeze=False)
+    for ax, metric in zip(axes[0], metrics, strict=True):
+        aggs = [aggregates[p].get(metric) for p in peers]
+        medians = [a.median if a else 0.0 for a in aggs]
+        errors = [[a.median - a.low if a else 0 for a in aggs],
+                  [a.high - a.median if a else 0 for a in aggs]]
+        ax.bar(peers, medians, yerr=errors, capsize=4, color=[f"C{i}" for i in range(len(peers))])
+        ax.set_title(metric)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return None
+
+
+def write(out_dir: Path, stem: str, result: dict,
+          aggregates: dict[str, dict[str, Aggregate]]) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / f"{stem}.json", "md": out_dir / f"{stem}.md"}
+    result["summary"] = {peer: {k: {"median": a.median, "min": a.low, "max": a.high}
+                                for k, a in agg.items()} for peer, agg in aggregates.items()}
+    png = out_dir / f"{stem}.png"
+    why_not = plot(png, result["mode"], aggregates) if aggregates else "no peer ran"
+    result["plot"] = None if why_not else png.name
+    if why_not is None:
+        paths["png"] = png
+    else:
+        result["plot_skipped"] = why_not
+    paths["md"].write_text(markdown(result, aggregates))
+    paths["json"].write_text(json.dumps(result, indent=1) + "\n")
+    return paths
