@@ -131,11 +131,13 @@ def paged_attention_planned(
             mask = (torch.arange(seq_len)[None, :]
                     <= torch.arange(seq_len - q_len, seq_len)[:, None])  # [q_len, seq_len]
             causal = False
+        # 4-D inputs: with 3-D ones SDPA falls back to its unfused math path on the CPU.
         o = F.scaled_dot_product_attention(
-            qi, ki.transpose(0, 1).to(cdt), vi.transpose(0, 1).to(cdt), attn_mask=mask,
-            is_causal=causal, scale=scale, enable_gqa=num_heads != num_kv_heads,
-        )  # [num_heads, q_len, head_dim]
-        out[q_start:q_end] = o.transpose(0, 1)
+            qi[None], ki.transpose(0, 1).to(cdt)[None], vi.transpose(0, 1).to(cdt)[None],
+            attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )  # [1, num_heads, q_len, head_dim]
+        out[q_start:q_end] = o[0].transpose(0, 1)
     return out
 
 
