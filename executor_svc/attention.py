@@ -2,8 +2,13 @@
 
 A model layer owns its slice of the KV cache (bound once at start-up by `bind_kv_cache`) and calls
 its backend with this step's q/k/v and the batch metadata. The `kernels` ops dispatch on the
-tensors' device: Triton on CUDA, the torch twins on the CPU, so one backend serves both today;
-the interface leaves room for others (e.g. a FlashAttention-based one).
+tensors' device: Triton on CUDA, kernels/cpu.py on the CPU (the twins with FOLIO_KERNELS=torch).
+
+On the CPU backend the per-step bookkeeping (which rows decode, their gather index and length
+mask) is built once per step, by the first layer, and reused by the others: one backend
+instance serves every layer of a model (the loader builds one), and it remembers the plan of
+the last batch it saw. `BatchMetadata` is frozen and built fresh every step, so identity is the
+step's key.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from typing import Protocol
 import torch
 
 from executor_svc.batch import BatchMetadata
-from kernels import paged_attention, store_kv
+from kernels import cpu, cpu_backend_active, paged_attention, store_kv
 
 
 class AttentionBackend(Protocol):
@@ -25,14 +30,30 @@ class AttentionBackend(Protocol):
 class PagedKernelsBackend:
     """store_kv then paged_attention, both from `kernels`."""
 
+    def __init__(self) -> None:
+        # Invariant: _plan was built from _plan_batch (the object itself, kept alive here so
+        # its id cannot be reused by a later step's batch).
+        self._plan_batch: BatchMetadata | None = None
+        self._plan: cpu.AttentionPlan | None = None
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: BatchMetadata,
                 scale: float) -> torch.Tensor:
         # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]
         store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        if cpu_backend_active(q):
+            plan = self._cpu_plan(batch, k_cache.shape[1])
+            return cpu.paged_attention_planned(q, k, v, k_cache, v_cache, plan, scale)
         return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
                                batch.query_start_loc, batch.max_query_len, batch.max_seq_len,
                                scale)  # [num_tokens, num_heads, head_dim]
+
+    def _cpu_plan(self, batch: BatchMetadata, block_size: int) -> cpu.AttentionPlan:
+        if batch is not self._plan_batch or self._plan is None:
+            self._plan = cpu.plan_attention(batch.block_tables, batch.seq_lens,
+                                            batch.query_start_loc, block_size)
+            self._plan_batch = batch
+        return self._plan
 
 
 def default_backend() -> AttentionBackend:

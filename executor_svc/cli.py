@@ -20,6 +20,7 @@ from executor_svc.config import (
     ExecutorConfig,
     parse_memory,
 )
+from executor_svc.cpu_threads import apply_cpu_threads, default_cpu_threads
 from executor_svc.lifecycle import Lifecycle, ShutdownRequested
 from executor_svc.model_config import ModelConfig
 from executor_svc.named_models import is_named, named_model_path
@@ -48,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="auto = float32 on the CPU, bfloat16 on CUDA")
     p.add_argument("--device", choices=DEVICES, default="auto")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="threads for the model's CPU ops (default: the cores this process may "
+                        "use minus one, at least 1: one core stays free for the scheduler, so "
+                        "a busy core does not stall every op; see executor_svc/cpu_threads.py)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="cap on tokens per request (prompt + output)")
     p.add_argument("--log-format", choices=LOG_FORMATS, default=None,
@@ -74,6 +79,7 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
         swap_space=args.swap_space,
         dtype=args.dtype,
         device=args.device,
+        cpu_threads=args.cpu_threads,
         max_model_len=args.max_model_len,
         log_format=log_format,
         log_level=args.log_level,
@@ -122,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError) as e:
             print(f"executor failed to start: {e}", file=sys.stderr)
             return 1
+        # Before the worker imports torch: OpenMP reads its environment when torch loads it.
+        apply_cpu_threads(cfg.cpu_threads or default_cpu_threads())
         from executor_svc.worker import run  # torch loads only after the checkpoint looks sane
 
         exit_code = run(cfg, model_dir)

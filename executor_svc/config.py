@@ -42,6 +42,7 @@ class ExecutorConfig:
     swap_space: float = 0.0  # GiB of host memory for the CPU KV swap pool; 0 = no swapping
     dtype: str = "auto"
     device: str = "auto"
+    cpu_threads: int | None = None  # torch intra-op threads; None = cpu_threads.default_cpu_threads
     max_model_len: int | None = None
     log_format: str = "console"
     log_level: str = "info"
@@ -69,6 +70,8 @@ class ExecutorConfig:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"--cpu-threads must be at least 1, got {self.cpu_threads}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be at least 1, got {self.max_model_len}")
         if self.log_format not in LOG_FORMATS:

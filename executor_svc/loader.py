@@ -18,6 +18,7 @@ import structlog
 import torch
 from torch import nn
 
+import kernels
 from executor_svc.attention import AttentionBackend, default_backend
 from executor_svc.checkpoint import (
     INDEX_FILE,
@@ -29,6 +30,7 @@ from executor_svc.checkpoint import (
 )
 from executor_svc.model_config import ModelConfig
 from executor_svc.models import model_class
+from executor_svc.models.linear import cpu_linear_method, use_linear_method
 
 log = structlog.get_logger(__name__)
 
@@ -186,7 +188,27 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
     model.to_empty(device=device)
     load_weights(model, placements)
     model.eval()
+    prepare_for_device(model, device, dtype)
     log.info("model loaded", architecture=cfg.architecture, files=len(files),
              params=sum(p.numel() for p in model.parameters()), dtype=str(dtype),
              device=str(device))
     return model
+
+
+
+def prepare_for_device(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """After the weights are in place: give the linear layers the method for this device
+    (models/linear.py). On the CPU backend that may pre-pack weights; with FOLIO_KERNELS=torch
+    (the twins, the oracle path) and on CUDA the layers keep plain F.linear."""
+    probe = torch.empty(0, device=device)
+    if not kernels.cpu_backend_active(probe):
+        return
+    method = cpu_linear_method(dtype, kernels.cpu.has_native_bf16())
+    with torch.no_grad():
+        num_layers = use_linear_method(model, method)
+    log.info("cpu linear layers prepared", method=type(method).__name__, layers=num_layers,
+             dtype=str(dtype), native_bf16=kernels.cpu.has_native_bf16())
+    if dtype != torch.float32 and not kernels.cpu.has_native_bf16():
+        log.warning("this CPU has no native bf16/fp16 matmuls (AVX512-BF16, AMX): 16-bit "
+                    "weights halve memory but compute in fp32 and run slower than "
+                    "--dtype float32 here", dtype=str(dtype))

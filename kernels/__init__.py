@@ -1,13 +1,14 @@
-"""Folio's kernels: Triton on CUDA, torch twins everywhere else.
+"""Folio's kernels: Triton on CUDA, the CPU backend on the CPU, torch twins as the oracle.
 
 Public entry points (the one dispatch point): store_kv, paged_attention, rms_norm, rotary,
 silu_and_mul. Each picks the Triton launcher when its first tensor lives on a CUDA device and
-the torch twin (kernels/twins.py) otherwise, so CPU runs never touch Triton.
+the CPU implementation (kernels/cpu.py) otherwise, so CPU runs never touch Triton. The torch
+twins (kernels/twins.py) are the oracle both are tested against.
 
 `FOLIO_KERNELS=triton` forces the Triton launchers for CPU tensors too; it needs
 `TRITON_INTERPRET=1` in the environment before this package first launches a kernel (the
 launcher modules are imported lazily, on first Triton use). `FOLIO_KERNELS=torch` forces the
-twins even on CUDA. Both are read once, at import.
+twins everywhere, CPU included. Both are read once, at import.
 
 Triton is optional: on machines without it (macOS) the package imports and the twins run.
 """
@@ -18,13 +19,14 @@ from types import ModuleType
 
 import torch
 
-from kernels import twins
+from kernels import cpu, twins
 
 _BACKEND = os.environ.get("FOLIO_KERNELS", "auto")
 if _BACKEND not in ("auto", "torch", "triton"):
     raise ValueError(f"FOLIO_KERNELS must be auto, torch or triton, not {_BACKEND!r}")
 
-__all__ = ["paged_attention", "rms_norm", "rotary", "silu_and_mul", "store_kv", "twins"]
+__all__ = ["cpu", "cpu_backend_active", "paged_attention", "rms_norm", "rotary", "silu_and_mul",
+           "store_kv", "twins"]
 
 
 @functools.cache
@@ -48,9 +50,20 @@ def _use_triton(x: torch.Tensor) -> bool:
     return _BACKEND == "triton"
 
 
+def cpu_backend_active(x: torch.Tensor) -> bool:
+    """Whether ops on `x` run kernels/cpu.py (a CPU tensor, FOLIO_KERNELS auto)."""
+    return _BACKEND == "auto" and not x.is_cuda
+
+
+def _impl(x: torch.Tensor) -> ModuleType:
+    if _use_triton(x):
+        return _triton()
+    return cpu if cpu_backend_active(x) else twins
+
+
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     """Write key/value [num_tokens, num_kv_heads, head_dim] at slot_mapping (-1 = skip)."""
-    impl = _triton() if _use_triton(key) else twins
+    impl = _impl(key)
     impl.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
@@ -67,7 +80,7 @@ def paged_attention(
     out=None,
 ) -> torch.Tensor:
     """Causal attention of a varlen query batch over the paged cache -> [num_tokens, num_heads, head_dim]."""
-    impl = _triton() if _use_triton(q) else twins
+    impl = _impl(q)
     return impl.paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         max_query_len, max_seq_len, scale, out,
@@ -76,17 +89,17 @@ def paged_attention(
 
 def rms_norm(x, weight, eps: float, residual=None):
     """out, or (out, new_residual) when residual is given; fp32 math, cast back to x.dtype."""
-    impl = _triton() if _use_triton(x) else twins
+    impl = _impl(x)
     return impl.rms_norm(x, weight, eps, residual)
 
 
 def rotary(positions, q, k, cos_sin_cache) -> None:
     """Neox-style rotary embedding applied in place to q and k."""
-    impl = _triton() if _use_triton(q) else twins
+    impl = _impl(q)
     impl.rotary(positions, q, k, cos_sin_cache)
 
 
 def silu_and_mul(x) -> torch.Tensor:
     """[num_tokens, 2 * intermediate] -> silu(gate) * up, [num_tokens, intermediate]."""
-    impl = _triton() if _use_triton(x) else twins
+    impl = _impl(x)
     return impl.silu_and_mul(x)

@@ -21,6 +21,7 @@ EXECUTOR_PASSTHROUGH = {
     "device": "--device",
     "max_model_len": "--max-model-len",
     "swap_space": "--swap-space",
+    "cpu_threads": "--cpu-threads",
 }
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 
@@ -57,6 +58,7 @@ class SchedulerConfig:
     dtype: str | None = None
     device: str | None = None
     swap_space: float | None = None  # GiB of CPU swap pool
+    cpu_threads: int | None = None  # the executor's torch threads (executor default: cores - 1)
     # ---- public API front end (scheduler_svc.server, scheduler_svc.auth) ----
     served_model_name: str | None = None  # None = the model directory's name
     api_key: str | None = field(default=None, repr=False)  # None = no authentication
@@ -193,6 +195,8 @@ def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentPars
     g.add_argument("--device")
     g.add_argument("--swap-space", type=float,
                    help="GiB of CPU memory for swapped-out KV blocks (executor default 0)")
+    g.add_argument("--cpu-threads", type=int,
+                   help="the executor's CPU threads (executor default: usable cores - 1)")
     add_front_end_flags(p)
     return p
 

@@ -1,24 +1,13 @@
-"""Building blocks shared by the decoder families: fused linears, RMSNorm, the gated MLP."""
+"""Building blocks shared by the decoder families: RMSNorm and the gated MLP (linears live in
+linear.py)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from executor_svc.models.linear import Linear, MergedLinear
 from kernels import rms_norm, silu_and_mul
-
-
-class MergedLinear(nn.Linear):
-    """One matmul for several checkpoint projections stacked along the output rows.
-
-    `output_sizes` tells the loader where each checkpoint tensor goes (q|k|v, gate|up): shard i
-    fills rows ``sum(output_sizes[:i]) : sum(output_sizes[:i+1])``.
-    """
-
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool,
-                 dtype: torch.dtype):
-        super().__init__(in_features, sum(output_sizes), bias=bias, dtype=dtype)
-        self.output_sizes = list(output_sizes)
 
 
 class RMSNorm(nn.Module):
@@ -38,7 +27,7 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias, dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]

@@ -11,13 +11,13 @@ Tokens arrive flattened: one row per scheduled token of every request, ``[num_to
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.attention import AttentionBackend
 from executor_svc.batch import BatchMetadata
 from executor_svc.model_config import ModelConfig
-from executor_svc.models.layers import GatedMLP, MergedLinear, RMSNorm
+from executor_svc.models.layers import GatedMLP, RMSNorm
+from executor_svc.models.linear import Linear, MergedLinear, TiedHead
 from executor_svc.models.rope import build_cos_sin_cache
 from kernels import rotary
 
@@ -33,7 +33,7 @@ class LlamaAttention(nn.Module):
         kv_size = cfg.num_kv_heads * cfg.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = MergedLinear(cfg.hidden_size, self.split_sizes, qkv_bias, dtype)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=o_bias, dtype=dtype)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=o_bias, dtype=dtype)
         self.scale = cfg.head_dim ** -0.5
         self.backend = backend
         # This layer's slice of the paged KV cache, bound once by `bind_kv_cache`.
@@ -113,8 +113,11 @@ class LlamaForCausalLM(nn.Module):
         layers = [LlamaDecoderLayer(cfg, self.make_attention(cfg, backend, dtype), dtype)
                   for _ in range(cfg.num_layers)]
         self.model = LlamaModel(cfg, layers, dtype)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        self.lm_head: Linear | TiedHead
+        if cfg.tie_word_embeddings:
+            self.lm_head = TiedHead(self.model.embed_tokens)  # not a module: no second parameter
+        else:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         # A plain attribute, not a buffer: the loader builds parameters on the meta device and
         # materialises them empty, which would wipe a buffer. fp32 for accurate angles.
         self.cos_sin_cache = build_cos_sin_cache(cfg.rope, cfg.head_dim, max_model_len, device)
@@ -146,4 +149,4 @@ class LlamaForCausalLM(nn.Module):
         in ``batch.logits_indices`` only."""
         hidden = self.model(input_ids, positions, batch, self.cos_sin_cache)
         hidden = hidden[batch.logits_indices]  # [num_logits, hidden]
-        return F.linear(hidden, self.lm_head_weight()).float()
+        return self.lm_head(hidden).float()

@@ -1,0 +1,163 @@
+"""Linear layers and the seam that decides how their weights are stored and multiplied.
+
+Every projection (and the LM head) is a `Linear` whose forward is ``self.method.apply(self,
+x)``. Layers are built with `DENSE` (plain ``F.linear``); once the checkpoint is loaded,
+`use_linear_method` (called by the loader) gives every layer the method that suits the device
+and lets it rearrange the weights (``process_weights``). Quantized weights plug in here later:
+a method that keeps packed integer blocks and multiplies them.
+
+CPU methods, chosen by measurement (bench/cpu_step.py; docs/benchmarks.md has the tables):
+
+- fp32: oneDNN with the weight pre-packed in its blocked layout is 1.2-1.8x faster than
+  ``F.linear`` (MKL) for 2-64 rows (whole decoder layers of Qwen2.5-0.5B's shape), even at
+  128, and slower for one row (MKL's gemv) and from 256 rows (prefill chunks).
+  `PackedCpuLinear` keeps both forms (twice the linear weights' memory) and picks per call by
+  row count. The two differ by float rounding only (about 1e-6
+  relative); greedy decoding stays token-exact against transformers (tests/e2e).
+- bf16 on a CPU without native bf16 matmuls (no AVX512-BF16/AMX): torch's emulated bf16 gemm
+  is 3x slower than fp32 from 16 rows up; `UpcastCpuLinear` keeps the bf16 weight (half the
+  memory and bandwidth) and multiplies in fp32 one cache-sized slice of rows at a time. One
+  row stays a bf16 gemv, which is memory bound and faster than fp32.
+- bf16 with native support: plain ``F.linear`` (oneDNN's bf16 path), the default.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import structlog
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = structlog.get_logger(__name__)
+
+
+class LinearMethod(Protocol):
+    def process_weights(self, layer: Linear) -> None:
+        """Called once after the weights are loaded; may attach prepared forms to `layer`."""
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, in_features] -> [num_tokens, out_features]."""
+
+
+class DenseLinear:
+    def process_weights(self, layer: Linear) -> None:
+        pass
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+DENSE = DenseLinear()
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose product is computed by its `method` (see the module docstring)."""
+
+    method: LinearMethod = DENSE
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+
+class MergedLinear(Linear):
+    """One matmul for several checkpoint projections stacked along the output rows.
+
+    `output_sizes` tells the loader where each checkpoint tensor goes (q|k|v, gate|up): shard i
+    fills rows ``sum(output_sizes[:i]) : sum(output_sizes[:i+1])``.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool,
+                 dtype: torch.dtype):
+        super().__init__(in_features, sum(output_sizes), bias=bias, dtype=dtype)
+        self.output_sizes = list(output_sizes)
+
+
+class PackedCpuLinear:
+    """fp32 on the CPU: oneDNN on a pre-packed weight for `min_rows`..`max_rows` rows,
+    F.linear (MKL) on the plain weight otherwise. Invariant after process_weights:
+    ``layer.packed_weight`` holds the same matrix as ``layer.weight`` in oneDNN's layout."""
+
+    def __init__(self, min_rows: int = 2, max_rows: int = 128):
+        self.min_rows, self.max_rows = min_rows, max_rows
+
+    def process_weights(self, layer: Linear) -> None:
+        # The batch size is only a layout hint; the packed weight serves any row count.
+        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 32)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.min_rows <= x.shape[0] <= self.max_rows:
+            return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias,
+                                                      "none", [], "")
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class UpcastCpuLinear:
+    """bf16 weights on a CPU without native bf16 matmuls: fp32 products on slices of at most
+    `chunk_elems` weight elements, upcast into one reused scratch buffer (so the upcast copy
+    stays in cache and no large temporary is allocated per call)."""
+
+    def __init__(self, chunk_elems: int = 1 << 19, gemv_rows: int = 1):
+        self.chunk_elems, self.gemv_rows = chunk_elems, gemv_rows
+        self._scratch = torch.empty(0, dtype=torch.float32)  # [chunk_elems] at most
+
+    def process_weights(self, layer: Linear) -> None:
+        pass
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.gemv_rows:
+            return F.linear(x, layer.weight, layer.bias)
+        weight = layer.weight  # [out_features, in_features] bf16
+        out_features, in_features = weight.shape
+        rows = max(1, self.chunk_elems // in_features)
+        if self._scratch.numel() < rows * in_features:
+            self._scratch = torch.empty(rows * in_features, dtype=torch.float32)
+        xf = x.float()  # [num_tokens, in_features]
+        out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+        for start in range(0, out_features, rows):
+            end = min(start + rows, out_features)
+            w = self._scratch[:(end - start) * in_features].view(end - start, in_features)
+            w.copy_(weight[start:end])
+            out[:, start:end] = xf @ w.t()
+        if layer.bias is not None:
+            out += layer.bias
+        return out.to(x.dtype)
+
+
+class TiedHead:
+    """The LM head of a model with tied embeddings: the embedding matrix used as a `Linear`.
+    A plain object, not a module, so the matrix stays one parameter (the embedding's)."""
+
+    bias = None
+
+    def __init__(self, embedding: nn.Embedding):
+        self.embedding = embedding
+        self.method: LinearMethod = DENSE
+
+    @property
+    def weight(self) -> torch.Tensor:  # [vocab_size, hidden_size]
+        return self.embedding.weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)  # type: ignore[arg-type]
+
+
+def cpu_linear_method(dtype: torch.dtype, native_bf16: bool) -> LinearMethod:
+    if dtype == torch.float32:
+        return PackedCpuLinear()
+    if dtype == torch.bfloat16 and not native_bf16:
+        return UpcastCpuLinear()
+    return DENSE
+
+
+def use_linear_method(model: nn.Module, method: LinearMethod) -> int:
+    """Give every `Linear` in `model` (and its `lm_head` when that is a `TiedHead`) the method
+    and let it prepare the weights; returns how many layers it took."""
+    layers: list = [m for m in model.modules() if isinstance(m, Linear)]
+    if isinstance(getattr(model, "lm_head", None), TiedHead):
+        layers.append(model.lm_head)
+    for layer in layers:
+        layer.method = method
+        method.process_weights(layer)
+    return len(layers)

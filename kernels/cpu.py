@@ -1,0 +1,255 @@
+"""Fast CPU implementations of the kernels: the CPU backend at run time.
+
+Same signatures and cache layout as the twins (kernels/twins.py), which stay the oracle. What
+differs is how the work is batched, never what is computed:
+
+- paged_attention: decode rows (one query token per sequence) of the whole batch in one pass:
+  every decode sequence's blocks are gathered at once into ``[num_decode, max_ctx, ...]``,
+  padded positions are masked (-inf score, zeroed value so poison there cannot leak), then one
+  batched matmul/softmax/matmul per KV head. Prefill rows go through torch's fused SDPA per
+  sequence (the flash CPU kernel), on the new keys directly when there is no cached prefix.
+  The per-step bookkeeping (which rows decode, the gather index, the mask) is an
+  `AttentionPlan`, built once per step and shared by every layer.
+- rms_norm: torch's fused rms_norm, bitwise equal to the twin in fp32 (checked in tests).
+- rotary: q and k rotated in one pass when k directly follows q in memory (the fused qkv
+  projection's layout), without the twin's concatenation temporary.
+- store_kv: one index_copy_ per cache into its flat slot view.
+
+fp32 stays fp32 throughout, so fp32 greedy decoding stays token-exact against transformers.
+16-bit inputs are computed in `compute_dtype(dtype)`: the model dtype where the CPU has native
+bf16/fp16 matmuls, else fp32 (torch's emulated 16-bit matmul is several times slower than fp32
+on CPUs without AVX512-BF16/AMX). Softmax is always accumulated in fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def has_native_bf16() -> bool:
+    """True where oneDNN runs bf16 matmuls natively (AVX512-BF16, AMX, AVX-NE-CONVERT)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype matmuls run in for tensors of `dtype` on this CPU."""
+    if dtype == torch.bfloat16 and has_native_bf16():
+        return dtype
+    return torch.float32
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Which token rows decode and which prefill, for one step; shared by every layer.
+
+    Decode part (sequences scheduled with exactly one token), in batch order::
+
+        decode_rows      token rows of the decode sequences: a slice when they are contiguous
+        decode_block_ids [num_decode * max_blocks] int64: their block tables, flattened
+        decode_padding   [num_decode, 1, max_blocks * block_size] bool: position >= seq_len
+        decode_padding_v the same, shaped [num_decode, max_blocks * block_size, 1, 1] for values
+
+    Prefill part, per sequence with more than one token: (first row, end row, seq_len, its
+    block ids, fresh) where fresh means no cached prefix: all its keys are this step's.
+    """
+
+    num_decode: int
+    decode_rows: slice | torch.Tensor
+    decode_block_ids: torch.Tensor
+    decode_padding: torch.Tensor
+    decode_padding_v: torch.Tensor
+    prefills: list[tuple[int, int, int, torch.Tensor, bool]]
+
+
+def plan_attention(block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+                   seq_lens: torch.Tensor,  # [num_seqs] int32
+                   query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+                   block_size: int) -> AttentionPlan:
+    # One host read of the step's lengths; the loop is per sequence, once per step.
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    decode_seqs, prefills = [], []
+    for i, seq_len in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        if q_end - q_start == 1:
+            decode_seqs.append(i)
+        elif q_end > q_start:
+            num_blocks = -(-seq_len // block_size)
+            prefills.append((q_start, q_end, seq_len, block_tables[i, :num_blocks].long(),
+                             seq_len == q_end - q_start))
+    num_decode = len(decode_seqs)
+    if num_decode == 0:
+        empty = torch.empty(0)
+        return AttentionPlan(0, slice(0, 0), empty.long(), empty, empty.bool(), prefills)
+    rows = [starts[i] for i in decode_seqs]
+    if rows == list(range(rows[0], rows[0] + num_decode)):
+        decode_rows: slice | torch.Tensor = slice(rows[0], rows[0] + num_decode)
+    else:
+        decode_rows = torch.tensor(rows, dtype=torch.long)
+    max_blocks = -(-max(lens[i] for i in decode_seqs) // block_size)
+    seq_idx = torch.tensor(decode_seqs, dtype=torch.long)
+    block_ids = block_tables[seq_idx, :max_blocks].long().flatten()
+    positions = torch.arange(max_blocks * block_size)  # [max_ctx]
+    padding = positions[None, :] >= seq_lens[seq_idx, None]  # [num_decode, max_ctx]
+    return AttentionPlan(num_decode, decode_rows, block_ids, padding[:, None, :],
+                         padding[:, :, None, None], prefills)
+
+
+def paged_attention_planned(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim], this step's keys
+    value: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:
+    """Attention for a step whose keys/values are already in the cache. `key`/`value` are
+    optional: with them a prefill without cached prefix skips the gather from the cache."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype)
+    if plan.num_decode:
+        out[plan.decode_rows] = _decode(q[plan.decode_rows], k_cache, v_cache, plan, scale)
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    cdt = compute_dtype(q.dtype)
+    for q_start, q_end, seq_len, block_ids, fresh in plan.prefills:
+        qi = q[q_start:q_end].transpose(0, 1).to(cdt)  # [num_heads, q_len, head_dim]
+        if fresh and key is not None and value is not None:
+            ki, vi = key[q_start:q_end], value[q_start:q_end]  # [q_len, num_kv_heads, head_dim]
+            mask, causal = None, True
+        else:
+            # Whole blocks, flattened to positions, trimmed to seq_len.
+            ki = k_cache[block_ids].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
+            vi = v_cache[block_ids].flatten(0, 1)[:seq_len]
+            q_len = q_end - q_start
+            # Query j sits at position seq_len - q_len + j and sees keys at or before it.
+            mask = (torch.arange(seq_len)[None, :]
+                    <= torch.arange(seq_len - q_len, seq_len)[:, None])  # [q_len, seq_len]
+            causal = False
+        # 4-D inputs: with 3-D ones SDPA falls back to its unfused math path on the CPU.
+        o = F.scaled_dot_product_attention(
+            qi[None], ki.transpose(0, 1).to(cdt)[None], vi.transpose(0, 1).to(cdt)[None],
+            attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )  # [1, num_heads, q_len, head_dim]
+        out[q_start:q_end] = o[0].transpose(0, 1)
+    return out
+
+
+def _decode(q: torch.Tensor,  # [num_decode, num_heads, head_dim]
+            k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
+            scale: float) -> torch.Tensor:  # [num_decode, num_heads, head_dim]
+    num_decode, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    cdt = compute_dtype(q.dtype)
+    # Whole blocks of every decode sequence, all KV heads: [num_decode, max_ctx, kv_heads, D].
+    k = k_cache.index_select(0, plan.decode_block_ids).view(num_decode, -1, num_kv_heads,
+                                                            head_dim).to(cdt)
+    v = v_cache.index_select(0, plan.decode_block_ids).view(num_decode, -1, num_kv_heads,
+                                                            head_dim).to(cdt)
+    # Padded positions get probability exactly 0; zeroing their values keeps 0 * NaN (stale
+    # or poisoned slots) out of the sum.
+    v.masked_fill_(plan.decode_padding_v, 0.0)
+    qc = q.to(cdt)
+    out = torch.empty((num_decode, num_heads, head_dim), dtype=cdt)
+    for h in range(num_kv_heads):
+        heads = slice(h * group, (h + 1) * group)
+        # Strided views: [num_decode, group, D] @ [num_decode, D, max_ctx], no copies.
+        scores = torch.bmm(qc[:, heads], k[:, :, h].transpose(1, 2))  # [num_decode, group, ctx]
+        # Padded keys may hold anything, NaN included: their scores are replaced, not added to.
+        scores = scores.float().mul_(scale).masked_fill_(plan.decode_padding, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(cdt)
+        out[:, heads] = torch.bmm(probs, v[:, :, h])  # [num_decode, group, D]
+    return out.to(q.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The twin's signature: plans the step, then attends (keys read from the cache)."""
+    plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
+    return paged_attention_planned(q, None, None, k_cache, v_cache, plan, scale, out)
+
+
+def store_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding, skip
+) -> None:
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        from kernels import twins
+
+        twins.store_kv(key, value, k_cache, v_cache, slot_mapping)
+        return
+    if bool((slot_mapping < 0).any()):
+        valid = slot_mapping >= 0
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    # A contiguous cache viewed flat: row `slot` is block slot // block_size, offset the rest.
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if residual is not None:
+        x = x + residual  # the residual stream, summed in the model dtype as transformers does
+    out = torch.rms_norm(x, weight.shape, weight, eps)
+    return out if residual is None else (out, x)
+
+
+def rotary(
+    positions: torch.Tensor,  # [num_tokens] int64
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]: cos | sin halves
+) -> None:
+    half = cos_sin_cache.shape[1] // 2
+    cos_sin = cos_sin_cache.index_select(0, positions).to(q.dtype)  # [num_tokens, head_dim]
+    cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]  # [num_tokens, 1, half]
+    for x in _rotary_operands(q, k):
+        x1, x2 = x[..., :half], x[..., half:]
+        # Neox style, the twin's arithmetic: (x1*cos - x2*sin, x2*cos + x1*sin).
+        y1 = x1 * cos
+        y1 -= x2 * sin
+        y2 = x2 * cos
+        y2 += x1 * sin
+        x1.copy_(y1)
+        x2.copy_(y2)
+
+
+def _rotary_operands(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(q and k as one [num_tokens, num_heads + num_kv_heads, head_dim] view,) when k's heads
+    follow q's in every row (the fused qkv output), else (q, k)."""
+    num_tokens, num_heads, head_dim = q.shape
+    if (q.dtype == k.dtype and q.stride(2) == 1 and q.stride(1) == head_dim
+            and k.stride() == q.stride() and k.shape[0] == num_tokens
+            and k.data_ptr() == q.data_ptr() + num_heads * head_dim * q.element_size()):
+        return (q.as_strided((num_tokens, num_heads + k.shape[1], head_dim), q.stride()),)
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * intermediate]
+    intermediate = x.shape[-1] // 2
+    out = F.silu(x[..., :intermediate])  # [num_tokens, intermediate]
+    return out.mul_(x[..., intermediate:])

@@ -1,0 +1,173 @@
+"""The CPU backend's executor side: thread budget, linear methods, the per-step attention plan,
+and whole models on the CPU backend against the twins (the oracle path, FOLIO_KERNELS=torch
+semantics: plain F.linear and kernels/twins.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from executor_svc.cli import build_parser, config_from_args
+from executor_svc.cpu_threads import default_cpu_threads
+from executor_svc.models.linear import (
+    DENSE,
+    Linear,
+    PackedCpuLinear,
+    TiedHead,
+    UpcastCpuLinear,
+    cpu_linear_method,
+    use_linear_method,
+)
+from executor_svc.runner import RequestState
+from kernels import cpu, twins
+from tests.executor.harness import PlanDriver, make_runner
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = [[5, 17, 42, 99, 7, 250, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [42]]
+
+
+@pytest.mark.parametrize("cores, threads", [(1, 1), (2, 1), (4, 3), (16, 15)])
+def test_default_threads_leave_one_core(cores, threads):
+    assert default_cpu_threads(cores) == threads
+
+
+def test_cpu_threads_flag():
+    assert config_from_args(build_parser().parse_args(["--cpu-threads", "3"])).cpu_threads == 3
+    assert config_from_args(build_parser().parse_args([])).cpu_threads is None
+    with pytest.raises(ValueError, match="--cpu-threads"):
+        config_from_args(build_parser().parse_args(["--cpu-threads", "0"]))
+
+
+def test_apply_cpu_threads_sets_torch_before_first_op():
+    code = ("from executor_svc.cpu_threads import apply_cpu_threads\n"
+            "apply_cpu_threads(1)\n"
+            "import torch\n"
+            "print(torch.get_num_threads(), torch.get_num_interop_threads())\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**env, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1].split() == ["1", "1"]  # after the log line
+
+
+def _layer(out_features: int, in_features: int, dtype: torch.dtype, bias: bool) -> Linear:
+    layer = Linear(in_features, out_features, bias=bias, dtype=dtype)
+    with torch.no_grad():
+        layer.weight.normal_(0, 0.05)
+        if bias:
+            layer.bias.normal_(0, 0.5)
+    return layer
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16, 128, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_fp32_linear_matches_f_linear(rows, bias):
+    layer = _layer(200, 96, torch.float32, bias)
+    x = torch.randn(rows, 96)
+    expected = F.linear(x, layer.weight, layer.bias)
+    use_linear_method(layer, PackedCpuLinear())
+    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_upcast_bf16_linear_is_fp32_math_on_bf16_weights(rows, bias):
+    # A small chunk so the product is assembled from several slices of weight rows.
+    layer = _layer(300, 64, torch.bfloat16, bias)
+    x = torch.randn(rows, 64).bfloat16()
+    use_linear_method(layer, UpcastCpuLinear(chunk_elems=64 * 70))
+    got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 300)
+    bias_fp32 = layer.bias.float() if bias else None
+    expected = F.linear(x.float(), layer.weight.float(), bias_fp32)
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_tied_head_shares_the_embedding_and_gets_the_method(checkpoint_cache):
+    _, model_dir = checkpoint_cache("llama3")  # tied embeddings
+    runner = make_runner(model_dir)
+    model = runner.model
+    assert isinstance(model.lm_head, TiedHead)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    # The loader gave every linear layer, the tied head included, the CPU fp32 method.
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(isinstance(m.method, PackedCpuLinear) for m in linears)
+    assert isinstance(model.lm_head.method, PackedCpuLinear)
+    names = [n for n, _ in model.named_parameters()]
+    assert len(names) == len(set(names)) and not any(n.startswith("lm_head") for n in names)
+
+
+def test_attention_plan_is_built_once_per_step(checkpoint_cache):
+    _, model_dir = checkpoint_cache("llama2")
+    runner = make_runner(model_dir)
+    driver = PlanDriver(seed=4)
+    scheduled = []
+    for i, prompt in enumerate(PROMPTS):
+        new = driver.new(f"r{i}", prompt, len(prompt))
+        scheduled.append((RequestState(new.req_id, list(prompt), new.sampling, new.block_ids,
+                                       0), len(prompt)))
+    input_ids, positions, batch, _ = runner.prepare(scheduled)
+    with mock.patch.object(cpu, "plan_attention", wraps=cpu.plan_attention) as plan:
+        with torch.inference_mode():
+            runner.model(input_ids, positions, batch)
+            runner.model(input_ids, positions, dataclasses.replace(batch))  # a new step
+    assert plan.call_count == 2  # one per step, not one per layer
+
+
+@pytest.mark.parametrize("arch", ["llama2", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_model_matches_twins_path(arch, dtype, checkpoint_cache):
+    """Prefills (one chunked), then mixed steps of decodes and a chunk, on the CPU backend
+    against the same model with plain linears and the twin kernels: every row's logits."""
+    _, model_dir = checkpoint_cache(arch)
+    fast, oracle = make_runner(model_dir), make_runner(model_dir)
+    for runner in (fast, oracle):
+        runner.model.to(dtype)
+        for cache in (*runner.kv_cache.k_caches, *runner.kv_cache.v_caches):
+            cache.data = cache.data.to(dtype)
+        runner.model.bind_kv_cache(runner.kv_cache.per_layer())
+    use_linear_method(oracle.model, DENSE)
+    use_linear_method(fast.model, cpu_linear_method(dtype, cpu.has_native_bf16()))
+    tol = 1e-4 if dtype == torch.float32 else 6e-2
+    driver = PlanDriver(seed=5)
+    first = [driver.new(f"r{i}", p, len(p)) for i, p in enumerate(PROMPTS[:2])]
+    first.append(driver.new("r2", PROMPTS[2] * 9, 5))  # a chunked prefill
+    plans = [driver.plan(new_reqs=first)]
+    for step in range(3):
+        logits = [_forward(fast, plans[-1], oracle=False), _forward(oracle, plans[-1], True)]
+        torch.testing.assert_close(logits[0], logits[1], atol=tol, rtol=tol)
+        # The same next token for both (the scheduler's role here: no sampling involved).
+        for runner in (fast, oracle):
+            for req_id in ("r0", "r1"):
+                runner.requests[req_id].token_ids.append(7 + step)
+        driver.record([("r0", [7 + step]), ("r1", [7 + step])])
+        cached = driver.decode_all(["r0", "r1"])
+        if step == 0:
+            cached.append(driver.cached("r2", 4))
+        plans.append(driver.plan(cached_reqs=cached))
+
+
+def _forward(runner, plan, oracle: bool) -> torch.Tensor:
+    """All token rows' logits for `plan`; oracle: the twins and the generic attention path."""
+    scheduled = runner._apply(plan)
+    input_ids, positions, batch, _ = runner.prepare(scheduled)
+    batch = dataclasses.replace(batch, logits_indices=torch.arange(batch.num_tokens))
+    with contextlib.ExitStack() as stack:
+        if oracle:
+            stack.enter_context(mock.patch("kernels._impl", lambda x: twins))
+            stack.enter_context(mock.patch("executor_svc.attention.cpu_backend_active",
+                                           lambda x: False))
+        with torch.inference_mode():
+            logits = runner.model(input_ids, positions, batch)  # [num_tokens, vocab]
+    for state, n in scheduled:
+        state.num_computed_tokens += n
+    return logits
