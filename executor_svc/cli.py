@@ -50,9 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto = float32 on the CPU, bfloat16 on CUDA")
     p.add_argument("--device", choices=DEVICES, default="auto")
     p.add_argument("--cpu-threads", type=int, default=None,
-                   help="threads for the model's CPU ops (default: the cores this process may "
-                        "use minus one, at least 1: one core stays free for the scheduler, so "
-                        "a busy core does not stall every op; see executor_svc/cpu_threads.py)")
+                   help="threads for the model's CPU ops (default: every core this process may "
+                        "use, with OMP_WAIT_POLICY=PASSIVE so a busy core does not stall every "
+                        "op; see executor_svc/cpu_threads.py)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="cap on tokens per request (prompt + output)")
     p.add_argument("--log-format", choices=LOG_FORMATS, default=None,

@@ -58,7 +58,7 @@ class SchedulerConfig:
     dtype: str | None = None
     device: str | None = None
     swap_space: float | None = None  # GiB of CPU swap pool
-    cpu_threads: int | None = None  # the executor's torch threads (executor default: cores - 1)
+    cpu_threads: int | None = None  # the executor's torch threads (executor default: all cores)
     # ---- public API front end (scheduler_svc.server, scheduler_svc.auth) ----
     served_model_name: str | None = None  # None = the model directory's name
     api_key: str | None = field(default=None, repr=False)  # None = no authentication
@@ -196,7 +196,7 @@ def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentPars
     g.add_argument("--swap-space", type=float,
                    help="GiB of CPU memory for swapped-out KV blocks (executor default 0)")
     g.add_argument("--cpu-threads", type=int,
-                   help="the executor's CPU threads (executor default: usable cores - 1)")
+                   help="the executor's CPU threads (executor default: every usable core)")
     add_front_end_flags(p)
     return p
 

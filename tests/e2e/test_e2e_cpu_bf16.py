@@ -105,8 +105,8 @@ def teacher_forced_matches(model_dir, prompt_ids, continuations) -> tuple[int, i
     from executor_svc.kv_cache import KVCache
     from executor_svc.loader import load_model
     from executor_svc.model_config import ModelConfig
-    from executor_svc.runner import ModelRunner, RequestState
-    from protos.plan import SamplingSpec
+    from executor_svc.runner import ModelRunner
+    from protos.plan import CachedRequest, NewRequest, SamplingSpec, StepPlan
 
     cfg = ModelConfig.from_dir(model_dir)
     cpu = torch.device("cpu")
@@ -116,27 +116,33 @@ def teacher_forced_matches(model_dir, prompt_ids, continuations) -> tuple[int, i
     kv_cache = KVCache.allocate(cfg, sum(blocks), BLOCK_SIZE, torch.bfloat16, cpu)
     model.bind_kv_cache(kv_cache.per_layer())
     runner = ModelRunner(model, kv_cache, BLOCK_SIZE, 512, cfg.vocab_size, cpu)
-    states, first = [], 0
+    # Every request holds prompt + continuation from the start (no sampling: the argmax is
+    # only compared); position k of a continuation is predicted from the prompt and its
+    # first k tokens.
+    new_reqs, first = [], 0
     for i, (p, c) in enumerate(zip(prompt_ids, continuations, strict=True)):
-        states.append(RequestState(f"r{i}", p + c, SamplingSpec(temperature=0.0),
-                                   list(range(first, first + blocks[i])), 0))
+        new_reqs.append(NewRequest(f"r{i}", p + c, SamplingSpec(temperature=0.0),
+                                   list(range(first, first + blocks[i])), 0, len(p)))
         first += blocks[i]
-    # Position k of a continuation is predicted from the prompt and its first k tokens.
-    num_scheduled = [len(p) for p in prompt_ids]
+    plan = StepPlan(0, new_reqs=new_reqs)
     matched = positions = 0
     with torch.inference_mode():
         for k in range(max(map(len, continuations))):
-            active = [(s, n, c) for s, n, c in zip(states, num_scheduled, continuations,
-                                                   strict=True) if k < len(c)]
-            input_ids, pos, batch, _ = runner.prepare([(s, n) for s, n, _ in active])
+            scheduled = runner.apply(plan)
+            inputs = runner.prepare(scheduled)
+            batch = inputs.batch
             last_rows = batch.query_start_loc[1:].long() - 1
             batch = dataclasses.replace(batch, logits_indices=last_rows)
-            predicted = model(input_ids, pos, batch).argmax(-1).tolist()
-            for (state, n, c), token in zip(active, predicted, strict=True):
+            predicted = model(inputs.input_ids, inputs.positions, batch).argmax(-1).tolist()
+            runner.input_batch.num_computed[scheduled.rows] += scheduled.query_lens
+            computed = runner.input_batch.num_computed
+            active = [(i, c) for i, c in enumerate(continuations) if k < len(c)]
+            for (_, c), token in zip(active, predicted, strict=True):
                 matched += token == c[k]
                 positions += 1
-                state.num_computed_tokens += n
-            num_scheduled = [1] * len(states)
+            plan = StepPlan(k + 1, cached_reqs=[
+                CachedRequest(f"r{i}", [], int(computed[runner.input_batch.row_of[f"r{i}"]]), 1)
+                for i, c in enumerate(continuations) if k + 1 < len(c)])
     return matched, positions
 
 

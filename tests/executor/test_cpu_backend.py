@@ -27,7 +27,6 @@ from executor_svc.models.linear import (
     cpu_linear_method,
     use_linear_method,
 )
-from executor_svc.runner import RequestState
 from kernels import cpu, twins
 from tests.executor.harness import PlanDriver, make_runner
 
@@ -35,9 +34,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 17, 42, 99, 7, 250, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [42]]
 
 
-@pytest.mark.parametrize("cores, threads", [(1, 1), (2, 1), (4, 3), (16, 15)])
-def test_default_threads_leave_one_core(cores, threads):
-    assert default_cpu_threads(cores) == threads
+@pytest.mark.parametrize("cores", [1, 2, 4, 16])
+def test_default_threads_use_every_core(cores):
+    assert default_cpu_threads(cores) == cores
 
 
 def test_cpu_threads_flag():
@@ -110,12 +109,9 @@ def test_attention_plan_is_built_once_per_step(checkpoint_cache):
     _, model_dir = checkpoint_cache("llama2")
     runner = make_runner(model_dir)
     driver = PlanDriver(seed=4)
-    scheduled = []
-    for i, prompt in enumerate(PROMPTS):
-        new = driver.new(f"r{i}", prompt, len(prompt))
-        scheduled.append((RequestState(new.req_id, list(prompt), new.sampling, new.block_ids,
-                                       0), len(prompt)))
-    input_ids, positions, batch, _ = runner.prepare(scheduled)
+    plan = driver.plan(new_reqs=[driver.new(f"r{i}", p, len(p)) for i, p in enumerate(PROMPTS)])
+    inputs = runner.prepare(runner.apply(plan))
+    input_ids, positions, batch = inputs.input_ids, inputs.positions, inputs.batch
     with mock.patch.object(cpu, "plan_attention", wraps=cpu.plan_attention) as plan:
         with torch.inference_mode():
             runner.model(input_ids, positions, batch)
@@ -148,7 +144,7 @@ def test_cpu_backend_model_matches_twins_path(arch, dtype, checkpoint_cache):
         # The same next token for both (the scheduler's role here: no sampling involved).
         for runner in (fast, oracle):
             for req_id in ("r0", "r1"):
-                runner.requests[req_id].token_ids.append(7 + step)
+                runner.input_batch.append_tokens(runner.input_batch.row_of[req_id], [7 + step])
         driver.record([("r0", [7 + step]), ("r1", [7 + step])])
         cached = driver.decode_all(["r0", "r1"])
         if step == 0:
@@ -158,8 +154,9 @@ def test_cpu_backend_model_matches_twins_path(arch, dtype, checkpoint_cache):
 
 def _forward(runner, plan, oracle: bool) -> torch.Tensor:
     """All token rows' logits for `plan`; oracle: the twins and the generic attention path."""
-    scheduled = runner._apply(plan)
-    input_ids, positions, batch, _ = runner.prepare(scheduled)
+    scheduled = runner.apply(plan)
+    inputs = runner.prepare(scheduled)
+    input_ids, positions, batch = inputs.input_ids, inputs.positions, inputs.batch
     batch = dataclasses.replace(batch, logits_indices=torch.arange(batch.num_tokens))
     with contextlib.ExitStack() as stack:
         if oracle:
@@ -168,6 +165,5 @@ def _forward(runner, plan, oracle: bool) -> torch.Tensor:
                                            lambda x: False))
         with torch.inference_mode():
             logits = runner.model(input_ids, positions, batch)  # [num_tokens, vocab]
-    for state, n in scheduled:
-        state.num_computed_tokens += n
+    runner.input_batch.num_computed[scheduled.rows] += scheduled.query_lens
     return logits
