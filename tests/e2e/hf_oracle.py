@@ -27,8 +27,10 @@ def load_hf_model(model_dir: str | Path):
     return model
 
 
-def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """HF `generate(do_sample=False)`, one prompt at a time (no padding effects)."""
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int,
+              eos_token_id: int | None = None) -> list[list[int]]:
+    """HF `generate(do_sample=False)`, one prompt at a time (no padding effects); with
+    `eos_token_id`, each continuation stops after that id (included)."""
     import torch
 
     outputs = []
@@ -37,7 +39,8 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
             input_ids = torch.tensor([prompt], dtype=torch.long)
             out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                                  do_sample=False, max_new_tokens=max_new_tokens,
-                                 min_new_tokens=0, eos_token_id=None)
+                                 min_new_tokens=0, eos_token_id=eos_token_id,
+                                 pad_token_id=eos_token_id)
             outputs.append(out[0, len(prompt):].tolist())
     return outputs
 

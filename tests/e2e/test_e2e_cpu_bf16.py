@@ -27,6 +27,7 @@ import dataclasses
 import pytest
 
 from client import AsyncFolioClient
+from tests.e2e.hf_oracle import hf_greedy
 
 MAX_TOKENS = 64
 MIN_TEACHER_FORCED = 0.95
@@ -60,17 +61,6 @@ def hf_fp32():
     return model, tokenizer
 
 
-def hf_greedy(model, tokenizer, prompt_ids: list[int]) -> list[int]:
-    import torch
-
-    ids = torch.tensor([prompt_ids])
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=MAX_TOKENS, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.eos_token_id)
-    return out[0, len(prompt_ids):].tolist()
-
-
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -92,7 +82,7 @@ def reference(hf_fp32, folio_cache_dir):
         else:
             prompt_ids.append(list(tokenizer.apply_chat_template(
                 p["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)))
-    continuations = [hf_greedy(model, tokenizer, ids) for ids in prompt_ids]
+    continuations = hf_greedy(model, prompt_ids, MAX_TOKENS, tokenizer.eos_token_id)
     return prompt_ids, continuations, gguf_checkpoint_dir(smollm2_gguf(), folio_cache_dir)
 
 

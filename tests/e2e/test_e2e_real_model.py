@@ -10,6 +10,7 @@ import asyncio
 import pytest
 
 from client import AsyncFolioClient
+from tests.e2e.hf_oracle import hf_greedy
 
 MAX_TOKENS = 64
 RAW_PROMPTS = [
@@ -58,18 +59,6 @@ def server(folio_server):
         yield s
 
 
-def hf_greedy(model, tokenizer, prompt_ids: list[int]) -> list[int]:
-    """Greedy continuation up to MAX_TOKENS, stopping after the model's EOS (included)."""
-    import torch
-
-    ids = torch.tensor([prompt_ids])
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=MAX_TOKENS, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.eos_token_id)
-    return out[0, len(prompt_ids):].tolist()
-
-
 async def test_default_model_is_smollm2(server, gguf_file):
     async with AsyncFolioClient(server.address, timeout=60) as client:
         info = await client.model_info()
@@ -96,7 +85,7 @@ async def test_greedy_matches_transformers_on_the_same_gguf(server, hf):
                 p["messages"], add_generation_prompt=True, tokenize=True,
                 return_dict=False)), p
     for p, ids, done in zip(prompts, prompt_ids, completions, strict=True):
-        want = hf_greedy(model, tokenizer, ids)
+        [want] = hf_greedy(model, [ids], MAX_TOKENS, tokenizer.eos_token_id)
         assert done.token_ids == want, (p, tokenizer.decode(done.token_ids),
                                         tokenizer.decode(want))
         assert done.text == tokenizer.decode(want, skip_special_tokens=True), p
