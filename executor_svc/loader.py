@@ -165,8 +165,10 @@ def effective_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
 
 def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
                max_model_len: int, backend: AttentionBackend | None = None,
-               cfg: ModelConfig | None = None) -> nn.Module:
-    """Build the registered class for the checkpoint in `model_dir` and load its weights."""
+               cfg: ModelConfig | None = None, keep_plain_weights: bool = False) -> nn.Module:
+    """Build the registered class for the checkpoint in `model_dir` and load its weights.
+    `keep_plain_weights`: the CPU backend may release the plain linear weights once it has
+    its own forms of them (prepare_for_device); True keeps them readable (tests, tools)."""
     cfg = cfg or ModelConfig.from_dir(model_dir)
     try:
         cls = model_class(cfg.architecture)
@@ -188,22 +190,23 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
     model.to_empty(device=device)
     load_weights(model, placements)
     model.eval()
-    prepare_for_device(model, device, dtype)
+    num_params = sum(p.numel() for p in model.parameters())
+    prepare_for_device(model, device, dtype, keep_plain_weights)
     log.info("model loaded", architecture=cfg.architecture, files=len(files),
-             params=sum(p.numel() for p in model.parameters()), dtype=str(dtype),
-             device=str(device))
+             params=num_params, dtype=str(dtype), device=str(device))
     return model
 
 
 
-def prepare_for_device(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+def prepare_for_device(model: nn.Module, device: torch.device, dtype: torch.dtype,
+                       keep_plain_weights: bool = False) -> None:
     """After the weights are in place: give the linear layers the method for this device
     (models/linear.py). On the CPU backend that may pre-pack weights; with FOLIO_KERNELS=torch
     (the twins, the oracle path) and on CUDA the layers keep plain F.linear."""
     probe = torch.empty(0, device=device)
     if not kernels.cpu_backend_active(probe):
         return
-    method = cpu_linear_method(dtype, kernels.cpu.has_native_bf16())
+    method = cpu_linear_method(dtype, kernels.cpu.has_native_bf16(), keep_plain_weights)
     with torch.no_grad():
         num_layers = use_linear_method(model, method)
     log.info("cpu linear layers prepared", method=type(method).__name__, layers=num_layers,

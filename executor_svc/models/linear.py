@@ -8,11 +8,12 @@ a method that keeps packed integer blocks and multiplies them.
 
 CPU methods, chosen by measurement (bench/cpu_step.py; docs/benchmarks.md has the tables):
 
-- fp32: oneDNN with the weight pre-packed in its blocked layout is 1.2-1.8x faster than
-  ``F.linear`` (MKL) for 2-64 rows (whole decoder layers of Qwen2.5-0.5B's shape), even at
-  128, and slower for one row (MKL's gemv) and from 256 rows (prefill chunks).
-  `PackedCpuLinear` keeps both forms (twice the linear weights' memory) and picks per call by
-  row count. The two differ by float rounding only (about 1e-6
+- fp32: oneDNN on weights pre-packed in its blocked layouts: `PackedCpuLinear` keeps one
+  layout made for a single row (decode at batch 1, 1.5x MKL's gemv: 17 vs 11 GB/s of weights
+  streamed on the 2-core machine) and one made for many rows (1.2-2.7x ``F.linear`` from 2 to
+  256 rows, equal from 512). The plain weight is then released, so the linear weights take
+  twice their size (both packed forms); a tied LM head keeps it (the embedding looks rows up
+  in it). The packed products differ from ``F.linear`` by float rounding only (about 1e-6
   relative); greedy decoding stays token-exact against transformers (tests/e2e).
 - bf16 on a CPU without native bf16 matmuls (no AVX512-BF16/AMX): torch's emulated bf16 gemm
   is 3x slower than fp32 from 16 rows up; `UpcastCpuLinear` keeps the bf16 weight (half the
@@ -75,22 +76,28 @@ class MergedLinear(Linear):
 
 
 class PackedCpuLinear:
-    """fp32 on the CPU: oneDNN on a pre-packed weight for `min_rows`..`max_rows` rows,
-    F.linear (MKL) on the plain weight otherwise. Invariant after process_weights:
-    ``layer.packed_weight`` holds the same matrix as ``layer.weight`` in oneDNN's layout."""
+    """fp32 on the CPU: oneDNN on pre-packed weights, ``gemv_weight`` for one row and
+    ``packed_weight`` for more. Invariant after process_weights: both hold the matrix
+    ``layer.weight`` held, in oneDNN's layouts; with `release_plain`, ``layer.weight`` of a
+    `Linear` is then empty (a `TiedHead` keeps it: it is the embedding)."""
 
-    def __init__(self, min_rows: int = 2, max_rows: int = 128):
-        self.min_rows, self.max_rows = min_rows, max_rows
+    def __init__(self, release_plain: bool = True):
+        self.release_plain = release_plain
 
     def process_weights(self, layer: Linear) -> None:
-        # The batch size is only a layout hint; the packed weight serves any row count.
-        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 32)
+        weight = layer.weight.detach()
+        if weight.numel() == 0:
+            raise ValueError("PackedCpuLinear: this layer's plain weight was already released")
+        # The second argument is the batch size oneDNN picks its blocking for; the packed
+        # weight serves any row count.
+        layer.gemv_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+        if self.release_plain and isinstance(layer, Linear):
+            layer.weight.data = torch.empty(0, dtype=weight.dtype)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.min_rows <= x.shape[0] <= self.max_rows:
-            return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias,
-                                                      "none", [], "")
-        return F.linear(x, layer.weight, layer.bias)
+        packed = layer.gemv_weight if x.shape[0] == 1 else layer.packed_weight
+        return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
 
 
 class UpcastCpuLinear:
@@ -143,9 +150,10 @@ class TiedHead:
         return self.method.apply(self, x)  # type: ignore[arg-type]
 
 
-def cpu_linear_method(dtype: torch.dtype, native_bf16: bool) -> LinearMethod:
+def cpu_linear_method(dtype: torch.dtype, native_bf16: bool,
+                      keep_plain_weights: bool = False) -> LinearMethod:
     if dtype == torch.float32:
-        return PackedCpuLinear()
+        return PackedCpuLinear(release_plain=not keep_plain_weights)
     if dtype == torch.bfloat16 and not native_bf16:
         return UpcastCpuLinear()
     return DENSE

@@ -18,7 +18,7 @@ from tests.executor.harness import make_hf_model, save_checkpoint
 
 def _load(model_dir):
     return load_model(model_dir, dtype=torch.float32, device=torch.device("cpu"),
-                      max_model_len=64)
+                      max_model_len=64, keep_plain_weights=True)
 
 
 def _rewrite(model_dir, edit) -> None:
