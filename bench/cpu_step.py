@@ -153,12 +153,18 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--rows", type=int, default=18)
+    ap.add_argument("--no-keep-freed-memory", action="store_true",
+                    help="leave malloc as it is (the executor sets executor_svc/host_memory.py)")
     args = ap.parse_args()
 
     from executor_svc.cpu_threads import apply_cpu_threads, default_cpu_threads
 
     threads = args.threads or default_cpu_threads()
     apply_cpu_threads(threads)  # before the first torch op, as the executor does
+    if not args.no_keep_freed_memory:
+        from executor_svc.host_memory import keep_freed_memory
+
+        keep_freed_memory()
     import torch
 
     dtype = getattr(torch, args.dtype)

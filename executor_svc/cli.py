@@ -21,6 +21,7 @@ from executor_svc.config import (
     parse_memory,
 )
 from executor_svc.cpu_threads import apply_cpu_threads, default_cpu_threads
+from executor_svc.host_memory import keep_freed_memory
 from executor_svc.lifecycle import Lifecycle, ShutdownRequested
 from executor_svc.model_config import ModelConfig
 from executor_svc.named_models import is_named, named_model_path
@@ -51,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=DEVICES, default="auto")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="threads for the model's CPU ops (default: every core this process may "
-                        "use, with OMP_WAIT_POLICY=PASSIVE so a busy core does not stall every "
-                        "op; see executor_svc/cpu_threads.py)")
+                        "use; waiting threads spin briefly (GOMP_SPINCOUNT=3000), then sleep, so "
+                        "a busy core does not stall every op; see executor_svc/cpu_threads.py)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="cap on tokens per request (prompt + output)")
     p.add_argument("--log-format", choices=LOG_FORMATS, default=None,
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         # Before the worker imports torch: OpenMP reads its environment when torch loads it.
         apply_cpu_threads(cfg.cpu_threads or default_cpu_threads())
+        keep_freed_memory()
         from executor_svc.worker import run  # torch loads only after the checkpoint looks sane
 
         exit_code = run(cfg, model_dir)

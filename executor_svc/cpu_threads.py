@@ -1,23 +1,28 @@
 """How many CPU threads the executor's torch ops use, decided before torch is imported.
 
-torch's default is one intra-op thread per core, and its OpenMP threads spin-wait between
-ops. Every parallel op splits its work statically over the threads and waits for the slowest,
-so when a core is busy with something else (the scheduler process next door, another job) the
-thread there runs at a fraction of its speed while the others spin, taking CPU from the very
-process they wait on. Passive waiting (`OMP_WAIT_POLICY=PASSIVE`: a waiting thread sleeps)
-removes most of that. Measured on the 2-core machine with bench/cpu_step.py (Qwen2.5-0.5B
-shape, 8 layers, 16 x 128 in / 32 out, fp32, quiet machine; docs/benchmarks.md):
+torch's default is one intra-op thread per core, and its OpenMP threads (GNU libgomp) spin-wait
+between parallel regions. Every parallel op splits its work statically over the threads and
+waits for the slowest, so when a core is busy with something else (the scheduler process next
+door, another job) the thread there runs at a fraction of its speed while the others spin,
+taking CPU from the very process they wait on. Sleeping at once (`OMP_WAIT_POLICY=PASSIVE`)
+removes that, but then every parallel region pays a wake-up, which on a virtual machine (an
+idle vCPU halted until the host delivers an interrupt) costs 100-300 us: a batch-1 decode step
+has ~300 parallel regions. So the default is a short spin, `GOMP_SPINCOUNT=3000` (tens of
+microseconds: long enough to bridge the gaps between the ops of one forward pass, far shorter
+than the gaps between steps or a competitor's time slice). Measured on the 2-core VM with
+bench/cpu_step.py (Qwen2.5-0.5B shape, fp32; docs/benchmarks.md has the full tables):
 
-    threads  wait policy  quiet     one core busy   kept
-    1        (any)        35 tok/s  ~19 (54%)
-    2        active       56 tok/s  27              48%
-    2        passive      55 tok/s  34              61%
+    wait              batch-1 step (24 layers)   16 x 128/32, 8 layers: quiet / one core busy
+    passive           180 ms                     52 / 34 tok/s (66%)
+    spin 3000 (dflt)  140 ms                     53 / 33 tok/s (63%, spin 5000)
+    spin 100000       175 ms                     53 / 18 tok/s (33%)
+    active            163 ms                     59 / 25 tok/s (43%)
 
-Hence the default: every core the process may use (its affinity mask, so a container's
-cpuset counts), with passive waiting unless the environment says otherwise. Threads are not
-pinned to cores: pinned, a thread that shares its core with a busy process cannot move to an
-idle one. `--cpu-threads N` sets the count explicitly (e.g. cores - 1 on a machine whose
-scheduler is busy all the time).
+The thread count defaults to every core the process may use (its affinity mask, so a
+container's cpuset counts). Threads are not pinned to cores: pinned, a thread that shares its
+core with a busy process cannot move to an idle one. `--cpu-threads N` sets the count
+explicitly (e.g. cores - 1 on a machine whose scheduler is busy all the time); an
+`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` in the environment wins over the default wait.
 
 This module does not import torch at import time: `apply_cpu_threads` is called before the
 first torch op (`cli.main` calls it before the worker, and torch, is imported) so OpenMP reads
@@ -33,13 +38,16 @@ import structlog
 log = structlog.get_logger(__name__)
 
 
+SPIN_COUNT = 3000  # libgomp spin iterations before a waiting thread sleeps
+
+
 def available_cores() -> int:
     """Cores this process may run on (affinity mask, so a cpuset or taskset counts)."""
     return len(os.sched_getaffinity(0))
 
 
 def default_cpu_threads(cores: int | None = None) -> int:
-    """Every core this process may use; waiting threads sleep (see the module docstring)."""
+    """Every core this process may use (see the module docstring)."""
     return available_cores() if cores is None else max(1, cores)
 
 
@@ -51,7 +59,8 @@ def apply_cpu_threads(num_threads: int) -> None:
         raise ValueError(f"--cpu-threads must be at least 1, got {num_threads}")
     # Read by OpenMP when torch loads it; an explicit value from the user wins.
     os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
     import torch
 
     torch.set_num_threads(num_threads)
