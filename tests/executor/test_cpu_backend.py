@@ -50,12 +50,16 @@ def test_apply_cpu_threads_sets_torch_before_first_op():
     code = ("from executor_svc.cpu_threads import apply_cpu_threads\n"
             "apply_cpu_threads(1)\n"
             "import torch\n"
-            "print(torch.get_num_threads(), torch.get_num_interop_threads())\n")
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+            "import os\n"
+            "print(torch.get_num_threads(), torch.get_num_interop_threads(),\n"
+            "      os.environ['GOMP_SPINCOUNT'])\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env={**env, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.splitlines()[-1].split() == ["1", "1"]  # after the log line
+    # After the log line: one intra-op and one inter-op thread, a short spin before sleeping.
+    assert done.stdout.splitlines()[-1].split() == ["1", "1", "3000"]
 
 
 def _layer(out_features: int, in_features: int, dtype: torch.dtype, bias: bool) -> Linear:
@@ -67,7 +71,7 @@ def _layer(out_features: int, in_features: int, dtype: torch.dtype, bias: bool) 
     return layer
 
 
-@pytest.mark.parametrize("rows", [1, 2, 16, 128, 300])
+@pytest.mark.parametrize("rows", [1, 2, 16, 128, 300, 600])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_fp32_linear_matches_f_linear(rows, bias):
     layer = _layer(200, 96, torch.float32, bias)
@@ -103,6 +107,9 @@ def test_tied_head_shares_the_embedding_and_gets_the_method(checkpoint_cache):
     assert isinstance(model.lm_head.method, PackedCpuLinear)
     names = [n for n, _ in model.named_parameters()]
     assert len(names) == len(set(names)) and not any(n.startswith("lm_head") for n in names)
+    # Packed forms replace the plain weights, except the embedding the head shares.
+    assert all(m.weight.numel() == 0 for m in linears)
+    assert model.model.embed_tokens.weight.numel() > 0
 
 
 def test_attention_plan_is_built_once_per_step(checkpoint_cache):
@@ -125,7 +132,8 @@ def test_cpu_backend_model_matches_twins_path(arch, dtype, checkpoint_cache):
     """Prefills (one chunked), then mixed steps of decodes and a chunk, on the CPU backend
     against the same model with plain linears and the twin kernels: every row's logits."""
     _, model_dir = checkpoint_cache(arch)
-    fast, oracle = make_runner(model_dir), make_runner(model_dir)
+    # Both keep their plain weights: each is converted, then given its linear method here.
+    fast, oracle = (make_runner(model_dir, keep_plain_weights=True) for _ in range(2))
     for runner in (fast, oracle):
         runner.model.to(dtype)
         for cache in (*runner.kv_cache.k_caches, *runner.kv_cache.v_caches):
@@ -167,3 +175,11 @@ def _forward(runner, plan, oracle: bool) -> torch.Tensor:
             logits = runner.model(input_ids, positions, batch)  # [num_tokens, vocab]
     runner.input_batch.num_computed[scheduled.rows] += scheduled.query_lens
     return logits
+
+
+def test_packing_releases_the_plain_weight_once():
+    layer = _layer(64, 32, torch.float32, bias=True)
+    use_linear_method(layer, PackedCpuLinear())
+    assert layer.weight.numel() == 0 and layer.gemv_weight is not None
+    with pytest.raises(ValueError, match="already released"):
+        use_linear_method(layer, PackedCpuLinear())
