@@ -7,16 +7,20 @@ door, another job) the thread there runs at a fraction of its speed while the ot
 taking CPU from the very process they wait on. Sleeping at once (`OMP_WAIT_POLICY=PASSIVE`)
 removes that, but then every parallel region pays a wake-up, which on a virtual machine (an
 idle vCPU halted until the host delivers an interrupt) costs 100-300 us: a batch-1 decode step
-has ~300 parallel regions. So the default is a short spin, `GOMP_SPINCOUNT=3000` (tens of
-microseconds: long enough to bridge the gaps between the ops of one forward pass, far shorter
-than the gaps between steps or a competitor's time slice). Measured on the 2-core VM with
-bench/cpu_step.py (Qwen2.5-0.5B shape, fp32; docs/benchmarks.md has the full tables):
+has ~300 parallel regions. A libgomp spin iteration takes ~28 ns here (3000: ~0.1 ms, 30000:
+~0.9 ms of spinning after a region). Measured on the 2-core VM with bench/cpu_step.py
+(Qwen2.5-0.5B shape, fp32; the step is the median of 20, two rounds; docs/benchmarks.md):
 
-    wait              batch-1 step (24 layers)   16 x 128/32, 8 layers: quiet / one core busy
-    passive           180 ms                     52 / 34 tok/s (66%)
-    spin 3000 (dflt)  140 ms                     53 / 33 tok/s (63%, spin 5000)
-    spin 100000       175 ms                     53 / 18 tok/s (33%)
-    active            163 ms                     59 / 25 tok/s (43%)
+    wait              batch-1 step (24 layers)   16 x 128/32, 8 layers: quiet -> one core busy
+    passive           219-249 ms                 51.6 -> 34.2 tok/s (66% kept)
+    spin 3000         140-165 ms                 55.1 -> 37.5 tok/s (68%)
+    spin 10000        -                          58.4 -> 30.9 tok/s (53%)
+    spin 30000        125-128 ms                 59.0 -> 27.0 tok/s (46%)
+    active            -                          59.3 -> 25.3 tok/s (43%)
+
+Hence the default `GOMP_SPINCOUNT=3000`: most of the spinning's gain on a quiet machine and
+none of its collapse on a busy one. On a machine the executor has to itself,
+`GOMP_SPINCOUNT=30000` in its environment buys another ~10-20% at batch 1.
 
 The thread count defaults to every core the process may use (its affinity mask, so a
 container's cpuset counts). Threads are not pinned to cores: pinned, a thread that shares its
