@@ -158,3 +158,23 @@ def test_unknown_peer_is_refused():
                            "--peers", "folio,tgi"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode != 0 and "--peers" in proc.stderr
+
+
+def test_settle_waits_for_quiet_cores_and_gives_up_at_its_timeout():
+    import time
+
+    from client.bench.load import BUSY_LOOP, cpu_busy_fraction, settle
+
+    cores = len(os.sched_getaffinity(0))
+    busy = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(cores)]
+    try:
+        time.sleep(0.3)
+        assert cpu_busy_fraction() > 0.5
+        start = time.monotonic()
+        last = settle(max_busy=0.15, timeout_s=1.5)
+        assert last > 0.15 and 1.5 <= time.monotonic() - start < 5.0
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert 0.0 <= settle(max_busy=1.0) <= 1.0  # returns at once when the bound is loose

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from client.bench import models, report
 from client.bench.folio_peer import FolioPeer
-from client.bench.load import competing_load
+from client.bench.load import competing_load, settle
 from client.bench.metrics import MODES, aggregate, same_tokens, summarize
 from client.bench.runner_peer import PeerUnavailable, RunnerPeer
 from client.bench.workload import DATASETS, WorkloadSpec, make_requests, warmup_requests
@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             reference = None
             for peer in peers:
                 progress.set_postfix_str(f"rep {rep + 1}/{args.reps}: {peer.name}")
+                settle()
                 with competing_load(args.competing_load):
                     run = peer.run(args.mode, requests)
                 metrics = summarize(args.mode, run)
