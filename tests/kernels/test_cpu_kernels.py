@@ -20,6 +20,9 @@ BATCHES = {
     "prefill": [(37, 37), (5, 5), (20, 20)],
     # Decodes interleaved with fresh prefills and chunks that start mid-sequence (mid-block).
     "mixed": [(23, 23), (33, 1), (70, 13), (9, 1), (40, 8), (1, 1)],
+    # One decode sequence (its own SDPA path), alone and between prefills.
+    "one_decode": [(45, 1)],
+    "one_decode_mixed": [(23, 23), (45, 1), (20, 7)],
 }
 
 
