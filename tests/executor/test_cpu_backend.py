@@ -81,6 +81,23 @@ def test_packed_fp32_linear_matches_f_linear(rows, bias):
     torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 16, 128, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_native_bf16_linear_matches_f_linear(rows, bias):
+    # What a CPU with AVX512-BF16/AMX gets (elsewhere oneDNN emulates the same bf16 math).
+    layer = _layer(200, 96, torch.bfloat16, bias)
+    x = torch.randn(rows, 96).bfloat16()
+    expected = F.linear(x.float(), layer.weight.float(), layer.bias.float() if bias else None)
+    method = cpu_linear_method(torch.bfloat16, native_bf16=True)
+    assert isinstance(method, PackedCpuLinear) and method.plain_gemv
+    use_linear_method(layer, method)
+    # One row is F.linear on the plain weight, which the method keeps; more use the packed one.
+    assert layer.weight.numel() == 200 * 96 and layer.gemv_weight is None
+    got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 200)
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 40])
 @pytest.mark.parametrize("bias", [False, True])
 def test_upcast_bf16_linear_is_fp32_math_on_bf16_weights(rows, bias):
