@@ -43,9 +43,10 @@ that may already be queued behind it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from itertools import repeat
+from typing import ClassVar, NamedTuple
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 # ---- strict field readers: exact types (bool is not an int here), or TypeError -------------
@@ -99,7 +100,7 @@ def _nats(v: object) -> list[int]:
 
 
 def _strs(v: object) -> list[str]:
-    if type(v) is not list or not all(type(x) is str for x in v):
+    if type(v) is not list or not {*map(type, v)} <= {str}:
         raise TypeError("expected a list of strings")
     return v
 
@@ -157,45 +158,54 @@ class NewRequest:
 
 
 @dataclass(frozen=True, init=False)
-class CachedRequest:
+class CachedRequest(NamedTuple):
+    """A request the executor holds, scheduled again. A NamedTuple (immutable, like the
+    dataclasses here): a plan holds one per running request, and on the wire a plan carries
+    them as columns (`StepPlan`), from which the executor builds them with ``tuple.__new__``."""
+
     req_id: str
     new_block_ids: list[int]  # appended to the executor's block table for this request
     num_computed_tokens: int  # the scheduler's count, checked by the executor
     num_scheduled_tokens: int
     # Tokens the scheduler appends to the executor's copy before this step (only for requests
-    # with SamplingSpec.append_sampled False, e.g. a beam's chosen token).
-    new_token_ids: list[int] = field(default_factory=list)
+    # with SamplingSpec.append_sampled False, e.g. a beam's chosen token). The default list is
+    # shared, like every list a plan holds it is only ever read.
+    new_token_ids: list[int] = []  # noqa: RUF012
 
-    def __init__(self, req_id: str, new_block_ids: list[int], num_computed_tokens: int,
-                 num_scheduled_tokens: int, new_token_ids: list[int] | None = None):
-        # Written out because a plan holds one per running request, built by the scheduler and
-        # decoded by the executor every step: the generated frozen __init__ sets each field
-        # through object.__setattr__ (~0.5 us per message, ~0.13 ms per side at 256 running);
-        # filling __dict__ directly costs ~0.2 us (reading the fields back gets ~0.07 us
-        # slower, a net gain). Still frozen: setting an attribute raises.
-        fields = self.__dict__
-        fields["req_id"] = req_id
-        fields["new_block_ids"] = new_block_ids
-        fields["num_computed_tokens"] = num_computed_tokens
-        fields["num_scheduled_tokens"] = num_scheduled_tokens
-        fields["new_token_ids"] = [] if new_token_ids is None else new_token_ids
 
-    def to_wire(self) -> list:
-        return [self.req_id, self.new_block_ids, self.num_computed_tokens,
-                self.num_scheduled_tokens, self.new_token_ids]
+_NUM_CACHED_COLUMNS = len(CachedRequest._fields)
 
-    @classmethod
-    def from_wire(cls, w: list) -> CachedRequest:
-        # Checked inline, not through the helpers: one per running request per step.
-        if not (type(w) is list and len(w) == 5 and type(w[0]) is str and type(w[1]) is list
-                and type(w[2]) is int and type(w[3]) is int and type(w[4]) is list
-                and w[2] >= 0 and w[3] >= 0):
-            raise TypeError(f"malformed CachedRequest {w!r:.80}")
-        if w[1]:
-            _nats(w[1])
-        if w[4]:
-            _nats(w[4])
-        return cls(w[0], w[1], w[2], w[3], w[4])  # lists msgpack just made: no copies needed
+
+def _cached_to_wire(cached_reqs: list[CachedRequest]) -> list:
+    """Columns: [req_ids, new_block_ids lists, num_computed, num_scheduled, new_token_ids
+    lists]; msgpack packs zip's tuples as arrays."""
+    return list(zip(*cached_reqs)) if cached_reqs else [[]] * _NUM_CACHED_COLUMNS
+
+
+def _only(values: list, cls: type) -> bool:
+    """Every item's type is exactly `cls` (bool is not int), checked without a Python loop."""
+    return {*map(type, values)} <= {cls}
+
+
+def _cached_from_wire(w: object) -> list[CachedRequest]:
+    # Checked column by column with C-level loops: one entry per running request.
+    req_ids, block_ids, computed, scheduled, token_ids = _list(w, _NUM_CACHED_COLUMNS)
+    n = len(_list(req_ids))
+    for col in (block_ids, computed, scheduled, token_ids):
+        if type(col) is not list or len(col) != n:
+            raise ValueError(f"cached requests: columns of {n} entries expected")
+    if not _only(req_ids, str):
+        raise TypeError("cached requests: request ids must be strings")
+    if not (_only(computed, int) and _only(scheduled, int)) or (n and min(*computed, *scheduled) < 0):
+        raise TypeError("cached requests: token counts must be ints >= 0")
+    for col in (block_ids, token_ids):
+        if not _only(col, list):
+            raise TypeError("cached requests: block and token ids must be lists")
+        for ids in filter(None, col):
+            _nats(ids)
+    # tuple.__new__ straight from the columns (zip yields exactly the five fields).
+    return list(map(tuple.__new__, repeat(CachedRequest, n),
+                    zip(req_ids, block_ids, computed, scheduled, token_ids)))
 
 
 @dataclass(frozen=True)
@@ -289,7 +299,7 @@ class StepPlan:
     def to_wire(self) -> list:
         return [self.TAG, self.step_id,
                 [r.to_wire() for r in self.new_reqs],
-                [r.to_wire() for r in self.cached_reqs],
+                _cached_to_wire(self.cached_reqs),
                 self.finished_req_ids, self.preempted_req_ids,
                 [list(p) for p in self.block_copies],
                 [list(p) for p in self.swap_out],
@@ -301,7 +311,7 @@ class StepPlan:
         return cls(
             step_id=_nat(w[1]),
             new_reqs=[NewRequest.from_wire(r) for r in _list(w[2])],
-            cached_reqs=list(map(CachedRequest.from_wire, _list(w[3]))),
+            cached_reqs=_cached_from_wire(w[3]),
             finished_req_ids=_strs(w[4]),
             preempted_req_ids=_strs(w[5]),
             block_copies=_pairs(w[6]),
@@ -331,22 +341,24 @@ class StepResult:
     idle_time_s: float = 0.0
 
     def to_wire(self) -> list:
-        return [self.TAG, self.step_id, [[r, ids] for r, ids in self.sampled],
+        # `sampled` as two columns, [req_ids, token id lists]: one entry per sampled request.
+        sampled = list(zip(*self.sampled)) if self.sampled else [[], []]
+        return [self.TAG, self.step_id, sampled,
                 self.execute_time_s, [[r, ids, lps] for r, ids, lps in self.logprobs],
                 self.idle_time_s]
 
     @classmethod
     def from_wire(cls, w: list) -> StepResult:
         _list(w, 6)
-        sampled = []
-        for entry in _list(w[2]):  # one per sampled request per step: checked inline
-            if not (type(entry) is list and len(entry) == 2 and type(entry[0]) is str
-                    and type(entry[1]) is list):
-                raise TypeError(f"malformed sampled entry {entry!r:.80}")
-            for token_id in entry[1]:
-                if type(token_id) is not int or token_id < 0:
-                    raise TypeError(f"malformed sampled entry {entry!r:.80}")
-            sampled.append((entry[0], entry[1]))  # msgpack made fresh lists
+        req_ids, token_ids = _list(w[2], 2)
+        if type(token_ids) is not list or len(token_ids) != len(_strs(req_ids)):
+            raise ValueError("sampled: as many token id lists as request ids")
+        if not _only(token_ids, list):
+            raise TypeError("sampled: token ids must be lists")
+        flat = [t for ids in token_ids for t in ids]
+        if not _only(flat, int) or (flat and min(flat) < 0):
+            raise TypeError("sampled: token ids must be ints >= 0")
+        sampled = list(zip(req_ids, token_ids))  # msgpack made fresh lists
         logprobs = []
         for entry in _list(w[4]):
             req_id, ids, lps = _list(entry, 3)

@@ -18,7 +18,8 @@ API (each call all-or-nothing: None or an exception changes nothing):
 - `allocate(seq, num_tokens)`: grow a table. If its last block is partly filled and shared
   (ref count > 1), the write would clobber the other holders: the block is replaced by a fresh
   copy and `Allocation.copy` = (src, dst) for the plan's `block_copies` (copy-on-write).
-- `num_blocks_needed(seq, num_tokens)`: free blocks `allocate` would take (copy included).
+- `num_blocks_needed(seq, num_tokens)`: free blocks `allocate` would take (copy included);
+  `num_blocks_needed_many` sums it over many sequences.
 - `fork(parent, child)`: the child's table is the parent's; every block's ref count +1. The
   first of them to write into a shared, partly filled last block gets the copy.
 - `cache_blocks(seq, keys)`: offer the table's leading full, computed blocks to the prefix
@@ -110,10 +111,38 @@ class BlockManager:
 
     # ---- growing and freeing ---------------------------------------------------------------
 
+    def num_blocks_needed_many(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> int:
+        """sum(num_blocks_needed(s, n) for s, n in zip(seq_ids, num_tokens)), in one pass: the
+        scheduler asks it for every running request at every step."""
+        bs, tables, sizes, refs = self.block_size, self.block_tables, self._num_tokens, \
+            self.ref_counts
+        total = 0
+        for seq_id, n in zip(seq_ids, num_tokens, strict=True):
+            need = -(-n // bs)
+            table = tables.get(seq_id)
+            if table:
+                need -= len(table)
+                have = sizes.get(seq_id, 0)
+                # _growth's copy-on-write condition (a shared, partly filled last block).
+                copy = n > have and have % bs != 0 and refs[table[-1]] > 1
+                need = (need if need > 0 else 0) + copy
+            total += need
+        return total
+
     def allocate(self, seq_id: str, num_tokens: int) -> Allocation | None:
         """Grow `seq_id`'s table to hold `num_tokens` tokens in total; None (nothing changed)
         when too few blocks are free: the caller decides whom to preempt."""
         assert seq_id not in self.cpu_tables, f"{seq_id} is swapped out"
+        table = self.block_tables.get(seq_id)
+        if table and num_tokens <= len(table) * self.block_size:
+            # Most decodes: the tokens fit the last block. Only a shared, partly filled last
+            # block being written needs more (the copy below).
+            have = self._num_tokens.get(seq_id, 0)
+            if num_tokens <= have:
+                return Allocation([])
+            if have % self.block_size == 0 or self.ref_counts[table[-1]] == 1:
+                self._num_tokens[seq_id] = num_tokens
+                return Allocation([])
         num_fresh, needs_copy = self._growth(seq_id, num_tokens)
         if num_fresh + needs_copy > self.num_free_blocks:
             return None

@@ -81,3 +81,15 @@ def cache_computed_blocks(bm: BlockManager, req: Request) -> None:
         return  # no block filled up since the last offer (most decode steps): nothing to key
     bm.cache_blocks(req.req_id, request_block_keys(req, req.num_computed_tokens,
                                                    bm.block_size)[:num_full])
+
+
+def cache_computed_blocks_many(bm: BlockManager, reqs: list[Request]) -> None:
+    """`cache_computed_blocks` for each of `reqs`, with its no-op case (no block filled up
+    since the last offer: most requests at most steps) checked inline."""
+    block_size, num_offered = bm.block_size, bm.num_offered
+    for req in reqs:
+        num_known = len(req.prompt_token_ids) + len(req.output_token_ids)
+        num_full = min(req.num_computed_tokens, num_known) // block_size
+        if num_full > num_offered(req.req_id):
+            cache_computed_blocks(bm, req)
+

@@ -63,7 +63,7 @@ import structlog
 
 from protos.plan import CachedRequest, NewRequest, StepPlan, StepResult
 from scheduler_svc.preemption import preemption_mode, swap_in_fits
-from scheduler_svc.prefix_cache import cache_computed_blocks, cached_prefix
+from scheduler_svc.prefix_cache import cache_computed_blocks_many, cached_prefix
 from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.scheduler_state import InFlight, SchedulerState
 from scheduler_svc.sequence_group import BeamGroup, num_seq_slots
@@ -112,12 +112,12 @@ class Scheduler(SchedulerState):
         step = _Step(budget=self.max_num_batched_tokens)
         # 1-2. Running requests get their tokens: decodes first, then prompt chunks.
         wants = self._budget_running(step)
-        if overlapping and self._num_blocks_needed(wants) > self.block_manager.num_free_blocks:
+        num_needed = self._num_blocks_needed(wants)
+        if overlapping and num_needed > self.block_manager.num_free_blocks:
             return None  # someone must be preempted: only with nothing in flight
         # 3. Blocks for them, preempting the newest running requests if need be.
-        wants = self._make_room(wants, step)
-        for req, num_new in wants:
-            self._schedule_running(req, num_new, step)
+        wants = self._make_room(wants, num_needed, step)
+        self._schedule_running(wants, step)
         # 4-5. Only if nobody had to make room: swapped requests, then waiting ones.
         step.num_seq_slots = num_seq_slots(self.running)
         if not step.preempted and not (overlapping and self._in_flight[-1].plan.swap_out):
@@ -144,17 +144,20 @@ class Scheduler(SchedulerState):
             f"result for step {result.step_id} does not match the oldest plan in flight"
         plan = self._in_flight.popleft().plan
         self.num_steps += 1
+        requests, running = self.requests, RequestStatus.RUNNING
         if self.enable_prefix_caching:
             # The step wrote its blocks: full ones become reusable, before anything is freed.
-            for scheduled in (*plan.new_reqs, *plan.cached_reqs):
-                req = self.requests.get(scheduled.req_id)
-                if req is not None and req.status is RequestStatus.RUNNING:
-                    cache_computed_blocks(self.block_manager, req)
+            cache_computed_blocks_many(self.block_manager, [
+                req for scheduled in (*plan.new_reqs, *plan.cached_reqs)
+                if (req := requests.get(scheduled.req_id)) is not None
+                and req.status is running])
         outputs: list[StepOutput] = []
+        new_output = tuple.__new__  # StepOutput's own __new__ is Python code: one per request
+        num_generated = 0
         logprobs = {r: list(zip(ids, lps, strict=True)) for r, ids, lps in result.logprobs}
         for req_id, token_ids in result.sampled:
-            req = self.requests.get(req_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
+            req = requests.get(req_id)
+            if req is None or req.status is not running:
                 continue  # finished or aborted while the step ran: a token past its end
             if req.group is not None and req not in req.group.outputs:
                 if req.num_computed_tokens < req.num_tokens:
@@ -166,19 +169,20 @@ class Scheduler(SchedulerState):
             if req.num_placeholders == 0:
                 continue  # no step in flight samples for it: the executor must not (protocol)
             req.num_placeholders -= 1
-            new_token_ids: list[int] = []
+            new_token_ids = token_ids  # all of them, unless a stop comes first
             finished = False
-            for token_id in token_ids:
+            for i, token_id in enumerate(token_ids):
                 req.output_token_ids.append(token_id)
-                new_token_ids.append(token_id)
                 if (status := self._stop_status(req, token_id)) is not None:
                     self._finish(req, status)
                     finished = True
+                    new_token_ids = token_ids[:i + 1]
                     break
-            self.num_generated_tokens += len(new_token_ids)
-            outputs.append(StepOutput(req, new_token_ids, finished))
+            num_generated += len(new_token_ids)
+            outputs.append(new_output(StepOutput, (req, new_token_ids, finished)))
             if req.group is not None and req.group.is_done():
                 self.groups.pop(req.group.req_id, None)
+        self.num_generated_tokens += num_generated
         return outputs
 
     def abandon_oldest(self) -> list[str]:
@@ -231,15 +235,16 @@ class Scheduler(SchedulerState):
             step.budget -= num_new
         return wants
 
-    def _make_room(self, wants: list[tuple[Request, int]], step: _Step
+    def _make_room(self, wants: list[tuple[Request, int]], num_needed: int, step: _Step
                    ) -> list[tuple[Request, int]]:
-        """Preempt the newest running requests until the blocks `wants` need are free; returns
-        the wants of the requests still running."""
+        """Preempt the newest running requests until the blocks `wants` need (`num_needed`
+        now) are free; returns the wants of the requests still running."""
         bm = self.block_manager
-        while self._num_blocks_needed(wants) > bm.num_free_blocks:
+        while num_needed > bm.num_free_blocks:
             self._preempt(self.running[-1], step)  # non-empty: wants holds running requests
             # Not just the victim: preempting a beam ends all beams of its search.
             wants = [(r, n) for r, n in wants if r.status is RequestStatus.RUNNING]
+            num_needed = self._num_blocks_needed(wants)
         return wants
 
     def _preempt(self, req: Request, step: _Step) -> None:
@@ -294,19 +299,24 @@ class Scheduler(SchedulerState):
             self._advance(req, num_new)
             step.budget -= num_new
 
-    def _schedule_running(self, req: Request, num_new: int, step: _Step) -> None:
-        alloc = self.block_manager.allocate(req.req_id, req.num_computed_tokens + num_new)
-        assert alloc is not None, "make_room left too few blocks"
-        if alloc.copy is not None:
-            step.block_copies.append(alloc.copy)
-        if alloc.copy is None and req.req_id in self._executor_req_ids:
-            step.cached_reqs.append(CachedRequest(req.req_id, alloc.new_block_ids,
-                                                  req.num_computed_tokens, num_new,
-                                                  req.pending_token_ids))
-            req.pending_token_ids = []
-        else:  # forked, or copy-on-write replaced a block the executor has: the whole table
-            step.new_reqs.append(self._new_request(req, num_new))
-        self._advance(req, num_new)  # budget: taken in _budget_running
+    def _schedule_running(self, wants: list[tuple[Request, int]], step: _Step) -> None:
+        """Blocks for each running request's tokens (there are enough: `_make_room`), and its
+        plan entry (a loop over every running request at every step)."""
+        allocate, held = self.block_manager.allocate, self._executor_req_ids
+        cached_reqs = step.cached_reqs
+        for req, num_new in wants:
+            num_computed = req.num_computed_tokens
+            alloc = allocate(req.req_id, num_computed + num_new)
+            assert alloc is not None, "make_room left too few blocks"
+            if alloc.copy is not None:
+                step.block_copies.append(alloc.copy)
+            if alloc.copy is None and req.req_id in held:
+                cached_reqs.append(CachedRequest(req.req_id, alloc.new_block_ids, num_computed,
+                                                 num_new, req.pending_token_ids))
+                req.pending_token_ids = []
+            else:  # forked, or copy-on-write replaced a block the executor has: the whole table
+                step.new_reqs.append(self._new_request(req, num_new))
+            self._advance(req, num_new)  # budget: taken in _budget_running
 
     def _admit_waiting(self, step: _Step) -> None:
         """Admit waiting requests FCFS while budget, sequence slots and blocks last."""
@@ -336,8 +346,8 @@ class Scheduler(SchedulerState):
     # ---- helpers ---------------------------------------------------------------------------
 
     def _num_blocks_needed(self, wants: list[tuple[Request, int]]) -> int:
-        bm = self.block_manager
-        return sum(bm.num_blocks_needed(r.req_id, r.num_computed_tokens + n) for r, n in wants)
+        return self.block_manager.num_blocks_needed_many(
+            [r.req_id for r, _ in wants], [r.num_computed_tokens + n for r, n in wants])
 
     def _new_request(self, req: Request, num_new: int) -> NewRequest:
         # The executor's copy is replaced by the known tokens: nothing may be in flight for it.

@@ -93,6 +93,36 @@ def test_bad_frames_are_refused(frame, match):
         decode(frame)
 
 
+def _columns_plan(cached: list) -> bytes:
+    return msgpack.packb([StepPlan.TAG, 1, [], cached, [], [], [], [], [], False])
+
+
+def _columns_result(sampled: list) -> bytes:
+    return msgpack.packb([StepResult.TAG, 1, sampled, 0.0, [], 0.0])
+
+
+@pytest.mark.parametrize("frame, match", [
+    # cached requests travel as five columns of equal length
+    (_columns_plan([["a"], [[]], [0], [1]]), "expected 5 fields"),
+    (_columns_plan([["a", "b"], [[], []], [0], [1, 1], [[], []]]), "columns of 2 entries"),
+    (_columns_plan([[7], [[]], [0], [1], [[]]]), "request ids must be strings"),
+    (_columns_plan([["a"], [[]], [True], [1], [[]]]), "token counts"),  # bool is not an int
+    (_columns_plan([["a"], [[]], [0], [-1], [[]]]), "token counts"),
+    (_columns_plan([["a"], [[3, -2]], [0], [1], [[]]]), "ints >= 0"),
+    (_columns_plan([["a"], [None], [0], [1], [[]]]), "must be lists"),
+    (_columns_plan([["a"], [[]], [0], [1], [["x"]]]), "ints >= 0"),
+    # sampled tokens travel as two columns: request ids, token id lists
+    (_columns_result([["a", "b"], [[1]]]), "as many token id lists"),
+    (_columns_result([["a"], [[1.5]]]), "ints >= 0"),
+    (_columns_result([["a"], [[-3]]]), "ints >= 0"),
+    (_columns_result([["a"], [5]]), "must be lists"),
+    (_columns_result([[b"a"], [[5]]]), "list of strings"),
+])
+def test_malformed_columns_are_refused(frame, match):
+    with pytest.raises(ProtocolError, match=match):
+        decode(frame)
+
+
 def test_committed_stubs_are_fresh(tmp_path):
     if importlib.util.find_spec("grpc_tools") is None:
         pytest.skip("grpcio-tools is a test extra")
