@@ -19,11 +19,10 @@ CPU methods, chosen by measurement (bench/cpu_step.py; docs/benchmarks.md has th
   is 3x slower than fp32 from 16 rows up; `UpcastCpuLinear` keeps the bf16 weight (half the
   memory and bandwidth) and multiplies in fp32 one cache-sized slice of rows at a time. One
   row stays a bf16 gemv, which is memory bound and faster than fp32.
-- bf16 with native support (AVX512-BF16, AMX): `PackedCpuLinear` with ``plain_gemv``: the
-  layout for many rows (oneDNN's bf16/AMX kernels on pre-packed weights: 1.4x ``F.linear`` at
-  16-128 rows, 2.3x at 512, on a 2-core Xeon with AMX) and, for one row, ``F.linear`` on the
-  plain bf16 weight, which torch runs as a bf16 gemv 1.5x faster than either packed layout.
-  So the weights take twice their bf16 size.
+- bf16 with native support (AVX512-BF16, AMX): `PackedCpuLinear` as for fp32 (oneDNN's bf16
+  and AMX kernels on the same two packed layouts). Against ``F.linear`` on a 2-core Xeon with
+  AMX (Qwen2.5-0.5B's shapes; best of 15 interleaved runs): 1.4-2.4x faster at one row (the
+  LM head 35 vs 50 ms), 1.4x at 16-128 rows, 2.3x at 512.
 """
 
 from __future__ import annotations
@@ -80,16 +79,13 @@ class MergedLinear(Linear):
 
 
 class PackedCpuLinear:
-    """oneDNN on pre-packed weights: ``packed_weight`` for two rows and more; for one row
-    ``gemv_weight`` (a layout blocked for one row), or with `plain_gemv` ``F.linear`` on the
-    plain weight. Invariant after process_weights: the packed forms hold the matrix
-    ``layer.weight`` held, in oneDNN's layouts; with `release_plain` (never with
-    `plain_gemv`), ``layer.weight`` of a `Linear` is then empty (a `TiedHead` keeps it: it is
-    the embedding)."""
+    """fp32, or bf16 on a CPU with native bf16: oneDNN on pre-packed weights, ``gemv_weight`` for one row and
+    ``packed_weight`` for more. Invariant after process_weights: both hold the matrix
+    ``layer.weight`` held, in oneDNN's layouts; with `release_plain`, ``layer.weight`` of a
+    `Linear` is then empty (a `TiedHead` keeps it: it is the embedding)."""
 
-    def __init__(self, release_plain: bool = True, plain_gemv: bool = False):
-        self.release_plain = release_plain and not plain_gemv
-        self.plain_gemv = plain_gemv
+    def __init__(self, release_plain: bool = True):
+        self.release_plain = release_plain
 
     def process_weights(self, layer: Linear) -> None:
         weight = layer.weight.detach()
@@ -97,19 +93,13 @@ class PackedCpuLinear:
             raise ValueError("PackedCpuLinear: this layer's plain weight was already released")
         # The second argument is the batch size oneDNN picks its blocking for; the packed
         # weight serves any row count.
-        layer.gemv_weight = None if self.plain_gemv else \
-            torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        layer.gemv_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
         if self.release_plain and isinstance(layer, Linear):
             layer.weight.data = torch.empty(0, dtype=weight.dtype)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1:
-            if self.plain_gemv:
-                return F.linear(x, layer.weight, layer.bias)
-            packed = layer.gemv_weight
-        else:
-            packed = layer.packed_weight
+        packed = layer.gemv_weight if x.shape[0] == 1 else layer.packed_weight
         return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
 
 
@@ -165,10 +155,10 @@ class TiedHead:
 
 def cpu_linear_method(dtype: torch.dtype, native_bf16: bool,
                       keep_plain_weights: bool = False) -> LinearMethod:
-    if dtype == torch.float32:
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16):
         return PackedCpuLinear(release_plain=not keep_plain_weights)
     if dtype == torch.bfloat16:
-        return PackedCpuLinear(plain_gemv=True) if native_bf16 else UpcastCpuLinear()
+        return UpcastCpuLinear()
     return DENSE
 
 

@@ -89,13 +89,16 @@ def test_packed_native_bf16_linear_matches_f_linear(rows, bias):
     x = torch.randn(rows, 96).bfloat16()
     expected = F.linear(x.float(), layer.weight.float(), layer.bias.float() if bias else None)
     method = cpu_linear_method(torch.bfloat16, native_bf16=True)
-    assert isinstance(method, PackedCpuLinear) and method.plain_gemv
+    assert isinstance(method, PackedCpuLinear)
     use_linear_method(layer, method)
-    # One row is F.linear on the plain weight, which the method keeps; more use the packed one.
-    assert layer.weight.numel() == 200 * 96 and layer.gemv_weight is None
+    assert layer.weight.numel() == 0  # the packed forms replace it, as in fp32
     got = layer(x)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 200)
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_bf16_without_native_support_upcasts():
+    assert isinstance(cpu_linear_method(torch.bfloat16, native_bf16=False), UpcastCpuLinear)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
