@@ -55,6 +55,9 @@ class AttentionPlan:
         decode_padding   [num_decode, 1, max_blocks * block_size] bool: position >= seq_len
         decode_padding_v the same, shaped [num_decode, max_blocks * block_size, 1, 1] for values
         decode_max_len   the longest decode sequence's length (host int)
+        decode_lens      every decode sequence's length (host ints)
+        decode_per_seq   attend sequence by sequence (`_decode_per_sequence`) rather than
+                         over the padded batch: see `per_sequence_decode`
 
     Prefill part, per sequence with more than one token: (first row, end row, seq_len, its
     block ids, fresh) where fresh means no cached prefix: all its keys are this step's.
@@ -67,6 +70,19 @@ class AttentionPlan:
     decode_padding_v: torch.Tensor
     prefills: list[tuple[int, int, int, torch.Tensor, bool]]
     decode_max_len: int = 0
+    decode_lens: tuple[int, ...] = ()
+    decode_per_seq: bool = False
+
+
+# The padded batch path computes num_decode * max_len scores per head; sequence by sequence,
+# SDPA's fused kernel computes sum(lens) of them but costs a call and two gathers per sequence.
+PER_SEQ_MAX_DECODES = 8  # at most this many decode sequences: always sequence by sequence
+PER_SEQ_PADDING = 1.5  # more: sequence by sequence when padded work > this x the useful work
+
+
+def per_sequence_decode(lens: tuple[int, ...]) -> bool:
+    """Whether a step's decode sequences (of these lengths) attend one by one."""
+    return len(lens) <= PER_SEQ_MAX_DECODES or len(lens) * max(lens) > PER_SEQ_PADDING * sum(lens)
 
 
 def plan_attention(block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
@@ -99,8 +115,10 @@ def plan_attention(block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     block_ids = block_tables[seq_idx, :max_blocks].long().flatten()
     positions = torch.arange(max_blocks * block_size)  # [max_ctx]
     padding = positions[None, :] >= seq_lens[seq_idx, None]  # [num_decode, max_ctx]
+    decode_lens = tuple(lens[i] for i in decode_seqs)
     return AttentionPlan(num_decode, decode_rows, block_ids, padding[:, None, :],
-                         padding[:, :, None, None], prefills, max_len)
+                         padding[:, :, None, None], prefills, max_len, decode_lens,
+                         per_sequence_decode(decode_lens))
 
 
 def paged_attention_planned(
@@ -152,16 +170,8 @@ def _decode(q: torch.Tensor,  # [num_decode, num_heads, head_dim]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     cdt = compute_dtype(q.dtype)
-    if num_decode == 1:
-        # One sequence: its keys trimmed to its length need no mask, and SDPA's fused kernel
-        # beats the per-KV-head ops below (~2x at context 300, measured in docs/benchmarks.md).
-        seq_len = plan.decode_max_len
-        k1 = k_cache.index_select(0, plan.decode_block_ids).flatten(0, 1)[:seq_len]
-        v1 = v_cache.index_select(0, plan.decode_block_ids).flatten(0, 1)[:seq_len]
-        o = F.scaled_dot_product_attention(  # [1, num_heads, 1, head_dim]
-            q.to(cdt)[:, :, None, :], k1.transpose(0, 1).to(cdt)[None],
-            v1.transpose(0, 1).to(cdt)[None], scale=scale, enable_gqa=group > 1)
-        return o[:, :, 0].to(q.dtype)
+    if plan.decode_per_seq:
+        return _decode_per_sequence(q, k_cache, v_cache, plan, scale)
     # Whole blocks of every decode sequence, all KV heads: [num_decode, max_ctx, kv_heads, D].
     k = k_cache.index_select(0, plan.decode_block_ids).view(num_decode, -1, num_kv_heads,
                                                             head_dim).to(cdt)
@@ -180,6 +190,30 @@ def _decode(q: torch.Tensor,  # [num_decode, num_heads, head_dim]
         scores = scores.float().mul_(scale).masked_fill_(plan.decode_padding, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(cdt)
         out[:, heads] = torch.bmm(probs, v[:, :, h])  # [num_decode, group, D]
+    return out.to(q.dtype)
+
+
+def _decode_per_sequence(q: torch.Tensor,  # [num_decode, num_heads, head_dim]
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
+                         scale: float) -> torch.Tensor:  # [num_decode, num_heads, head_dim]
+    """Each decode sequence on its own: its keys trimmed to its length need no mask, and
+    SDPA's fused kernel reads no padding."""
+    num_decode, num_heads, _ = q.shape
+    cdt = compute_dtype(q.dtype)
+    gqa = num_heads != k_cache.shape[2]
+    max_blocks = plan.decode_block_ids.numel() // num_decode
+    block_size = k_cache.shape[1]
+    qc = q.to(cdt)[:, :, None, :]  # [num_decode, num_heads, 1, head_dim]
+    out = torch.empty(q.shape, dtype=cdt)
+    for i, seq_len in enumerate(plan.decode_lens):
+        start = i * max_blocks
+        block_ids = plan.decode_block_ids[start:start + -(-seq_len // block_size)]
+        k1 = k_cache.index_select(0, block_ids).flatten(0, 1)[:seq_len]  # [len, kv_heads, D]
+        v1 = v_cache.index_select(0, block_ids).flatten(0, 1)[:seq_len]
+        o = F.scaled_dot_product_attention(  # [1, num_heads, 1, head_dim]
+            qc[i:i + 1], k1.transpose(0, 1).to(cdt)[None], v1.transpose(0, 1).to(cdt)[None],
+            scale=scale, enable_gqa=gqa)
+        out[i] = o[0, :, 0]
     return out.to(q.dtype)
 
 

@@ -20,10 +20,25 @@ BATCHES = {
     "prefill": [(37, 37), (5, 5), (20, 20)],
     # Decodes interleaved with fresh prefills and chunks that start mid-sequence (mid-block).
     "mixed": [(23, 23), (33, 1), (70, 13), (9, 1), (40, 8), (1, 1)],
-    # One decode sequence (its own SDPA path), alone and between prefills.
+    # One decode sequence, alone and between prefills.
     "one_decode": [(45, 1)],
     "one_decode_mixed": [(23, 23), (45, 1), (20, 7)],
 }
+
+
+@pytest.fixture(params=["batched", "per_sequence"])
+def decode_path(request, monkeypatch):
+    """Both decode attention paths, whatever `cpu.per_sequence_decode` would choose."""
+    forced = request.param == "per_sequence"
+    monkeypatch.setattr(cpu, "per_sequence_decode", lambda lens: forced)
+    return request.param
+
+
+def test_decode_path_rule():
+    assert cpu.per_sequence_decode((300,))  # a lone sequence
+    assert cpu.per_sequence_decode((10, 900) * 2)  # few sequences
+    assert not cpu.per_sequence_decode((160,) * 32)  # many sequences of one length
+    assert cpu.per_sequence_decode((50,) * 31 + (1500,))  # one long one: mostly padding
 
 
 def _check(batch, tol):
@@ -38,20 +53,21 @@ def _check(batch, tol):
 @pytest.mark.parametrize("kind", list(BATCHES))
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (14, 2), (8, 2)])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_paged_attention_fp32(paged_batch, kind, num_heads, num_kv_heads, block_size):
+def test_paged_attention_fp32(paged_batch, kind, num_heads, num_kv_heads, block_size,
+                              decode_path):
     batch = paged_batch(BATCHES[kind], num_heads, num_kv_heads, 64, block_size, torch.float32,
                         torch.device("cpu"))
     _check(batch, FP32_TOL)
 
 
 @pytest.mark.parametrize("kind", list(BATCHES))
-def test_paged_attention_bf16(paged_batch, kind):
+def test_paged_attention_bf16(paged_batch, kind, decode_path):
     batch = paged_batch(BATCHES[kind], 14, 2, 64, 16, torch.bfloat16, torch.device("cpu"))
     _check(batch, BF16_TOL)
 
 
 @settings(max_examples=30, deadline=None)
-@given(seqs=st.lists(st.tuples(st.integers(1, 90), st.integers(1, 3)), min_size=1, max_size=7),
+@given(seqs=st.lists(st.tuples(st.integers(1, 90), st.integers(1, 3)), min_size=1, max_size=20),
        group=st.sampled_from([1, 2, 7]), block_size=st.sampled_from([1, 4, 16]),
        seed=st.integers(0, 2**16))
 def test_paged_attention_random_batches(seqs, group, block_size, seed):
