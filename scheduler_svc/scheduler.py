@@ -172,6 +172,8 @@ class Scheduler(SchedulerState):
                 req.output_token_ids.append(token_id)
                 new_token_ids.append(token_id)
                 if (status := self._stop_status(req, token_id)) is not None:
+                    if status is RequestStatus.FINISHED_STOPPED:
+                        req.matched_stop = token_id
                     self._finish(req, status)
                     finished = True
                     break
@@ -180,6 +182,17 @@ class Scheduler(SchedulerState):
             if req.group is not None and req.group.is_done():
                 self.groups.pop(req.group.req_id, None)
         return outputs
+
+    def stop_request(self, req_id: str) -> None:
+        """Finish a sequence whose text completed a stop string (found after `update`, by the
+        output processor). A token a step in flight computes for it is discarded by `update`,
+        and its id rides the next plan's finished_req_ids. No-op if it already finished."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return
+        self._finish(req, RequestStatus.FINISHED_STOPPED)
+        if req.group is not None and req.group.is_done():
+            self.groups.pop(req.group.req_id, None)
 
     def abandon_oldest(self) -> list[str]:
         """The oldest in-flight step failed: forget it and return the ids it scheduled (the
