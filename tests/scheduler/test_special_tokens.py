@@ -21,7 +21,6 @@ from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.tokenizer import Tokenizer
 from tests.scheduler.tiny_model import write_model_dir
 
-
 WORDS = ["hello", " world", "\n", " café", "日本語", " ", "x", "😀 end"]
 
 
