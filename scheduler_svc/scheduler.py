@@ -23,7 +23,8 @@ with one plan in flight (never two). A request that samples in a step in flight 
 *placeholder* per such step (`Request.num_placeholders`): its token is not known yet, but the
 executor appends it to its own copy, so the next plan schedules the request's next position as
 if the token were there. `update()` turns the oldest placeholder into the real token; a token
-computed past a stop is discarded (the request is gone by then). With a plan in flight,
+computed past a stop is discarded (the request is gone by then: finished in `update()` for a
+stop id, by `stop_request()` right after it for a stop string). With a plan in flight,
 `schedule()` returns None instead of a plan, and the engine falls back to lockstep (waits for
 the result, then schedules), when the plan would
 - preempt (blocks run short): victims are only chosen with nothing in flight, so a preempted
