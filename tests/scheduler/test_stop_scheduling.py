@@ -7,6 +7,7 @@ stream ends where the brute-force reference says.
 
 from __future__ import annotations
 
+import asyncio
 from collections import defaultdict
 
 import pytest
@@ -16,6 +17,7 @@ from protos.plan import SamplingSpec
 from scheduler_svc.request import Request, RequestStatus
 from tests.scheduler.grpc_harness import collect, gen_request, running_server
 from tests.scheduler.kv_mirror import KVMirror
+from tests.scheduler.null_executor import make_hello
 from tests.scheduler.test_parallel_sampling import BLOCK_SIZE, make_group, make_scheduler
 from tests.scheduler.test_server import wait_idle
 from tests.scheduler.test_stop_strings import reference
@@ -94,4 +96,27 @@ async def test_stop_strings_through_the_server(tiny_tokenizer, overlap):
         for seq in per_token(responses).values():
             assert seq["text"] == want_text and seq["tokens"] == free["tokens"][:num_tokens]
         stats = await wait_idle(h)
+        assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "lockstep"])
+async def test_stop_strings_under_preemption(tiny_tokenizer, overlap):
+    """Six streams on a pool that holds about two: requests are preempted and recomputed,
+    and each still ends exactly where its own free run says."""
+    prompts = [[5 + i, 6, 7 + 2 * i] for i in range(6)]
+    async with running_server(tiny_tokenizer, overlap_scheduling=overlap) as h:
+        await h.serve(hello=make_hello(num_kv_blocks=24), step_delay_s=0.002)
+        frees = [per_token(await collect(h.stub.Generate(gen_request(p, max_tokens=40))))[0]
+                 for p in prompts]
+        stops = [[f["text"][-7:-2]] for f in frees]  # late: the streams grow and compete
+        runs = await asyncio.gather(*(
+            collect(h.stub.Generate(gen_request(p, max_tokens=40, stop=s)))
+            for p, s in zip(prompts, stops, strict=True)))
+        for free, stop, responses in zip(frees, stops, runs, strict=True):
+            got = per_token(responses)[0]
+            want_text, want_match, num_tokens = reference(free["deltas"], stop, include=False)
+            assert got["text"] == want_text and got["tokens"] == free["tokens"][:num_tokens]
+            assert got["end"] == (pb.FINISH_REASON_STOP, "matched_stop_str", want_match)
+        stats = await wait_idle(h)
+        assert stats.num_preemptions > 0
         assert stats.kv_blocks_free == stats.kv_blocks_total
