@@ -87,7 +87,11 @@ class OutputProcessor:
         if seq.stop.matched is None and status is not None:
             undecoded = new_token_ids[len(decoded):]
             token_ids += undecoded
-            text += seq.stop.push(seq.detokenizer.finish(undecoded), len(seq.token_ids))
+            tail = seq.detokenizer.finish(undecoded)
+            if status is RequestStatus.FINISHED_ABORTED:  # shows what it has; no stop sought
+                text += seq.stop.flush() + tail
+            else:
+                text += seq.stop.push(tail, len(seq.token_ids))
         if seq.stop.matched is not None:
             status, matched = RequestStatus.FINISHED_STOPPED, seq.stop.matched
         elif status is not None:

@@ -120,3 +120,19 @@ async def test_stop_strings_under_preemption(tiny_tokenizer, overlap):
         stats = await wait_idle(h)
         assert stats.num_preemptions > 0
         assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+async def test_an_abort_releases_the_held_text(harness, tiny_tokenizer):
+    await harness.serve(step_delay_s=0.01)
+    free = per_token(await collect(harness.stub.Generate(gen_request(max_tokens=30))))[0]
+    stop = [free["text"][:250] + "\x00"]  # the whole text is held: it could begin the stop
+    call = harness.stub.Generate(gen_request(max_tokens=30, stop=stop))
+    first = [await call.read() for _ in range(5)]
+    assert all(r.token_ids and not r.text for r in first)
+    await harness.stub.Abort(pb.AbortRequest(request_id=first[0].request_id))
+    rest = await collect(call)
+    assert rest[-1].finish_reason == pb.FINISH_REASON_ABORT
+    assert not rest[-1].HasField("matched_token_id") and not rest[-1].HasField("matched_stop_str")
+    tokens = [t for r in first + rest for t in r.token_ids]
+    assert "".join(r.text for r in first + rest) == tiny_tokenizer.decode(tokens)
+    assert tokens == free["tokens"][:len(tokens)]
