@@ -54,6 +54,7 @@ class OutputProcessor:
             if seq.stop.matched is not None and not finished:
                 stopped_by_text.append(req.req_id)
         return stopped_by_text
+
     def finish(self, client: ClientRequest, seq: SequenceOutput, status: RequestStatus) -> None:
         """End one sequence without new tokens (abort, or a resume that has no room left)."""
         if not seq.finished:
