@@ -157,3 +157,16 @@ def test_many_long_stops_stay_bounded(include):
     deltas = ["ab"] * 300 + ["x"]
     text, matched, k, _ = check(deltas, stop, include)
     assert matched == "ab" * 128 and k == 128
+
+
+def test_a_beam_candidate_completing_a_stop_string_finishes():
+    from scheduler_svc.beam_search import BeamSearch
+
+    search = BeamSearch(2, 3, frozenset({9}), length_penalty=1.0,
+                        text_stop=lambda ids: "END" if ids[-1] == 7 else None)
+    pairs = [(7, -0.1), (8, -0.5), (9, -0.7), (10, -2.0)]
+    running = search.step([pairs])
+    # 7 finishes on its text; 9, a stop id outside the best two, neither finishes nor runs.
+    assert [(h.token_ids, h.stopped, h.stop_str) for h in search.finished] == \
+        [((7,), True, "END")]
+    assert [r.token_id for r in running] == [8, 10]
