@@ -18,7 +18,8 @@ import argparse
 import json
 import sys
 
-# The API's own default is "up to max_model_len"; a command-line answer should end sooner.
+# The API's own default (max_tokens unset or 0) is the rest of the context; a command-line
+# answer should end sooner. `--max-tokens 0` asks for the API's default.
 DEFAULT_MAX_TOKENS = 256
 SERVICE_COMMANDS = {
     "serve": "scheduler and executor together (the executor is spawned as a child process)",
@@ -81,11 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--length-penalty", type=float, default=None, help="beam search only")
     gen.add_argument("--early-stopping", default="heuristic",
                      choices=["heuristic", "true", "never"], help="beam search only")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="stop when the text contains TEXT (repeatable; TEXT is cut off)")
+    gen.add_argument("--include-stop-str-in-output", action="store_true",
+                     help="keep the matched stop string (or stop token's text) in the output")
+    gen.add_argument("--keep-special-tokens", action="store_true",
+                     help="show special tokens (<|im_end|>, ...) in the text")
+    gen.add_argument("--no-spaces-between-special-tokens", action="store_true",
+                     help="with --keep-special-tokens: no separator between adjacent added "
+                          "tokens (only matters for tokenizers whose decoder puts one)")
     gen.add_argument("--request-id", default="")
     gen.add_argument("--json", action="store_true",
-                     help="print one JSON object (token_ids, text, finish_reason, usage, "
-                          "request_id; with several sequences, a `choices` list of those) "
-                          "instead of streaming text")
+                     help="print one JSON object (token_ids, text, finish_reason, "
+                          "matched_stop, usage, request_id; with several sequences, a "
+                          "`choices` list of those) instead of streaming text")
 
     keygen = sub.add_parser("keygen", help="write a random executor-channel secret to a file "
                             "(kept if it exists) for --channel-secret-file")
@@ -109,7 +119,11 @@ def generate_kwargs(args: argparse.Namespace) -> dict:
                   top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
                   stop_token_ids=_ids(args.stop_token_ids, "--stop-token-ids"),
                   request_id=args.request_id, n=args.n, beam_width=args.beam_width,
-                  length_penalty=args.length_penalty, early_stopping=args.early_stopping)
+                  length_penalty=args.length_penalty, early_stopping=args.early_stopping,
+                  stop=args.stop, include_stop_str_in_output=args.include_stop_str_in_output,
+                  skip_special_tokens=False if args.keep_special_tokens else None,
+                  spaces_between_special_tokens=(False if args.no_spaces_between_special_tokens
+                                                 else None))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.token_ids is not None:
         if prompt is not None or args.chat:

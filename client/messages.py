@@ -38,6 +38,7 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     usage: dict[str, int] = field(default_factory=dict)  # prompt/completion/cached tokens
+    matched_stop: int | str | None = None  # with "stop": the stop token id or stop string
 
     def add(self, resp: pb.GenerateResponse) -> None:
         self.request_id = resp.request_id or self.request_id
@@ -46,6 +47,8 @@ class Completion:
         self.text += resp.text
         if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             self.finish_reason = FINISH_REASON_NAMES[resp.finish_reason]
+            which = resp.WhichOneof("matched_stop")
+            self.matched_stop = getattr(resp, which) if which else None
             self.usage = {
                 "prompt_tokens": resp.usage.prompt_tokens,
                 "completion_tokens": resp.usage.completion_tokens,
@@ -54,7 +57,8 @@ class Completion:
 
     def to_dict(self) -> dict:
         return {"request_id": self.request_id, "index": self.index, "token_ids": self.token_ids,
-                "text": self.text, "finish_reason": self.finish_reason, "usage": self.usage}
+                "text": self.text, "finish_reason": self.finish_reason,
+                "matched_stop": self.matched_stop, "usage": self.usage}
 
 
 class Choices:
@@ -96,15 +100,23 @@ def sampling_params(
     beam_width: int | None = None,
     length_penalty: float | None = None,
     early_stopping: str = "heuristic",
+    stop: Iterable[str] | str = (),
+    include_stop_str_in_output: bool = False,
+    skip_special_tokens: bool | None = None,
+    spaces_between_special_tokens: bool | None = None,
 ) -> pb.SamplingParams:
     if early_stopping not in EARLY_STOPPING:
         raise ValueError(f"early_stopping is one of {sorted(EARLY_STOPPING)}, "
                          f"got {early_stopping!r}")
     params = pb.SamplingParams(stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-                               early_stopping=EARLY_STOPPING[early_stopping])
+                               early_stopping=EARLY_STOPPING[early_stopping],
+                               stop=[stop] if isinstance(stop, str) else list(stop),
+                               include_stop_str_in_output=include_stop_str_in_output)
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                         ("seed", seed), ("max_tokens", max_tokens), ("n", n),
-                        ("beam_width", beam_width), ("length_penalty", length_penalty)):
+                        ("beam_width", beam_width), ("length_penalty", length_penalty),
+                        ("skip_special_tokens", skip_special_tokens),
+                        ("spaces_between_special_tokens", spaces_between_special_tokens)):
         if value is not None:
             setattr(params, name, value)
     return params

@@ -15,6 +15,7 @@ from scheduler_svc.request import Request, SubmitParams
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence_group import BeamGroup, ParallelGroup
 from scheduler_svc.sequence_params import sequence_seed
+from scheduler_svc.stop_strings import BeamStopStrings, StopChecker
 from scheduler_svc.tokenizer import Tokenizer
 
 MAX_WAITING_REQUESTS = 65536  # beyond this, new requests get RESOURCE_EXHAUSTED
@@ -31,19 +32,37 @@ def submit_request(sched: Scheduler, registry: Registry, params: SubmitParams,
     if len(sched.waiting) >= MAX_WAITING_REQUESTS:
         raise Overloaded(f"{len(sched.waiting)} requests are already waiting; retry later")
     client = ClientRequest(params.req_id, params, max_tokens, arrival,
-                           [SequenceOutput(i, IncrementalDetokenizer(tokenizer))
+                           [new_sequence_output(i, params, tokenizer)
                             for i in range(params.sequence.n)])
-    admit(sched, client, info, tokenizer.eos_token_ids)
+    admit(sched, client, info, tokenizer)
     return client
 
 
+def new_sequence_output(index: int, params: SubmitParams, tokenizer: Tokenizer
+                        ) -> SequenceOutput:
+    detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens,
+                                         params.spaces_between_special_tokens)
+    return SequenceOutput(index, detokenizer,
+                          StopChecker(params.stop, params.include_stop_str_in_output))
+
+
+def beam_stop_strings(params: SubmitParams, tokenizer: Tokenizer) -> BeamStopStrings | None:
+    """A beam search's stop-string test, decoding as the request's sequences do."""
+    if not params.stop:
+        return None
+    detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens,
+                                         params.spaces_between_special_tokens)
+    return BeamStopStrings(detokenizer.decode, params.stop)
+
+
 def admit(sched: Scheduler, client: ClientRequest, info: ExecutorInfo,
-          eos_token_ids: frozenset[int]) -> list[SequenceOutput]:
+          tokenizer: Tokenizer) -> list[SequenceOutput]:
     """Queue `client`'s unfinished sequences on `sched`, from its prompt plus the tokens each
     has streamed. Returns the sequences that have no room left on this executor (prompt +
     streamed tokens reach its max_model_len): the caller ends them with LENGTH. Raises
     InvalidRequest when the request cannot run on this executor at all."""
     p = client.params
+    eos_token_ids = tokenizer.eos_token_ids
     stop_token_ids = frozenset(p.stop_token_ids)
 
     def new_request(seq_id: str, prompt: list[int], sampling: SamplingSpec, index: int
@@ -60,7 +79,8 @@ def admit(sched: Scheduler, client: ClientRequest, info: ExecutorInfo,
         # A beam ends on the ids that would stop a sequence.
         stops = stop_token_ids | (frozenset() if p.ignore_eos else eos_token_ids)
         sched.add_group(BeamGroup(client.req_id, p.sequence, p.prompt_token_ids,
-                                  client.max_tokens, stops, info.vocab_size, new_request))
+                                  client.max_tokens, stops, info.vocab_size, new_request,
+                                  text_stop=beam_stop_strings(p, tokenizer)))
         return []
     started = any(s.token_ids or s.finished for s in client.sequences)
     if client.is_group and not started:
@@ -85,9 +105,8 @@ def admit(sched: Scheduler, client: ClientRequest, info: ExecutorInfo,
     return no_room
 
 
-
 def readmit_all(sched: Scheduler, registry: Registry, info: ExecutorInfo,
-                eos_token_ids: frozenset[int]
+                tokenizer: Tokenizer
                 ) -> tuple[list[tuple[ClientRequest, FolioError]],
                            list[tuple[ClientRequest, SequenceOutput]]]:
     """Queue every unfinished request of `registry` on a new Scheduler, in arrival order.
@@ -99,7 +118,7 @@ def readmit_all(sched: Scheduler, registry: Registry, info: ExecutorInfo,
             client.suspended_at = None
             client.num_resumes += 1
         try:
-            no_room += [(client, seq) for seq in admit(sched, client, info, eos_token_ids)]
+            no_room += [(client, seq) for seq in admit(sched, client, info, tokenizer)]
         except FolioError as e:
             refused.append((client, e))
     return refused, no_room

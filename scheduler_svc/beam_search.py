@@ -10,7 +10,8 @@ One step, for `k = beam_width` running beams of equal length:
     candidates = top C of {(beam, token): beam.logprob_sum + logprob(token | beam)}
                  C = max(2, 1 + num_stop_ids) * k, so that even if every beam proposes every stop
                  id, at least k candidates can keep running
-    finished  += the stop candidates (stop id, or max_new_tokens reached) among the first k,
+    finished  += the stop candidates (stop id, a stop string the beam's text completes, or
+                 max_new_tokens reached) among the first k,
                  scored logprob_sum / num_generated ** length_penalty; the best k are kept
     running    = the first k candidates that did not stop
     done       when max_new_tokens is reached, or (early_stopping TRUE) k hypotheses are
@@ -36,6 +37,7 @@ from __future__ import annotations
 import enum
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -76,6 +78,10 @@ def score_order(score: float) -> tuple[int, float]:
     return (0, 0.0) if math.isnan(score) else (1, -score)
 
 
+# A beam's output ids (newest last) -> the stop string its text completes with the newest.
+TextStop = Callable[[list[int]], "str | None"]
+
+
 class EarlyStopping(enum.Enum):
     HEURISTIC = "heuristic"  # HF early_stopping=False
     TRUE = "true"  # HF early_stopping=True
@@ -96,7 +102,8 @@ class Hypothesis:
 
     token_ids: tuple[int, ...]
     score: float  # logprob_sum / len(token_ids) ** length_penalty, float32
-    stopped: bool  # True: ended by a stop id; False: by max_new_tokens
+    stopped: bool  # True: ended by a stop id or stop string; False: by max_new_tokens
+    stop_str: str | None = None  # the stop string its text completed, if that ended it
 
 
 @dataclass(frozen=True)
@@ -123,7 +130,8 @@ class BeamSearch:
 
     def __init__(self, beam_width: int, max_new_tokens: int, stop_token_ids: frozenset[int],
                  length_penalty: float = 1.0,
-                 early_stopping: EarlyStopping = EarlyStopping.HEURISTIC):
+                 early_stopping: EarlyStopping = EarlyStopping.HEURISTIC,
+                 text_stop: TextStop | None = None):
         if beam_width < 1 or max_new_tokens < 1:
             raise ValueError(f"need beam_width >= 1 and max_new_tokens >= 1, got "
                              f"{beam_width} and {max_new_tokens}")
@@ -132,6 +140,7 @@ class BeamSearch:
         self.stop_token_ids = stop_token_ids
         self.length_penalty = length_penalty
         self.early_stopping = early_stopping
+        self.text_stop = text_stop
         self.beams: list[Beam] = [Beam()]
         self.finished: list[Hypothesis] = []
         self.done = False
@@ -149,9 +158,11 @@ class BeamSearch:
         candidates = self._top_candidates(top_logprobs)
         num_generated = len(self.beams[0].token_ids) + 1  # every beam, after this token
         at_limit = num_generated >= self.max_new_tokens
-        stops = [at_limit or c.token_id in self.stop_token_ids for c in candidates]
+        stop_strs = self._stop_strings(candidates)
+        stops = [at_limit or c.token_id in self.stop_token_ids or i in stop_strs
+                 for i, c in enumerate(candidates)]
         self._add_finished(candidates[:self.beam_width], stops[:self.beam_width],
-                           num_generated, at_limit)
+                           num_generated, stop_strs)
         running = [c for c, stop in zip(candidates, stops, strict=True)
                    if not stop][:self.beam_width]
         self.beams = [Beam(self.beams[c.parent].token_ids + [c.token_id], c.score)
@@ -182,14 +193,35 @@ class BeamSearch:
     def _penalized(self, logprob_sum: float, num_tokens: int) -> float:
         return length_penalized(logprob_sum, num_tokens, self.length_penalty)
 
+    def _stop_strings(self, candidates: list[_Candidate]) -> dict[int, str]:
+        """{candidate index: the stop string its beam's text completes}, for the candidates
+        that can finish (the first beam_width) or run (until beam_width others do not stop);
+        a candidate with a stop id is a token stop."""
+        if self.text_stop is None:
+            return {}
+        found: dict[int, str] = {}
+        num_running = 0
+        for i, c in enumerate(candidates):
+            if i >= self.beam_width and num_running >= self.beam_width:
+                break
+            if c.token_id in self.stop_token_ids:
+                continue
+            stop = self.text_stop(self.beams[c.parent].token_ids + [c.token_id])
+            if stop is not None:
+                found[i] = stop
+            else:
+                num_running += 1
+        return found
+
     def _add_finished(self, top: list[_Candidate], stops: list[bool], num_generated: int,
-                      at_limit: bool) -> None:
+                      stop_strs: dict[int, str]) -> None:
         # Only candidates among the best beam_width may finish; the rest only back up the
         # running set. Earlier hypotheses win ties, as in a stable top-k.
         new = [Hypothesis(tuple(self.beams[c.parent].token_ids + [c.token_id]),
                           self._penalized(c.score, num_generated),
-                          stopped=c.token_id in self.stop_token_ids)
-               for c, stop in zip(top, stops, strict=True) if stop]
+                          stopped=c.token_id in self.stop_token_ids or i in stop_strs,
+                          stop_str=stop_strs.get(i))
+               for i, (c, stop) in enumerate(zip(top, stops, strict=True)) if stop]
         if not new:
             return
         merged = self.finished + new

@@ -25,22 +25,25 @@ _INITIAL_CONTEXT = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        self._spaces_between_special = spaces_between_special_tokens
         self.token_ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
         self.text = ""  # everything emitted so far
 
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special,
+                                      spaces_between_special_tokens=self._spaces_between_special)
 
     def push(self, new_ids: list[int]) -> str:
         """Add ids; return the text they complete (possibly empty)."""
         self.token_ids.extend(new_ids)
-        prefix_text = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
-        full_text = self._decode(self.token_ids[self._prefix_offset:])
+        prefix_text = self.decode(self.token_ids[self._prefix_offset:self._read_offset])
+        full_text = self.decode(self.token_ids[self._prefix_offset:])
         if full_text.endswith(REPLACEMENT_CHAR) or len(full_text) <= len(prefix_text):
             return ""  # an unfinished character (or nothing visible): wait for more ids
         if not full_text.startswith(prefix_text):
@@ -53,7 +56,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _resync(self) -> str:
-        full = self._decode(self.token_ids)
+        full = self.decode(self.token_ids)
         if full.endswith(REPLACEMENT_CHAR) or not full.startswith(self.text):
             return ""
         delta = full[len(self.text):]
@@ -65,10 +68,18 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """At finish: whatever the full decode has beyond what was emitted (a dangling partial
         character included, as U+FFFD, since no more ids will complete it)."""
-        full = self._decode(self.token_ids)
+        full = self.decode(self.token_ids)
         if not full.startswith(self.text):
             return ""  # cannot retract emitted text; push() keeps this from happening
         delta = full[len(self.text):]
         self.text = full
+        self._prefix_offset = self._read_offset = len(self.token_ids)
+        return delta
+
+    def finish(self, undecoded_ids: list[int]) -> str:
+        """`flush`, then record `undecoded_ids` as streamed without decoding them (a stop
+        token whose text is left out). Nothing may be pushed afterwards."""
+        delta = self.flush()
+        self.token_ids.extend(undecoded_ids)
         self._prefix_offset = self._read_offset = len(self.token_ids)
         return delta

@@ -238,7 +238,8 @@ class Engine:
 
     def _apply_result(self, sched: Scheduler, plan: StepPlan, result: StepResult) -> None:
         start = time.perf_counter()
-        self.outputs.process(sched.update(result))
+        for req_id in self.outputs.process(sched.update(result)):
+            sched.stop_request(req_id)  # its text completed a stop string
         self.stats.record_step(plan, result, time.perf_counter() - start,
                                work_queued=sched.has_unfinished())
 
@@ -318,7 +319,7 @@ class Engine:
     def _readmit_all(self) -> None:
         """Queue every unfinished request on the new Scheduler, in arrival order."""
         refused, no_room = readmit_all(self.scheduler, self.registry, self.executor,
-                                       self.tokenizer.eos_token_ids)
+                                       self.tokenizer)
         for client, e in refused:
             self._end_client(client, ExecutorUnavailable(
                 f"the request cannot resume on the new executor: {e}"))

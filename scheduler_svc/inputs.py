@@ -36,6 +36,9 @@ MAX_REQUEST_ID_CHARS = 256  # ids are logged and echoed in every response
 # Beam search asks the executor for (1 + stop ids) x beam_width logprobs per beam and ranks
 # them in Python each step, so the stop list is bounded.
 MAX_STOP_TOKEN_IDS = 32
+# Every stop string is searched at each token of its sequence (stop_strings.py).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
 MAX_ROLE_CHARS = 64
 EARLY_STOPPING = {
     pb.EARLY_STOPPING_HEURISTIC: EarlyStopping.HEURISTIC,
@@ -114,20 +117,37 @@ def submit_params(msg: pb.GenerateRequest) -> SubmitParams:
     p = msg.sampling
     sampling = sampling_spec(p)
     sequence = sequence_params(p)
-    max_tokens = p.max_tokens if p.HasField("max_tokens") else None
-    if max_tokens == 0:
-        raise InvalidRequest("max_tokens must be at least 1 (leave it unset for no limit "
-                             "below max_model_len)")
+    # Unset or 0: the rest of the context (capped in check_for_executor).
+    max_tokens = p.max_tokens or None
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
                              f"got {len(p.stop_token_ids)}")
+    check_stop_strings(p.stop)
     check_request_id(msg.request_id)
     if msg.WhichOneof("input") is None:
         raise InvalidRequest("the request has no input; set one of text, token_ids or chat")
     return SubmitParams(
         req_id=msg.request_id or uuid.uuid4().hex, prompt_token_ids=[],
         sampling=sampling, max_tokens=max_tokens,
-        stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, sequence=sequence)
+        stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, sequence=sequence,
+        stop=tuple(p.stop), include_stop_str_in_output=p.include_stop_str_in_output,
+        skip_special_tokens=(p.skip_special_tokens if p.HasField("skip_special_tokens")
+                             else True),
+        spaces_between_special_tokens=(p.spaces_between_special_tokens
+                                       if p.HasField("spaces_between_special_tokens")
+                                       else True))
+
+
+def check_stop_strings(stop) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"stop may hold at most {MAX_STOP_STRINGS} strings, "
+                             f"got {len(stop)}")
+    for i, s in enumerate(stop):
+        if not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
+            raise InvalidRequest(f"stop string {i} must have 1 to {MAX_STOP_STRING_CHARS} "
+                                 f"characters, got {len(s)}"
+                                 + (f": {_shown(s)}" if s else " (an empty string would "
+                                    "stop at once; leave it out)"))
 
 
 def chat_turns(chat: pb.Chat, max_model_len: int) -> list[ChatTurn]:

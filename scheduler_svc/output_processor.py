@@ -1,19 +1,24 @@
-"""Between step results and the streams: detokenize, record what was streamed, emit.
+"""Between step results and the streams: detokenize, check stop strings, record what was
+streamed, emit.
 
 `Scheduler.update` turns a StepResult into `StepOutput`s (new token ids per sequence, token
 stops applied, because a finished sequence frees its KV blocks within the same step; vLLM v1
-splits it the same way). This class takes them from there, for the sequences a client sees:
+splits it the same way). This class takes them from there, for the sequences a client sees,
+one token at a time:
 
-    StepOutput(req, new ids, finished) --> the sequence's detokenizer: its token ids are the
-                                           record a resume starts from (registry.py), its
-                                           text delta goes out
-                                       --> RequestOutput on the client's queue (last one with
-                                           finish status and usage); the request leaves the
-                                           registry with its last message
+    token id --> the sequence's detokenizer: its token ids are the record a resume starts
+                 from (registry.py); its text delta goes on to
+             --> the sequence's StopChecker (stop_strings.py): releases what no stop string
+                 can still claim; on a match the sequence ends here (STOP, the string), later
+                 ids of the step are dropped, and `process` returns its id for the engine to
+                 finish it in the Scheduler
+             --> RequestOutput on the client's queue (last one with finish status, matched
+                 stop and usage); the request leaves the registry with its last message
 
-Hidden sequences (a parallel-sampling parent, beams) have no SequenceOutput and are skipped.
-Every ending goes through here, so a stream gets exactly one last message per sequence (a
-finish) or one error.
+A sequence that ends on a stop token id (EOS, stop_token_ids) keeps the id in its token_ids but
+not its text, unless include_stop_str_in_output (vLLM's rule). Hidden sequences (a
+parallel-sampling parent, beams) have no SequenceOutput and are skipped. Every ending goes
+through here, so a stream gets exactly one last message per sequence (a finish) or one error.
 """
 
 from __future__ import annotations
@@ -31,16 +36,24 @@ class OutputProcessor:
     def __init__(self, registry: Registry):
         self.registry = registry
 
-    def process(self, outputs: list[StepOutput]) -> None:
+    def process(self, outputs: list[StepOutput]) -> list[str]:
+        """Emit the outputs; returns the ids of sequences whose text completed a stop string,
+        which the Scheduler must still finish (`Scheduler.stop_request`)."""
+        stopped_by_text: list[str] = []
         for req, new_token_ids, finished in outputs:
             found = self.registry.sequence(req.req_id)
             if found is None:
                 continue  # a hidden sequence, or a request already ended
             client, seq = found
             if seq.finished:
-                continue
+                continue  # e.g. a token computed past its stop string (overlap)
             seq.num_cached_tokens = req.num_cached_tokens
-            self._emit(client, seq, new_token_ids, req.status if finished else None)
+            status = req.status if finished else None
+            matched = req.matched_stop if status is RequestStatus.FINISHED_STOPPED else None
+            self._emit(client, seq, new_token_ids, status, matched)
+            if seq.stop.matched is not None and not finished:
+                stopped_by_text.append(req.req_id)
+        return stopped_by_text
 
     def finish(self, client: ClientRequest, seq: SequenceOutput, status: RequestStatus) -> None:
         """End one sequence without new tokens (abort, or a resume that has no room left)."""
@@ -60,16 +73,38 @@ class OutputProcessor:
         self.registry.remove(client)
 
     def _emit(self, client: ClientRequest, seq: SequenceOutput, new_token_ids: list[int],
-              status: RequestStatus | None) -> None:
-        text = seq.detokenizer.push(new_token_ids) if new_token_ids else ""
+              status: RequestStatus | None, matched: int | str | None = None) -> None:
+        """`status` ends the sequence after these ids; with FINISHED_STOPPED, `matched` is the
+        stop id that is the last of them (or a beam's stop string)."""
+        # A stop id's text is not shown (unless asked for): it is recorded, not decoded.
+        hide_last = isinstance(matched, int) and not client.params.include_stop_str_in_output
+        decoded = new_token_ids[:-1] if hide_last else new_token_ids
+        token_ids, text = [], ""
+        for token_id in decoded:
+            token_ids.append(token_id)
+            text += seq.stop.push(seq.detokenizer.push([token_id]), len(seq.token_ids))
+            if seq.stop.matched is not None:
+                break  # ids after the one that completed the stop string are dropped
+        if seq.stop.matched is None and status is not None:
+            undecoded = new_token_ids[len(decoded):]
+            token_ids += undecoded
+            tail = seq.detokenizer.finish(undecoded)
+            if status is RequestStatus.FINISHED_ABORTED:  # shows what it has; no stop sought
+                text += seq.stop.flush() + tail
+            else:
+                text += seq.stop.push(tail, len(seq.token_ids))
+        if seq.stop.matched is not None:
+            status, matched = RequestStatus.FINISHED_STOPPED, seq.stop.matched
+        elif status is not None:
+            text += seq.stop.flush()
         if status is not None:
-            text += seq.detokenizer.flush()
             seq.finish_status = status
         client.put(RequestOutput(
-            token_ids=new_token_ids, text=text, finish_status=status,
+            token_ids=token_ids, text=text, finish_status=status,
             num_prompt_tokens=len(client.params.prompt_token_ids),
             num_output_tokens=len(seq.token_ids), num_cached_tokens=seq.num_cached_tokens,
-            index=seq.index))
+            index=seq.index,
+            matched_stop=matched if status is RequestStatus.FINISHED_STOPPED else None))
         if status is not None:
             log.debug("sequence finished", req_id=client.req_id, index=seq.index,
                       status=status.value, num_output_tokens=len(seq.token_ids))

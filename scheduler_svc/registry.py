@@ -3,7 +3,7 @@
 A `ClientRequest` is one gRPC stream: what the client asked for (`SubmitParams`: prompt ids,
 sampling incl. seed, stop ids, n / beam search), its capped `max_tokens`, its place in the FCFS
 order, and per sequence what was streamed so far (`SequenceOutput`: token ids, detokenizer
-offsets, usage). The Scheduler's `Request`s are rebuilt from it whenever an executor connects,
+offsets, the text held back for stop strings, usage). The Scheduler's `Request`s are rebuilt from it whenever an executor connects,
 so a request survives the loss of the executor that was running it:
 
     submit --> ClientRequest --admit--> Scheduler Requests --steps--> OutputProcessor --> stream
@@ -14,7 +14,8 @@ so a request survives the loss of the executor that was running it:
 How each kind resumes (`resume_plan`):
 - one sequence: a new Request with prompt = the original prompt and the streamed tokens as its
   output, so the executor recomputes both and samples the next token at the same position; a
-  seeded draw depends on (seed, position) only, so the continuation is the same as unbroken.
+  seeded draw depends on (seed, position) only, so the continuation is the same as unbroken,
+  and the detokenizer and stop checker carry on from their state, so the text is too.
 - n > 1 (parallel sampling): if no sequence streamed anything yet, the group starts over as
   new; otherwise each unfinished sequence i resumes as a plain request `<id>/<i>` with the seed
   of sequence i (sharing prompt blocks through the prefix cache instead of a fork).
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.request import RequestOutput, RequestStatus, SubmitParams
+from scheduler_svc.stop_strings import StopChecker
 
 
 @dataclass(eq=False)
@@ -40,6 +42,7 @@ class SequenceOutput:
 
     index: int
     detokenizer: IncrementalDetokenizer  # holds every token id streamed, and its offsets
+    stop: StopChecker  # stop strings: the text held back from the stream, the match
     finish_status: RequestStatus | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
 

@@ -49,6 +49,11 @@ class SubmitParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     sequence: SequenceParams = SequenceParams()  # n > 1 or beam search: a sequence group
+    # Text: stop strings (scheduler_svc.stop_strings) and how the detokenizer shows tokens.
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: Exception | None = None
     index: int = 0  # which of the request's n sequences this output belongs to
+    matched_stop: int | str | None = None  # with FINISHED_STOPPED: the stop id or string
 
 
 @dataclass(eq=False)
@@ -95,6 +101,9 @@ class Request:
     # ids the scheduler does not know yet. num_tokens counts known tokens only; the next plan
     # schedules from num_tokens + num_placeholders (scheduler.py, "Overlap").
     num_placeholders: int = 0
+    # Set when it finishes STOPPED: the stop token id (EOS or stop_token_ids, the last output
+    # token), or for a beam search's result, the stop string its text completed.
+    matched_stop: int | str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

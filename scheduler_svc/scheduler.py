@@ -23,7 +23,8 @@ with one plan in flight (never two). A request that samples in a step in flight 
 *placeholder* per such step (`Request.num_placeholders`): its token is not known yet, but the
 executor appends it to its own copy, so the next plan schedules the request's next position as
 if the token were there. `update()` turns the oldest placeholder into the real token; a token
-computed past a stop is discarded (the request is gone by then). With a plan in flight,
+computed past a stop is discarded (the request is gone by then: finished in `update()` for a
+stop id, by `stop_request()` right after it for a stop string). With a plan in flight,
 `schedule()` returns None instead of a plan, and the engine falls back to lockstep (waits for
 the result, then schedules), when the plan would
 - preempt (blocks run short): victims are only chosen with nothing in flight, so a preempted
@@ -174,6 +175,8 @@ class Scheduler(SchedulerState):
             for i, token_id in enumerate(token_ids):
                 req.output_token_ids.append(token_id)
                 if (status := self._stop_status(req, token_id)) is not None:
+                    if status is RequestStatus.FINISHED_STOPPED:
+                        req.matched_stop = token_id
                     self._finish(req, status)
                     finished = True
                     new_token_ids = token_ids[:i + 1]
@@ -184,6 +187,17 @@ class Scheduler(SchedulerState):
                 self.groups.pop(req.group.req_id, None)
         self.num_generated_tokens += num_generated
         return outputs
+
+    def stop_request(self, req_id: str) -> None:
+        """Finish a sequence whose text completed a stop string (found after `update`, by the
+        output processor). A token a step in flight computes for it is discarded by `update`,
+        and its id rides the next plan's finished_req_ids. No-op if it already finished."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return
+        self._finish(req, RequestStatus.FINISHED_STOPPED)
+        if req.group is not None and req.group.is_done():
+            self.groups.pop(req.group.req_id, None)
 
     def abandon_oldest(self) -> list[str]:
         """The oldest in-flight step failed: forget it and return the ids it scheduled (the

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from protos.plan import SamplingSpec
-from scheduler_svc.beam_search import BeamSearch
+from scheduler_svc.beam_search import BeamSearch, TextStop
 from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.sequence_params import SequenceParams, sequence_seed
 
@@ -84,8 +84,9 @@ class ParallelGroup:
 class BeamGroup:
     def __init__(self, req_id: str, params: SequenceParams, prompt_token_ids: list[int],
                  max_tokens: int, stop_token_ids: frozenset[int], vocab_size: int,
-                 new_request: RequestFactory):
+                 new_request: RequestFactory, text_stop: TextStop | None = None):
         self.req_id = req_id
+        self.text_stop = text_stop  # stop strings (scheduler_svc.stop_strings)
         self.params = params
         self.prompt_token_ids = list(prompt_token_ids)
         self.max_tokens = max_tokens
@@ -104,7 +105,8 @@ class BeamGroup:
 
     def _start(self) -> None:
         self.search = BeamSearch(self.params.beam_width, self.max_tokens, self.stop_token_ids,
-                                 self.params.length_penalty, self.params.early_stopping)
+                                 self.params.length_penalty, self.params.early_stopping,
+                                 self.text_stop)
         self._num_beams_made = 0
         self._reported: dict[str, list[tuple[int, float]]] = {}
         self.beams: list[Request] = [self._new_beam(self.prompt_token_ids, [])]
@@ -177,6 +179,9 @@ class BeamGroup:
             holder.output_token_ids = list(hyp.token_ids)
             holder.status = (RequestStatus.FINISHED_STOPPED if hyp.stopped
                              else RequestStatus.FINISHED_LENGTH)
+            if hyp.stopped:
+                holder.matched_stop = (hyp.stop_str if hyp.stop_str is not None
+                                       else hyp.token_ids[-1])
         for holder in self.outputs[len(best):]:  # only with a vocabulary smaller than 2k
             holder.status = RequestStatus.FINISHED_LENGTH
         return list(self.outputs)

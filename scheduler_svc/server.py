@@ -153,6 +153,10 @@ class GeneratorService:
                     response.usage.prompt_tokens = out.num_prompt_tokens
                     response.usage.completion_tokens = out.num_output_tokens
                     response.usage.cached_tokens = out.num_cached_tokens
+                    if isinstance(out.matched_stop, str):
+                        response.matched_stop_str = out.matched_stop
+                    elif out.matched_stop is not None:
+                        response.matched_token_id = out.matched_stop
                     yield response
                     if done:
                         return

@@ -6,6 +6,7 @@ Only `tokenizers` (tokenizer.json) and jinja2 (tokenizer_config.json's `chat_tem
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -288,8 +289,22 @@ class Tokenizer:
         # tokenized on a worker thread leaves the event loop running. Same ids as `encode`.
         return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        """`spaces_between_special_tokens=False` (with special tokens kept): an added token
+        right after another one is decoded on its own, so it shows as its bare content without
+        the separator the decoder would put before it (vLLM's fast detokenizer does the same)."""
+        if skip_special_tokens or spaces_between_special_tokens:
+            return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        added = self.added_token_ids
+        starts = [0] + [i for i in range(1, len(ids)) if ids[i] in added and ids[i - 1] in added]
+        return "".join(self._tok.decode(ids[a:b], skip_special_tokens=False)
+                       for a, b in zip(starts, [*starts[1:], len(ids)], strict=True))
+
+    @functools.cached_property
+    def added_token_ids(self) -> frozenset[int]:
+        """Ids of the tokenizer's added tokens (special or not)."""
+        return frozenset(self._tok.get_added_tokens_decoder())
 
     def max_token_chars(self) -> int:
         """The most input characters one token stands for: the longest vocabulary entry, added

@@ -58,9 +58,24 @@ def test_completion_folds_a_stream():
                               finish_reason=pb.FINISH_REASON_LENGTH,
                               usage=pb.Usage(prompt_tokens=4, completion_tokens=3)))
     assert c.to_dict() == {"request_id": "r", "index": 0, "token_ids": [1, 2, 3], "text": "abc",
-                           "finish_reason": "length",
+                           "finish_reason": "length", "matched_stop": None,
                            "usage": {"prompt_tokens": 4, "completion_tokens": 3,
                                      "cached_tokens": 0}}
+    for matched in (dict(matched_token_id=0), dict(matched_stop_str="\n")):
+        c = Completion()
+        c.add(pb.GenerateResponse(finish_reason=pb.FINISH_REASON_STOP, **matched))
+        assert c.finish_reason == "stop" and c.matched_stop == next(iter(matched.values()))
+
+
+def test_text_options_reach_the_request():
+    req = generate_request("Hi", stop="END", include_stop_str_in_output=True,
+                           skip_special_tokens=False, spaces_between_special_tokens=False)
+    p = req.sampling
+    assert list(p.stop) == ["END"] and p.include_stop_str_in_output
+    assert p.HasField("skip_special_tokens") and not p.skip_special_tokens
+    assert p.HasField("spaces_between_special_tokens") and not p.spaces_between_special_tokens
+    p = generate_request("Hi", stop=["a", "b"]).sampling
+    assert list(p.stop) == ["a", "b"] and not p.HasField("skip_special_tokens")
 
 
 def test_wait_ready_gives_up_in_time():

@@ -43,6 +43,20 @@ def test_generate_flags_map_to_client_arguments():
     assert (kwargs["max_tokens"], kwargs["temperature"], kwargs["top_k"]) == (5, 0.0, 3)
     assert kwargs["top_p"] is None and kwargs["seed"] is None  # unset: server defaults
     assert kwargs["stop_token_ids"] == [7, 9] and kwargs["ignore_eos"] is True
+    assert kwargs["stop"] == [] and kwargs["include_stop_str_in_output"] is False
+    assert kwargs["skip_special_tokens"] is None  # unset: the server's default (true)
+    assert kwargs["spaces_between_special_tokens"] is None
+
+
+def test_text_flags_map_to_client_arguments():
+    kwargs = generate_kwargs(parse("Hi", "--stop", "\n\n", "--stop", "User:",
+                                   "--include-stop-str-in-output", "--keep-special-tokens",
+                                   "--no-spaces-between-special-tokens"))
+    assert kwargs["stop"] == ["\n\n", "User:"] and kwargs["include_stop_str_in_output"]
+    assert kwargs["skip_special_tokens"] is False
+    assert kwargs["spaces_between_special_tokens"] is False
+    assert generate_kwargs(parse("Hi"))["max_tokens"] == 256  # the CLI's documented default
+    assert generate_kwargs(parse("Hi", "--max-tokens", "0"))["max_tokens"] is None
 
 
 def test_chat_and_token_id_inputs():
@@ -101,8 +115,10 @@ def test_generate_json_on_the_default_model(default_server, hf_tokenizer):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "torch" not in imported_top_level(done.stderr)
     out = json.loads(done.stdout)
-    assert set(out) == {"request_id", "index", "token_ids", "text", "finish_reason", "usage"}
+    assert set(out) == {"request_id", "index", "token_ids", "text", "finish_reason",
+                        "matched_stop", "usage"}
     assert out["request_id"] and out["finish_reason"] == "length"
+    assert out["matched_stop"] is None
     assert len(out["token_ids"]) == 8
     assert out["text"] == hf_tokenizer.decode(out["token_ids"], skip_special_tokens=True)
     assert out["usage"] == {"prompt_tokens": len(hf_tokenizer("Hello, Folio")["input_ids"]),
@@ -112,6 +128,16 @@ def test_generate_json_on_the_default_model(default_server, hf_tokenizer):
                      "--temperature", "0", "--ignore-eos", "Hello, Folio")
     assert streamed.returncode == 0, streamed.stderr
     assert streamed.stdout == out["text"] + "\n"  # greedy: the same completion, streamed
+
+    # A stop string from inside that completion: the text ends right before it.
+    stop = out["text"][len(out["text"]) // 2:][:3]
+    cut = folio("generate", "--address", default_server.address, "--json", "--max-tokens",
+                "8", "--temperature", "0", "--ignore-eos", "--stop", stop, "Hello, Folio")
+    assert cut.returncode == 0, cut.stderr
+    cut = json.loads(cut.stdout)
+    assert (cut["finish_reason"], cut["matched_stop"]) == ("stop", stop)
+    assert cut["text"] == out["text"][:out["text"].index(stop)]
+    assert cut["token_ids"] == out["token_ids"][:len(cut["token_ids"])]
 
 
 def test_generate_chat_and_token_ids(default_server, hf_tokenizer):

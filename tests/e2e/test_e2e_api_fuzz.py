@@ -89,8 +89,8 @@ FIELDS = {
     "top_k": (st.none() | st.integers(0, 50) | st.integers(0, 2**31 - 1),
               st.integers(-(2**31), 2**31 - 1)),
     "seed": (st.none() | st.integers(0, MAX_SEED), st.integers(0, 2**64 - 1)),
-    # Always set and small: an unset max_tokens on random weights runs to max_model_len.
-    "max_tokens": (st.integers(1, 3), st.integers(0, 3)),
+    # Always set and small: unset or 0 on random weights runs to max_model_len.
+    "max_tokens": (st.integers(1, 3), st.integers(1, 3)),
     "stop_token_ids": (st.lists(st.integers(5, 2047), max_size=32),
                        st.lists(st.integers(0, UINT32), max_size=40)),
     "ignore_eos": (st.booleans(), st.booleans()),
@@ -101,6 +101,14 @@ FIELDS = {
                    st.integers(0, 4) | st.sampled_from([33, UINT32])),
     "length_penalty": (st.none() | st.floats(-FLT_MAX, FLT_MAX, width=32), any_float),
     "early_stopping": (st.integers(0, 2), st.integers(-(2**31), 2**31 - 1)),
+    # Single characters and short strings match the random model's text now and then.
+    "stop": (st.lists(st.sampled_from(["e", " ", "a", "th", "\n"]) | st.text(min_size=1,
+                                                                          max_size=256),
+                      max_size=64),
+             st.lists(st.text(max_size=300), max_size=70)),
+    "include_stop_str_in_output": (st.booleans(), st.booleans()),
+    "skip_special_tokens": (st.none() | st.booleans(), st.booleans()),
+    "spaces_between_special_tokens": (st.none() | st.booleans(), st.booleans()),
     "request_id": (st.just("") | st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7e,
                                                       exclude_characters="/"), max_size=256),
                    st.text(max_size=20) | st.text(min_size=250, max_size=300)),
@@ -165,8 +173,9 @@ def broken_rule(msg: pb.GenerateRequest, m: Model) -> str | None:
         (has("top_p") and not 0 < p.top_p <= 1, "top_p"),
         (has("top_k") and p.top_k < 0, "top_k"),
         (has("seed") and p.seed > MAX_SEED, "seed"),
-        (p.max_tokens == 0, "max_tokens"),
         (len(p.stop_token_ids) > 32, "too many stop ids"),
+        (len(p.stop) > 64, "too many stop strings"),
+        (any(not 1 <= len(s) <= 256 for s in p.stop), "stop string length"),
         (any(t >= m.vocab_size for t in p.stop_token_ids), "stop id out of range"),
         (not 1 <= n <= 128, "n"),
         (not 1 <= width <= 32, "beam_width"),
@@ -232,7 +241,25 @@ def outcome(stub, msg: pb.GenerateRequest) -> tuple[grpc.StatusCode, list[pb.Gen
 
 def test_fuzz_generate_requests(default_server, model, stub):
     greedy_before = greedy_tokens(stub)
-    seen = {"completed": 0, "refused": 0}
+    seen = {"completed": 0, "refused": 0, "stopped by a string": 0}
+
+    def check_stops(msg, responses, finals) -> None:
+        """matched_stop says what ended a sequence; a stop string is cut from the text
+        (kept at its end with include_stop_str_in_output), and no earlier one is in it."""
+        p = msg.sampling
+        for final in finals:
+            which = final.WhichOneof("matched_stop")
+            assert (which is not None) == (final.finish_reason == pb.FINISH_REASON_STOP)
+            if which != "matched_stop_str":
+                continue
+            seen["stopped by a string"] += 1
+            stop = final.matched_stop_str
+            assert stop in p.stop
+            text = "".join(r.text for r in responses if r.index == final.index)
+            if p.include_stop_str_in_output:
+                assert text.endswith(stop)
+                text = text[:-len(stop)]
+            assert not any(s in text for s in p.stop), (text, list(p.stop))
 
     @FUZZ
     @given(msg=generate_requests())
@@ -251,11 +278,13 @@ def test_fuzz_generate_requests(default_server, model, stub):
         finals = [r for r in responses if r.finish_reason != pb.FINISH_REASON_UNSPECIFIED]
         assert sorted(r.index for r in finals) == list(range(n))
         assert all(0 < r.usage.completion_tokens <= msg.sampling.max_tokens for r in finals)
+        check_stops(msg, responses, finals)
         seen["completed"] += 1
 
     check()
-    # The examples exercised both sides of the oracle.
+    # The examples exercised both sides of the oracle, and stop strings that matched.
     assert seen["completed"] >= 20 and seen["refused"] >= 20, seen
+    assert seen["stopped by a string"] >= 3, seen
     assert_healthy_and_unchanged(default_server, stub, greedy_before)
 
 

@@ -12,6 +12,8 @@ under a running executor. The oracle is an uninterrupted run on the same server.
 3. `folio serve` killed with SIGKILL: its executor child exits on its own (no orphan).
 4. SIGTERM to `folio serve` or `folio scheduler` mid-stream: gone within 2 s, executor child
    included, the stream ended with UNAVAILABLE.
+5. The executor killed while a stream holds back the beginning of a stop string: the resumed
+   stream shows exactly the messages of an uninterrupted run and stops at the same token.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections import defaultdict
 import pytest
 
 from client import AsyncFolioClient, FolioClient
+from protos.folio.v1 import generator_pb2 as pb
 from tests.checkpoints import make_checkpoint
 from tests.conftest import _descendants
 from tests.e2e.hf_oracle import hf_greedy, load_hf_model, random_prompts
@@ -243,3 +246,65 @@ def _is_zombie(pid: int) -> bool:
             return f.read().split(") ", 1)[1].startswith("Z")
     except OSError:
         return True
+
+
+def test_a_stop_string_held_across_an_executor_crash(folio_server):
+    """The executor is SIGKILLed while the stream holds back text that begins a stop string:
+    the resumed stream shows exactly what an uninterrupted run shows (same messages, same
+    tokens), releases the held text when it stops matching, and stops on the later stop
+    string at the same token."""
+    from tests.conftest import TINY_RANDOM
+    from tests.e2e.test_e2e_stop_strings import pick, stream
+    from tests.scheduler.test_stop_strings import reference
+
+    # Seeded: a draw depends on (seed, position) only, so the resumed run continues exactly
+    # (greedy text of the random model falls into loops, where a late stop string has
+    # occurred early already).
+    common = dict(prompt="The harbor was quiet before dawn.", max_tokens=300,
+                  temperature=1.0, seed=11, ignore_eos=True)
+    hold_from, hold_to = 60, 110  # tokens whose text begins the never-matching stop string
+    with folio_server(model=TINY_RANDOM) as server:
+        [free] = stream(server.address, **common).values()
+        deltas = free["deltas"]
+        start = len("".join(deltas[:hold_from]))
+        while len("".join(deltas[hold_from:hold_to])) > 255:
+            hold_to -= 1
+        held_stop = "".join(deltas[hold_from:hold_to]) + "\x00"
+        late = len("".join(deltas[:hold_to + 60]))
+        for size in range(4, 16):  # a string whose first occurrence is well after the hold
+            late_stop = pick(free["text"], late, size)
+            if free["text"].index(late_stop) >= late:
+                break
+        stops = [held_stop, late_stop]
+        want_text, want_match, num_tokens = reference(deltas, stops, include=False)
+        assert want_match == late_stop and num_tokens > hold_to + 40
+        [unbroken] = stream(server.address, stop=stops, **common).values()
+
+        arrivals: list[tuple[float, int]] = []
+        got = dict(tokens=[], text="", shown=[], finish=None, matched=None)
+        with FolioClient(server.address, timeout=300) as client:
+            killed = False
+            for resp in client.generate(stop=stops, **common):
+                got["tokens"] += resp.token_ids
+                got["text"] += resp.text
+                got["shown"].append(got["text"])
+                arrivals.append((time.monotonic(), len(got["tokens"])))
+                if not killed and len(got["tokens"]) >= hold_from + 8:
+                    os.kill(executor_pid(server.proc.pid), signal.SIGKILL)
+                    killed = True
+                if resp.finish_reason:
+                    got["finish"] = pb.FinishReason.Name(resp.finish_reason)
+                    which = resp.WhichOneof("matched_stop")
+                    got["matched"] = getattr(resp, which) if which else None
+        log = server.log_tail(200_000)
+    assert "requests resumed" in log
+    # Where the stream paused: the longest gap between messages, after the kill.
+    gaps = [(t1 - t0, n0) for (t0, n0), (t1, _) in zip(arrivals, arrivals[1:], strict=False)]
+    _, num_before_crash = max(gaps)
+    assert hold_from < num_before_crash < hold_to - 1, num_before_crash
+    # Text was held at the crash: shown text stopped where the stop string's prefix began.
+    assert len(unbroken["shown"][num_before_crash - 1]) <= start
+    assert got["tokens"] == unbroken["tokens"] == free["tokens"][:num_tokens]
+    assert got["shown"] == unbroken["shown"]
+    assert got["text"] == unbroken["text"] == want_text
+    assert (got["finish"], got["matched"]) == ("FINISH_REASON_STOP", late_stop)

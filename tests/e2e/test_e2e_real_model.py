@@ -94,3 +94,40 @@ async def test_greedy_matches_transformers_on_the_same_gguf(server, hf):
     # A chat answer ends by itself, on <|im_end|>.
     first_chat = completions[len(RAW_PROMPTS)]
     assert first_chat.finish_reason == "stop" and "Paris" in first_chat.text
+
+
+async def test_stop_strings_and_special_tokens_on_the_real_model(server, hf):
+    """A stop string the greedy answer is known to contain cuts the text there (HF's greedy
+    text is the oracle); a chat answer ends on EOS (<|im_end|>), reported as matched_token_id,
+    and shows it only with skip_special_tokens false and include_stop_str_in_output."""
+    model, tokenizer = hf
+    prompt, chat = RAW_PROMPTS[0], CHATS[0]
+    async with AsyncFolioClient(server.address, timeout=600) as client:
+        prompt_ids = await client.tokenize(prompt)
+        chat_ids = await client.tokenize(messages=chat)
+        cut, kept = await asyncio.gather(*(
+            client.generate_text(prompt, max_tokens=MAX_TOKENS, temperature=0.0, stop=["."],
+                                 include_stop_str_in_output=include)
+            for include in (False, True)))
+        plain, special = await asyncio.gather(*(
+            client.generate_text(messages=chat, max_tokens=MAX_TOKENS, temperature=0.0,
+                                 skip_special_tokens=not keep, include_stop_str_in_output=keep)
+            for keep in (False, True)))
+    [want] = hf_greedy(model, [prompt_ids], MAX_TOKENS, tokenizer.eos_token_id)
+    full = tokenizer.decode(want, skip_special_tokens=True)
+    end = full.index(".")
+    assert cut.text == full[:end] and "Paris" in cut.text
+    assert kept.text == full[:end + 1]
+    for done in (cut, kept):
+        assert (done.finish_reason, done.matched_stop) == ("stop", ".")
+        assert done.token_ids == want[:len(done.token_ids)]
+        assert "." in tokenizer.decode(done.token_ids) and \
+            "." not in tokenizer.decode(done.token_ids[:-1])  # nothing past the stop
+    [answer] = hf_greedy(model, [chat_ids], MAX_TOKENS, tokenizer.eos_token_id)
+    assert answer[-1] == tokenizer.eos_token_id == 2
+    for done in (plain, special):
+        assert done.token_ids == answer
+        assert (done.finish_reason, done.matched_stop) == ("stop", 2)
+    assert plain.text == tokenizer.decode(answer, skip_special_tokens=True)
+    assert special.text == tokenizer.decode(answer, skip_special_tokens=False)
+    assert special.text.endswith("<|im_end|>") and "Paris" in special.text

@@ -5,6 +5,7 @@ tokenizing, and tokenized off the event loop."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 import grpc
@@ -38,7 +39,10 @@ def submit(**fields) -> None:
     (dict(top_p=1.0000001), "top_p must be in (0, 1], got 1"),
     (dict(top_k=-(2**31)), f"top_k must be >= 0 (0 = off), got {-(2**31)}"),
     (dict(seed=2**64 - 1), f"seed must be in [0, {2**63 - 1}], got {2**64 - 1}"),
-    (dict(max_tokens=0), "max_tokens must be at least 1"),
+    (dict(stop=["x"] * 65), "stop may hold at most 64 strings, got 65"),
+    (dict(stop=["ok", ""]), "stop string 1 must have 1 to 256 characters, got 0 (an empty "
+                            "string would stop at once; leave it out)"),
+    (dict(stop=["é" * 257]), "stop string 0 must have 1 to 256 characters, got 257: "),
     (dict(stop_token_ids=list(range(33))), "stop_token_ids may hold at most 32 ids, got 33"),
     (dict(n=2**32 - 1), f"n must be between 1 and 128 sequences, got {2**32 - 1}"),
     (dict(beam_width=33), "beam_width must be between 1 (no beam search) and 32, got 33"),
@@ -56,10 +60,19 @@ def test_bad_sampling_values_say_the_range_and_the_value(sampling, message):
     dict(temperature=FLT_MAX), dict(temperature=1e-45), dict(top_p=1e-45), dict(top_k=2**31 - 1),
     dict(seed=2**63 - 1), dict(max_tokens=2**32 - 1), dict(stop_token_ids=[2**32 - 1] * 32),
     dict(beam_width=2, length_penalty=FLT_MAX), dict(beam_width=2, length_penalty=-FLT_MAX),
-    dict(n=128),
+    dict(n=128), dict(stop=["😀" * 256] * 64), dict(stop=["\n"], include_stop_str_in_output=True),
+    dict(skip_special_tokens=False, spaces_between_special_tokens=False),
 ], ids=repr)
 def test_extreme_values_the_math_can_take_are_allowed(sampling):
     submit(sampling=sampling)
+
+
+def test_max_tokens_zero_or_unset_means_the_rest_of_the_context():
+    for sampling in ({}, dict(max_tokens=0)):
+        params = inputs.submit_params(pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=[5] * 10), sampling=pb.SamplingParams(**sampling)))
+        params = dataclasses.replace(params, prompt_token_ids=[5] * 10)
+        assert inputs.check_for_executor(params, vocab_size=512, max_model_len=64) == 54
 
 
 @pytest.mark.parametrize("req_id, message", [

@@ -111,7 +111,7 @@ async def test_concurrent_streams_and_text_and_chat_inputs(harness, tiny_tokeniz
     (gen_request(top_p=0.0), "top_p must be in (0, 1]"),
     (gen_request(top_p=1.5), "top_p must be in (0, 1]"),
     (gen_request(top_k=-1), "top_k must be >= 0"),
-    (gen_request(max_tokens=0), "max_tokens must be at least 1"),
+    (gen_request(stop=["a", ""]), "stop string 1 must have 1 to 256 characters, got 0"),
     (gen_request(stop_token_ids=[9999]), "stop token id 9999 is out of range"),
     (gen_request(list(range(10, 75))), "prompt has 65 tokens but max_model_len is 64"),
     (pb.GenerateRequest(chat=pb.Chat()), "chat has no messages"),
