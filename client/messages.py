@@ -7,6 +7,7 @@ Keeps the mapping from Python arguments to `folio.v1` messages in one place: `No
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -104,6 +105,11 @@ def sampling_params(
     include_stop_str_in_output: bool = False,
     skip_special_tokens: bool | None = None,
     spaces_between_special_tokens: bool | None = None,
+    json_schema: str | dict | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    grammar: str | None = None,
+    choice: Iterable[str] | None = None,
 ) -> pb.SamplingParams:
     if early_stopping not in EARLY_STOPPING:
         raise ValueError(f"early_stopping is one of {sorted(EARLY_STOPPING)}, "
@@ -119,6 +125,21 @@ def sampling_params(
                         ("spaces_between_special_tokens", spaces_between_special_tokens)):
         if value is not None:
             setattr(params, name, value)
+    structured = [k for k, v in (("json_schema", json_schema), ("json_object", json_object),
+                                 ("regex", regex), ("grammar", grammar), ("choice", choice))
+                  if v not in (None, False)]
+    if len(structured) > 1:
+        raise ValueError(f"structured output takes one constraint, got {', '.join(structured)}")
+    if json_schema is not None:  # a dict is sent as its JSON text
+        params.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+    elif json_object:
+        params.json_object = True
+    elif regex is not None:
+        params.regex = regex
+    elif grammar is not None:
+        params.grammar = grammar
+    elif choice is not None:
+        params.choice.choices.extend(choice)
     return params
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import structlog
@@ -34,6 +35,7 @@ from executor_svc.input_batch import InputBatch, RequestState
 from executor_svc.inputs import StepInputs, build_step_inputs
 from executor_svc.kv_cache import KVCache
 from executor_svc.sampler import sample, top_logprobs
+from executor_svc.structured import StructuredRows, apply_bitmask
 from executor_svc.swap import SwapPool
 from protos.plan import CachedRequest, NewRequest, SamplingSpec, StepPlan
 
@@ -66,7 +68,7 @@ class StepOutput:
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCache, block_size: int,
                  max_model_len: int, vocab_size: int, device: torch.device,
-                 swap_pool: SwapPool | None = None):
+                 swap_pool: SwapPool | None = None, tokenizer_json: Path | None = None):
         self.model = model
         self.vocab_size = vocab_size
         self.kv_cache = kv_cache
@@ -75,6 +77,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.device = device
         self.input_batch = InputBatch(max_model_len, block_size)
+        # Structured output's matchers, next to their rows (tokenizer_json: the model's).
+        self.structured = StructuredRows(tokenizer_json, vocab_size)
 
     @property
     def requests(self) -> InputBatch:
@@ -84,6 +88,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Drop every request (StepPlan.reset, or a new scheduler)."""
         self.input_batch.clear()
+        self.structured.clear()
 
     @property
     def num_swap_blocks(self) -> int:
@@ -127,8 +132,12 @@ class ModelRunner:
         self._check_token_ids(new.req_id, new.token_ids)
         self._check_sampling(new.req_id, new.sampling)
         self._check_capacity(new.req_id, len(new.token_ids), len(new.block_ids))
-        return self.input_batch.add(new.req_id, new.token_ids, new.block_ids,
-                                    new.num_computed_tokens, new.sampling)
+        row = self.input_batch.add(new.req_id, new.token_ids, new.block_ids,
+                                   new.num_computed_tokens, new.sampling)
+        # A fresh matcher replaying the outputs held (a resume), or the row's old one dropped.
+        self.structured.add(row, new.req_id, new.sampling.structured,
+                            new.token_ids[new.num_prompt_tokens:])
+        return row
 
     def _update(self, cached: CachedRequest) -> int:
         batch = self.input_batch
@@ -154,6 +163,8 @@ class ModelRunner:
                                  int(batch.num_tokens[row]) + len(cached.new_token_ids),
                                  int(batch.num_blocks[row]))
             batch.append_tokens(row, cached.new_token_ids)
+            if self.structured.active:
+                self.structured.advance([row], batch.req_ids, [cached.new_token_ids])
         return row
 
     def _move_blocks(self, plan: StepPlan) -> None:
@@ -261,8 +272,12 @@ class ModelRunner:
         batch = self.input_batch
         batch.num_computed[scheduled.rows] += scheduled.query_lens
         appends = batch.append_sampled[sample_rows]  # [num_logits] bool
-        batch.append_sampled_tokens(sample_rows[appends],
-                                    np.array(sampled, dtype=np.int64)[appends])
+        appended_rows, appended_ids = sample_rows[appends], np.array(sampled, np.int64)[appends]
+        batch.append_sampled_tokens(appended_rows, appended_ids)
+        if self.structured.active:  # each constrained row's matcher takes its new token
+            hit = self.structured.constrained(appended_rows)
+            self.structured.advance(appended_rows[hit].tolist(), batch.req_ids,
+                                    [[t] for t in appended_ids[hit].tolist()])
         log.debug("step computed", num_seqs=len(scheduled.rows), num_tokens=len(inputs.input_ids),
                   num_sampled=len(sampled), num_logprobs=len(logprobs))
         req_ids = [batch.req_ids[r] for r in sample_rows.tolist()]
@@ -271,7 +286,14 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, inputs: StepInputs
                 ) -> tuple[list[int], list[tuple[str, list[int], list[float]]]]:
         """Sampled ids, plus top logprobs for the rows that ask, in the step's one host sync."""
-        sampled_ids = sample(logits, inputs.sampling)  # [num_logits]
+        masked = logits
+        if self.structured.active:
+            idx, bitmask = self.structured.bitmask(inputs.sample_rows, self.input_batch.req_ids)
+            if len(idx):  # logprobs stay the raw model's: mask a copy when any are asked for
+                masked = logits.clone() if len(inputs.num_logprobs) else logits
+                apply_bitmask(masked, torch.from_numpy(idx).to(self.device),
+                              torch.from_numpy(bitmask).to(self.device))
+        sampled_ids = sample(masked, inputs.sampling)  # [num_logits]
         if not len(inputs.num_logprobs):
             return sampled_ids.tolist(), []
         k = int(inputs.num_logprobs.max())

@@ -93,8 +93,10 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
     num_swap_blocks = num_swap_blocks_for(cfg.swap_space,
                                           bytes_per_block(model_cfg, cfg.block_size, dtype))
     swap_pool = SwapPool.allocate(kv_cache, num_swap_blocks) if num_swap_blocks else None
+    tokenizer_json = model_dir / "tokenizer.json"  # structured output's matchers read it
     runner = ModelRunner(model, kv_cache, cfg.block_size, max_model_len,
-                         model_cfg.vocab_size, device, swap_pool)
+                         model_cfg.vocab_size, device, swap_pool,
+                         tokenizer_json if tokenizer_json.is_file() else None)
     hello = Hello(
         protocol_version=PROTOCOL_VERSION,
         executor_id=f"{socket.gethostname()}-{os.getpid()}",

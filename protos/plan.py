@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import ClassVar, NamedTuple
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 # ---- strict field readers: exact types (bool is not an int here), or TypeError -------------
@@ -109,6 +109,34 @@ def _pairs(v: object) -> list[tuple[int, int]]:
     return [(_nat(a), _nat(b)) for a, b in (_list(p, 2) for p in _list(v))]
 
 
+# What StructuredSpec.kind may be (the public SamplingParams.structured_output oneof).
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """A structured-output constraint: the executor compiles it (llguidance) into a matcher per
+    request, masks every sampled row with it and advances it with each token it appends.
+
+    `text`: the JSON schema, regex or grammar as the client sent it; for "choice" the JSON list
+    of the choices; empty for "json_object". `eos_token_ids`: the ids the matcher allows once the
+    output is complete (the scheduler's EOS ids, so the sequence then stops)."""
+
+    kind: str
+    text: str
+    eos_token_ids: tuple[int, ...] = ()
+
+    def to_wire(self) -> list:
+        return [self.kind, self.text, list(self.eos_token_ids)]
+
+    @classmethod
+    def from_wire(cls, w: object) -> StructuredSpec:
+        kind, text, eos_token_ids = _list(w, 3)
+        if _str(kind) not in STRUCTURED_KINDS:
+            raise ValueError(f"unknown structured output kind {kind!r:.40}")
+        return cls(kind, _str(text), tuple(_nats(eos_token_ids)))
+
+
 @dataclass(frozen=True)
 class SamplingSpec:
     """What the executor needs to sample; stop conditions stay in the scheduler."""
@@ -123,18 +151,23 @@ class SamplingSpec:
     # False: the executor does not append what it samples; the scheduler chooses the next token
     # itself (beam search) and sends it in CachedRequest.new_token_ids.
     append_sampled: bool = True
+    # Structured output (None = unconstrained); on the wire as the last field, nil or a list.
+    structured: StructuredSpec | None = None
 
     def to_wire(self) -> list:
         return [self.temperature, self.top_p, self.top_k, self.seed, self.num_logprobs,
-                self.append_sampled]
+                self.append_sampled,
+                None if self.structured is None else self.structured.to_wire()]
 
     @classmethod
     def from_wire(cls, w: list) -> SamplingSpec:
-        _list(w, 6)
+        _list(w, 7)
         seed = w[3]
         if seed is not None and type(seed) is not int:
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
-        return cls(_float(w[0]), _float(w[1]), _nat(w[2]), seed, _nat(w[4]), _bool(w[5]))
+        structured = None if w[6] is None else StructuredSpec.from_wire(w[6])
+        return cls(_float(w[0]), _float(w[1]), _nat(w[2]), seed, _nat(w[4]), _bool(w[5]),
+                   structured)
 
 
 @dataclass(frozen=True)
@@ -145,16 +178,28 @@ class NewRequest:
     block_ids: list[int]  # the whole block table so far
     num_computed_tokens: int  # tokens whose KV is already in the blocks (prefix cache hits)
     num_scheduled_tokens: int  # tokens to compute this step, starting at num_computed_tokens
+    # token_ids[:num_prompt_tokens] is the prompt, the rest were generated (a resume): the
+    # penalties and min_tokens count output tokens from there. Left out: all of token_ids.
+    num_prompt_tokens: int = -1
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            object.__setattr__(self, "num_prompt_tokens", len(self.token_ids))
 
     def to_wire(self) -> list:
         return [self.req_id, self.token_ids, self.sampling.to_wire(), self.block_ids,
-                self.num_computed_tokens, self.num_scheduled_tokens]
+                self.num_computed_tokens, self.num_scheduled_tokens, self.num_prompt_tokens]
 
     @classmethod
     def from_wire(cls, w: list) -> NewRequest:
-        _list(w, 6)
-        return cls(_str(w[0]), _nats(w[1]), SamplingSpec.from_wire(w[2]), _nats(w[3]),
-                   _nat(w[4]), _nat(w[5]))
+        _list(w, 7)
+        token_ids = _nats(w[1])
+        num_prompt_tokens = _nat(w[6])
+        if num_prompt_tokens > len(token_ids):
+            raise ValueError(f"num_prompt_tokens {num_prompt_tokens} exceeds the "
+                             f"{len(token_ids)} token ids sent")
+        return cls(_str(w[0]), token_ids, SamplingSpec.from_wire(w[2]), _nats(w[3]),
+                   _nat(w[4]), _nat(w[5]), num_prompt_tokens)
 
 
 @dataclass(frozen=True, init=False)

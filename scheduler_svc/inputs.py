@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from protos.folio.v1 import generator_pb2 as pb
@@ -26,6 +27,7 @@ from scheduler_svc.beam_search import EarlyStopping
 from scheduler_svc.errors import InvalidRequest
 from scheduler_svc.request import SubmitParams
 from scheduler_svc.sequence_params import MAX_BEAM_WIDTH, MAX_N, SequenceParams
+from scheduler_svc.structured_output import structured_from_proto
 from scheduler_svc.tokenizer import ChatTurn
 
 if TYPE_CHECKING:
@@ -124,6 +126,8 @@ def submit_params(msg: pb.GenerateRequest) -> SubmitParams:
                              f"got {len(p.stop_token_ids)}")
     check_stop_strings(p.stop)
     check_request_id(msg.request_id)
+    if (structured := structured_from_proto(p, sequence.is_beam_search)) is not None:
+        sampling = replace(sampling, structured=structured)  # compiled in Generate, off the loop
     if msg.WhichOneof("input") is None:
         raise InvalidRequest("the request has no input; set one of text, token_ids or chat")
     return SubmitParams(

@@ -370,7 +370,7 @@ class Scheduler(SchedulerState):
         req.pending_token_ids = []  # all_token_ids carries them
         return NewRequest(req.req_id, req.all_token_ids, req.sampling,
                           self.block_manager.block_table(req.req_id), req.num_computed_tokens,
-                          num_new)
+                          num_new, req.num_prompt_tokens)
 
     def _fits_seq_cap(self, req: Request, step: _Step) -> bool:
         """Room under `max_num_seqs` for `req` and the sequences it forks into. With nothing

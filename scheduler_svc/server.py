@@ -35,6 +35,7 @@ from scheduler_svc.engine import Engine, ExecutorCallback
 from scheduler_svc.errors import FolioError, InvalidRequest
 from scheduler_svc.prompts import PromptEncoder
 from scheduler_svc.request import RequestStatus
+from scheduler_svc.structured_output import StructuredValidator
 from scheduler_svc.tokenizer import Tokenizer
 
 log = structlog.get_logger("folio.scheduler.server")
@@ -119,11 +120,13 @@ class GeneratorService:
     """folio.v1.Generator. Handlers run on the event loop with the engine; tokenization and
     chat rendering go to the PromptEncoder's threads."""
 
-    def __init__(self, engine: Engine, prompts: PromptEncoder, served_model_name: str):
+    def __init__(self, engine: Engine, prompts: PromptEncoder, served_model_name: str,
+                 structured: StructuredValidator | None = None):
         self.engine = engine
         self.prompts = prompts
         self.tokenizer = prompts.tokenizer
         self.served_model_name = served_model_name
+        self.structured = structured or StructuredValidator(prompts.tokenizer.eos_token_ids)
 
     def max_model_len(self) -> int:
         info = self.engine.executor
@@ -134,6 +137,10 @@ class GeneratorService:
         params = inputs.submit_params(request)  # every cheap check before tokenizing
         prompt = await self.prompts.token_ids(request, self.max_model_len())
         params = dataclasses.replace(params, prompt_token_ids=prompt)
+        if (spec := params.sampling.structured) is not None:  # compiled off the event loop
+            sampling = dataclasses.replace(params.sampling,
+                                           structured=await self.structured.check(spec))
+            params = dataclasses.replace(params, sampling=sampling)
         stream = self.engine.submit(params)
         num_open = params.sequence.n  # sequences (n > 1, beams) whose last message is due
         done = False
@@ -251,7 +258,9 @@ class SchedulerServer:
             options=[("grpc.so_reuseport", 0),
                      ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
         self.served_model_name = served_model_name(config, tokenizer.model_dir)
-        service = GeneratorService(self.engine, self.prompts, self.served_model_name)
+        self.structured = StructuredValidator(tokenizer.eos_token_ids)
+        service = GeneratorService(self.engine, self.prompts, self.served_model_name,
+                                   self.structured)
         handlers = generator_handlers(service)
         self.server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(GENERATOR_SERVICE, handlers),))
@@ -302,3 +311,4 @@ class SchedulerServer:
                 await asyncio.wait_for(self._engine_task, timeout=grace_s)
         await self.server.stop(grace_s)
         self.prompts.close()
+        self.structured.close()
