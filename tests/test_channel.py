@@ -121,6 +121,12 @@ def test_arbitrary_frames_never_raise_anything_but_protocol_error(frame):
     [StepPlan.TAG, 0, [], [], [], [], [], [], [], "no"],
     [StepPlan.TAG, 0, [["r", [1], ["hot", 1.0, 0, None, 0, True], [0], 0, 1]], [], [], [], [],
      [], [], False],  # a NewRequest whose SamplingSpec has a string temperature
+    [StepPlan.TAG, 0, [["r", [1], [1.0, 1.0, 0, None, 0, True, ["yaml", "", []]], [0], 0, 1,
+                        1]], [[]] * 5, [], [], [], [], [], False],  # an unknown structured kind
+    [StepPlan.TAG, 0, [["r", [1], [1.0, 1.0, 0, None, 0, True, ["regex", "a", [-1]]], [0], 0, 1,
+                        1]], [[]] * 5, [], [], [], [], [], False],  # a negative EOS id
+    [StepPlan.TAG, 0, [["r", [1], [1.0, 1.0, 0, None, 0, True, None], [0], 0, 1, 2]],
+     [[]] * 5, [], [], [], [], [], False],  # num_prompt_tokens past the tokens sent
     [StepResult.TAG, 0, [["r", [1.5]]], 0.0, []],
     [StepResult.TAG, 0, [["r", [1]]], 0.0, [["r", [1, 2], [0.0]]]],  # ids/logprobs mismatch
     [StepResult.TAG, 0, [["r", [1], "extra"]], 0.0, []],

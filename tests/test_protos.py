@@ -19,6 +19,7 @@ from protos.plan import (
     Reject,
     SamplingSpec,
     Shutdown,
+    StructuredSpec,
     StepPlan,
     StepResult,
     Welcome,
@@ -49,6 +50,14 @@ MESSAGES = [
         swap_out=[(8, 0)],
         swap_in=[(1, 10)],
     ),
+    # Structured output, and a resume: tokens past num_prompt_tokens were generated.
+    StepPlan(step_id=18, new_reqs=[
+        NewRequest("g0", [5, 6, 7], SamplingSpec(
+            structured=StructuredSpec("json_schema", '{"type": "object"}', (2, 7))),
+            [1], 0, 3, num_prompt_tokens=2),
+        NewRequest("g1", [5], SamplingSpec(0.0, structured=StructuredSpec("choice", '["a"]')),
+                   [1], 0, 1),
+    ]),
     StepResult(17, [("r1", [42]), ("r0", [7, 8])], 0.0123,
                [("b0", [3, 1], [-0.25, -1.5])]),
     StepResult(18),
