@@ -77,6 +77,39 @@ def assert_healthy_and_unchanged(server, stub, greedy_before: list[int]) -> None
 
 # ---- requests ------------------------------------------------------------------------------
 
+VALID_STRUCTURED = [
+    ("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}'),
+    ("json_schema", '{"enum": ["x", 1, null]}'),
+    ("json_object", True),
+    ("json_object", False),  # asks for nothing
+    ("regex", r"[a-c]+\d?"),
+    ("grammar", 'root ::= "x" | "y" root'),
+    ("grammar", 'start: "a" | "b"'),  # Lark, as llguidance reads it
+    ("choice", ["yes", "no", "maybe"]),
+    ("choice", ["\u00e9t\u00e9", "\u2603"]),
+]
+INVALID_STRUCTURED = [
+    ("json_schema", '{"type": "nonsense"}'),
+    ("json_schema", "[1, 2"),
+    ("json_schema", ""),
+    ("regex", "(a"),
+    ("regex", ""),
+    ("grammar", "root ::= missing"),
+    ("grammar", "root ::= ("),
+    ("choice", []),
+    ("choice", ["a", ""]),
+    ("choice", ["c"] * 1025),
+]
+
+
+def set_structured(sampling: pb.SamplingParams, value: tuple[str, object]) -> None:
+    kind, arg = value
+    if kind == "choice":
+        sampling.choice.choices.extend(arg)
+    else:
+        setattr(sampling, kind, arg)
+
+
 # Each field has values the API allows (extremes included) and wild ones (NaN, inf, negative,
 # out of range). A request takes allowed values, then up to two fields get wild ones, so both
 # completions and refusals are common.
@@ -109,6 +142,9 @@ FIELDS = {
     "include_stop_str_in_output": (st.booleans(), st.booleans()),
     "skip_special_tokens": (st.none() | st.booleans(), st.booleans()),
     "spaces_between_special_tokens": (st.none() | st.booleans(), st.booleans()),
+    # (oneof field, value): valid constraints, and ones llguidance or the limits refuse.
+    "structured_output": (st.none() | st.sampled_from(VALID_STRUCTURED),
+                          st.sampled_from(INVALID_STRUCTURED)),
     "request_id": (st.just("") | st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7e,
                                                       exclude_characters="/"), max_size=256),
                    st.text(max_size=20) | st.text(min_size=250, max_size=300)),
@@ -116,7 +152,7 @@ FIELDS = {
               st.sampled_from(["huge text", "wild text", "wild token_ids", "wild chat",
                                "none"])),
 }
-SAMPLING_FIELDS = [f for f in FIELDS if f not in ("request_id", "input")]
+SAMPLING_FIELDS = [f for f in FIELDS if f not in ("request_id", "input", "structured_output")]
 
 roles = st.sampled_from(["user", "system", "assistant"])
 chat_messages = st.lists(st.builds(pb.ChatMessage, role=roles, content=st.text(max_size=100)),
@@ -134,6 +170,8 @@ def generate_requests(draw) -> pb.GenerateRequest:
         values[field] = draw(FIELDS[field][1])
     sampling = pb.SamplingParams(**{f: values[f] for f in SAMPLING_FIELDS
                                     if values[f] is not None})
+    if values["structured_output"] is not None:
+        set_structured(sampling, values["structured_output"])
     msg = pb.GenerateRequest(request_id=values["request_id"], sampling=sampling)
     match values["input"]:
         case "text":
@@ -182,6 +220,9 @@ def broken_rule(msg: pb.GenerateRequest, m: Model) -> str | None:
         (width > 1 and n > width, "n > beam_width"),
         (has("length_penalty") and not math.isfinite(p.length_penalty), "length_penalty"),
         (p.early_stopping not in (0, 1, 2), "early_stopping"),
+        (structured_value(p) in INVALID_STRUCTURED, "structured output"),
+        (structured_value(p) not in (None, ("json_object", False)) and width > 1,
+         "structured output with beam search"),
         (len(msg.request_id) > 256 or not msg.request_id.isprintable()
          or "/" in msg.request_id, "request_id"),
     ]
@@ -198,6 +239,13 @@ def broken_rule(msg: pb.GenerateRequest, m: Model) -> str | None:
         if m.blocks_for(num_prompt) + width * (m.blocks_for(max_tokens) + 1) > m.num_kv_blocks:
             return "maybe"
     return None
+
+
+def structured_value(p: pb.SamplingParams) -> tuple[str, object] | None:
+    kind = p.WhichOneof("structured_output")
+    if kind is None:
+        return None
+    return (kind, list(p.choice.choices)) if kind == "choice" else (kind, getattr(p, kind))
 
 
 def prompt_length(msg: pb.GenerateRequest, m: Model) -> int | str:
@@ -241,7 +289,8 @@ def outcome(stub, msg: pb.GenerateRequest) -> tuple[grpc.StatusCode, list[pb.Gen
 
 def test_fuzz_generate_requests(default_server, model, stub):
     greedy_before = greedy_tokens(stub)
-    seen = {"completed": 0, "refused": 0, "stopped by a string": 0}
+    seen = {"completed": 0, "refused": 0, "stopped by a string": 0, "constrained": 0,
+            "refused structured": 0}
 
     def check_stops(msg, responses, finals) -> None:
         """matched_stop says what ended a sequence; a stop string is cut from the text
@@ -272,6 +321,7 @@ def test_fuzz_generate_requests(default_server, model, stub):
         if rule is not None:
             assert code == grpc.StatusCode.INVALID_ARGUMENT, f"accepted ({rule} broken)"
             seen["refused"] += 1
+            seen["refused structured"] += rule.startswith("structured")
             return
         assert code == grpc.StatusCode.OK, f"refused a valid request: {responses}"
         n = msg.sampling.n if msg.sampling.HasField("n") else 1
@@ -279,12 +329,22 @@ def test_fuzz_generate_requests(default_server, model, stub):
         assert sorted(r.index for r in finals) == list(range(n))
         assert all(0 < r.usage.completion_tokens <= msg.sampling.max_tokens for r in finals)
         check_stops(msg, responses, finals)
+        p = msg.sampling
+        shows_special = p.HasField("skip_special_tokens") and not p.skip_special_tokens
+        value = structured_value(p)
+        if (value is not None and value[0] == "choice"
+                and not (shows_special or p.include_stop_str_in_output)):
+            for final in finals:  # the text so far begins one of the choices
+                text = "".join(r.text for r in responses if r.index == final.index)
+                assert any(c.startswith(text) for c in value[1]), (text, value[1])
+        seen["constrained"] += value is not None
         seen["completed"] += 1
 
     check()
     # The examples exercised both sides of the oracle, and stop strings that matched.
     assert seen["completed"] >= 20 and seen["refused"] >= 20, seen
     assert seen["stopped by a string"] >= 3, seen
+    assert seen["constrained"] >= 5 and seen["refused structured"] >= 3, seen
     assert_healthy_and_unchanged(default_server, stub, greedy_before)
 
 
