@@ -131,3 +131,59 @@ async def test_stop_strings_and_special_tokens_on_the_real_model(server, hf):
     assert plain.text == tokenizer.decode(answer, skip_special_tokens=True)
     assert special.text == tokenizer.decode(answer, skip_special_tokens=False)
     assert special.text.endswith("<|im_end|>") and "Paris" in special.text
+
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"type": "string", "maxLength": 40},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 30},
+                    "maxItems": 4},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+PEOPLE = ["a retired teacher from Lyon", "a young painter in Tokyo", "a chess player from Oslo",
+          "a baker in Naples", "a doctor from Cairo", "a student in Lima"]
+
+
+async def test_structured_output_on_the_real_model(server):
+    """Chat prompts asking for JSON under a schema (greedy and seeded), any JSON object, an
+    e-mail regex and a choice, in one batch with an unconstrained request: every constrained
+    answer ends on EOS and validates (`jsonschema`, `re.fullmatch`, membership)."""
+    import json
+    import re
+
+    import jsonschema
+
+    def ask(what: str) -> list[dict]:
+        return [{"role": "user", "content": what}]
+
+    email = r"[a-z]{3,12}@[a-z]{3,10}\.(com|org|net)"
+    async with AsyncFolioClient(server.address, timeout=600) as client:
+        jobs = [client.generate_text(
+                    messages=ask(f"Describe {who} as JSON with name, age, city and hobbies."),
+                    json_schema=json.dumps(PERSON_SCHEMA), max_tokens=120,
+                    **(dict(temperature=0.0) if i % 2 == 0 else dict(seed=i)))
+                for i, who in enumerate(PEOPLE)]
+        jobs += [
+            client.generate_text(messages=ask("Reply with a small JSON object with two keys, "
+                                              "name and color, for a black cat named Tom."),
+                                 json_object=True, temperature=0.0, max_tokens=120),
+            client.generate_text(messages=ask("Write an e-mail address for Anna."), regex=email,
+                                 temperature=0.0, max_tokens=40),
+            client.generate_text(messages=ask("Is the sky blue? Answer yes or no."),
+                                 choice=["yes", "no"], temperature=0.0, max_tokens=8),
+            client.generate_text(messages=ask("Say hello."), temperature=0.0, max_tokens=16),
+        ]
+        *people, cat, mail, answer, free = await asyncio.gather(*jobs)
+    for done in (*people, cat, mail, answer):
+        assert (done.finish_reason, done.matched_stop) == ("stop", 2), done.text
+    for done in people:
+        jsonschema.validate(json.loads(done.text), PERSON_SCHEMA)
+    assert isinstance(json.loads(cat.text), dict)
+    assert re.fullmatch(email, mail.text), mail.text
+    assert answer.text in ("yes", "no")
+    assert free.finish_reason in ("stop", "length") and free.text
