@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 # The API's own default (max_tokens unset or 0) is the rest of the context; a command-line
 # answer should end sooner. `--max-tokens 0` asks for the API's default.
@@ -91,6 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-spaces-between-special-tokens", action="store_true",
                      help="with --keep-special-tokens: no separator between adjacent added "
                           "tokens (only matters for tokenizers whose decoder puts one)")
+    structured = gen.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", default=None, metavar="FILE|JSON",
+                            help="the output is JSON valid under this schema (a file holding "
+                                 "it, or the schema's JSON text)")
+    structured.add_argument("--json-object", action="store_true",
+                            help="the output is one JSON object")
+    structured.add_argument("--regex", default=None, help="the output fully matches REGEX")
+    structured.add_argument("--grammar", default=None, metavar="FILE",
+                            help="the output is a sentence of this GBNF (or Lark) grammar")
+    structured.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                            help="the output is exactly one of the TEXTs (repeatable)")
     gen.add_argument("--request-id", default="")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (token_ids, text, finish_reason, "
@@ -113,6 +125,32 @@ def _ids(text: str, flag: str) -> list[int]:
         raise SystemExit(f"folio: {flag} takes comma-separated integers, got {text!r}") from None
 
 
+def _read(path: str, flag: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"folio: cannot read {flag} {path}: {e}") from None
+
+
+def structured_kwargs(args: argparse.Namespace) -> dict:
+    """--json-schema (a file, or JSON text when it is not a file), --json-object, --regex,
+    --grammar FILE, --choice: at most one (argparse refuses two)."""
+    if args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith("{") and Path(text).is_file():
+            text = _read(text, "--json-schema")
+        return {"json_schema": text}
+    if args.json_object:
+        return {"json_object": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.grammar is not None:
+        return {"grammar": _read(args.grammar, "--grammar")}
+    if args.choice is not None:
+        return {"choice": args.choice}
+    return {}
+
+
 def generate_kwargs(args: argparse.Namespace) -> dict:
     """The FolioClient.generate arguments for `folio generate`'s flags."""
     kwargs = dict(max_tokens=args.max_tokens or None, temperature=args.temperature, top_p=args.top_p,
@@ -124,6 +162,7 @@ def generate_kwargs(args: argparse.Namespace) -> dict:
                   skip_special_tokens=False if args.keep_special_tokens else None,
                   spaces_between_special_tokens=(False if args.no_spaces_between_special_tokens
                                                  else None))
+    kwargs.update(structured_kwargs(args))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.token_ids is not None:
         if prompt is not None or args.chat:

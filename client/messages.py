@@ -131,7 +131,8 @@ def sampling_params(
     if len(structured) > 1:
         raise ValueError(f"structured output takes one constraint, got {', '.join(structured)}")
     if json_schema is not None:  # a dict is sent as its JSON text
-        params.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+        params.json_schema = (json_schema if isinstance(json_schema, str)
+                              else json.dumps(json_schema))
     elif json_object:
         params.json_object = True
     elif regex is not None:

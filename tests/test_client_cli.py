@@ -67,6 +67,30 @@ def test_chat_and_token_id_inputs():
     assert ids["token_ids"] == [1, 2, 3] and "prompt" not in ids
 
 
+def test_structured_output_flags(tmp_path):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    assert json.loads(generate_kwargs(parse("Hi", "--json-schema", str(path)))["json_schema"]) \
+        == schema
+    assert generate_kwargs(parse("Hi", "--json-schema", '{"type": "array"}'))["json_schema"] \
+        == '{"type": "array"}'
+    assert generate_kwargs(parse("Hi", "--json-object"))["json_object"] is True
+    assert generate_kwargs(parse("Hi", "--regex", "[0-9]+"))["regex"] == "[0-9]+"
+    grammar = tmp_path / "g.gbnf"
+    grammar.write_text('root ::= "a"')
+    assert generate_kwargs(parse("Hi", "--grammar", str(grammar)))["grammar"] == 'root ::= "a"'
+    assert generate_kwargs(parse("Hi", "--choice", "yes", "--choice", "no"))["choice"] == \
+        ["yes", "no"]
+    plain = generate_kwargs(parse("Hi"))
+    assert not {"json_schema", "json_object", "regex", "grammar", "choice"} & plain.keys()
+    with pytest.raises(SystemExit):  # argparse: one constraint at most
+        parse("Hi", "--regex", "a", "--json-object")
+    with pytest.raises(SystemExit) as err:
+        generate_kwargs(parse("Hi", "--grammar", str(tmp_path / "missing.gbnf")))
+    assert "cannot read --grammar" in str(err.value)
+
+
 @pytest.mark.parametrize("argv, message", [
     ((), "needs a PROMPT"),
     (("Hi", "--token-ids", "1,2"), "not both"),
@@ -170,6 +194,16 @@ def test_invalid_argument_prints_code_and_message(default_server):
     done = folio("generate", "--address", default_server.address, "--top-p", "1.5", "Hi")
     assert done.returncode == 1
     assert "folio: INVALID_ARGUMENT" in done.stderr and "top_p" in done.stderr
+
+
+def test_generate_choice_and_a_bad_regex_through_the_command(default_server):
+    done = folio("generate", "--address", default_server.address, "--json", "--choice", "red",
+                 "--choice", "blue", "Pick a color:")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["text"] in ("red", "blue")
+    bad = folio("generate", "--address", default_server.address, "--regex", "(", "Hi")
+    assert bad.returncode == 1
+    assert "folio: INVALID_ARGUMENT" in bad.stderr and "regex" in bad.stderr
 
 
 def test_keygen_writes_a_private_secret_once(tmp_path, capsys):
