@@ -19,9 +19,9 @@ from protos.plan import (
     Reject,
     SamplingSpec,
     Shutdown,
-    StructuredSpec,
     StepPlan,
     StepResult,
+    StructuredSpec,
     Welcome,
 )
 
