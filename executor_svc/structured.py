@@ -149,8 +149,13 @@ class StructuredRows:
                              "executor's model directory lacks")
         compiler = self.compiler
 
-        def build() -> llguidance.LLMatcher:
-            matcher = compiler.matcher(spec)
+        def build() -> llguidance.LLMatcher | _ErrorMatcher:
+            try:
+                matcher = compiler.matcher(spec)
+            except Exception as e:  # e.g. a tokenizer.json llguidance cannot read: this
+                # request ends (EOS only), the step and its other requests go on
+                log.exception("structured output: cannot build a matcher", req_id=req_id)
+                return _ErrorMatcher(f"{type(e).__name__}: {e}")
             if output_ids and not matcher.consume_tokens(output_ids):
                 log.warning("structured output: generated tokens rejected on replay",
                             req_id=req_id, error=matcher.get_error())

@@ -160,3 +160,11 @@ def test_apply_bitmask_equals_a_per_row_loop():
                 expected[row, v] = float("-inf")
     apply_bitmask(logits, idx, bitmask)
     assert torch.equal(logits, expected)
+
+
+def test_a_tokenizer_llguidance_cannot_read_ends_only_that_request(tmp_path, vocab_size):
+    broken = tmp_path / "tokenizer.json"
+    broken.write_text("{not a tokenizer")
+    rows, req_ids = rows_with(StructuredSpec("choice", '["a"]', EOS), broken, vocab_size)
+    idx, mask = rows.bitmask(np.array([0]), req_ids)  # no exception: the step goes on
+    assert idx.tolist() == [0] and allowed_ids(mask[0], vocab_size) == set(EOS)
