@@ -94,8 +94,9 @@ class FolioClient:
         **sampling,
     ) -> Iterator[pb.GenerateResponse]:
         """Stream a completion. `sampling`: temperature, top_p, top_k, seed, max_tokens,
-        stop_token_ids, ignore_eos, n, beam_width, length_penalty, early_stopping
-        (None = server default)."""
+        stop_token_ids, ignore_eos, n, beam_width, length_penalty, early_stopping,
+        min_tokens, repetition_penalty, presence_penalty, frequency_penalty, min_p,
+        logit_bias ({token id: bias}), allowed_token_ids, bad_words (None = server default)."""
         req = generate_request(prompt, token_ids=token_ids, messages=messages,
                                add_generation_prompt=add_generation_prompt,
                                request_id=request_id, **sampling)

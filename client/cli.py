@@ -81,6 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--length-penalty", type=float, default=None, help="beam search only")
     gen.add_argument("--early-stopping", default="heuristic",
                      choices=["heuristic", "true", "never"], help="beam search only")
+    gen.add_argument("--min-tokens", type=int, default=None,
+                     help="no EOS or stop token before this many tokens")
+    gen.add_argument("--repetition-penalty", type=float, default=None,
+                     help="> 0, 1 = off (HF: over prompt and output)")
+    gen.add_argument("--presence-penalty", type=float, default=None,
+                     help="[-2, 2] (OpenAI: over the output)")
+    gen.add_argument("--frequency-penalty", type=float, default=None,
+                     help="[-2, 2] (OpenAI: over the output)")
+    gen.add_argument("--min-p", type=float, default=None, help="[0, 1], 0 = off")
+    gen.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                     help="add BIAS ([-100, 100]) to token ID's logit; repeatable")
+    gen.add_argument("--allowed-token-ids", default="",
+                     help="comma-separated ids: only these may be sampled")
+    gen.add_argument("--bad-words", action="append", default=[], metavar="WORD",
+                     help="a word never generated; repeatable")
     gen.add_argument("--request-id", default="")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (token_ids, text, finish_reason, usage, "
@@ -103,13 +118,32 @@ def _ids(text: str, flag: str) -> list[int]:
         raise SystemExit(f"folio: {flag} takes comma-separated integers, got {text!r}") from None
 
 
+def _logit_bias(entries: list[str]) -> dict[int, float]:
+    bias = {}
+    for entry in entries:
+        token_id, sep, value = entry.partition("=")
+        try:
+            bias[int(token_id)] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise SystemExit(f"folio: --logit-bias takes ID=BIAS (e.g. 42=-100), got {entry!r}")
+    return bias
+
+
 def generate_kwargs(args: argparse.Namespace) -> dict:
     """The FolioClient.generate arguments for `folio generate`'s flags."""
     kwargs = dict(max_tokens=args.max_tokens or None, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
                   stop_token_ids=_ids(args.stop_token_ids, "--stop-token-ids"),
                   request_id=args.request_id, n=args.n, beam_width=args.beam_width,
-                  length_penalty=args.length_penalty, early_stopping=args.early_stopping)
+                  length_penalty=args.length_penalty, early_stopping=args.early_stopping,
+                  min_tokens=args.min_tokens, repetition_penalty=args.repetition_penalty,
+                  presence_penalty=args.presence_penalty,
+                  frequency_penalty=args.frequency_penalty, min_p=args.min_p,
+                  logit_bias=_logit_bias(args.logit_bias),
+                  allowed_token_ids=_ids(args.allowed_token_ids, "--allowed-token-ids"),
+                  bad_words=args.bad_words)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.token_ids is not None:
         if prompt is not None or args.chat:
