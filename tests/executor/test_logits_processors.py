@@ -90,7 +90,7 @@ def _random_spec(rng: random.Random) -> SamplingSpec:
         bad_words=maybe(0.3, words, ()))
 
 
-def _batch(rng: random.Random, num_rows: int):
+def _batch(rng: random.Random, num_rows: int, device: torch.device = CPU):
     """A persistent batch whose rows all sample this step, after some rows came and went."""
     ib = InputBatch(MAX_MODEL_LEN, BLOCK_SIZE, capacity=4)  # small: rows grow the arrays
     rows, specs, tokens, prompts = [], [], [], []
@@ -110,7 +110,8 @@ def _batch(rng: random.Random, num_rows: int):
         specs.append(spec)
         tokens.append(toks)
         prompts.append(num_prompt)
-    inputs = build_step_inputs(ib, np.array(rows, np.int64), np.ones(num_rows, np.int64), CPU)
+    inputs = build_step_inputs(ib, np.array(rows, np.int64), np.ones(num_rows, np.int64),
+                               device)
     return inputs, specs, tokens, prompts
 
 
