@@ -17,7 +17,8 @@ Conversation (scheduler binds a ZeroMQ ROUTER, each executor connects a DEALER):
 
 A StepPlan is a diff against what the executor already holds:
 - ``new_reqs``: requests the executor has not seen (or must forget and rebuild, after a
-  recompute preemption): all token ids known so far, sampling params and the block table.
+  recompute preemption): all token ids known so far and how many of them are the prompt,
+  sampling params (with the logits processors) and the block table.
 - ``cached_reqs``: requests it holds: only the blocks appended this step and how many tokens to
   compute. The executor appends each token it samples to its own copy of the request, so a
   decode step sends no token ids at all.
