@@ -371,7 +371,8 @@ class Scheduler(SchedulerState):
         num_output_tokens = len(req.output_token_ids)  # once: checked for every sampled token
         if ((not req.ignore_eos and token_id in req.eos_token_ids)
                 or token_id in req.stop_token_ids) and num_output_tokens >= req.min_tokens:
-            # Before min_tokens the executor masks these ids; vLLM's check all the same.
+            # The executor masks these ids before min_tokens; checked here as well, so no
+            # EOS or stop id ends a sequence early whatever was sampled (vLLM does the same).
             return RequestStatus.FINISHED_STOPPED
         if (num_output_tokens >= req.max_tokens
                 or len(req.prompt_token_ids) + num_output_tokens >= self.max_model_len):
