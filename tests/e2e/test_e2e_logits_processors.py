@@ -6,8 +6,8 @@ sequence_bias, min_new_tokens) plus small processors written here for what HF la
 presence/frequency penalties, an allowed-token list, bad words matched against the output
 only, as vLLM does); for what changes sampling rather than greedy answers, the definition
 itself (min_p = 1 keeps only the top token; a banned token never appears; min_tokens holds
-back EOS exactly that long); and an uninterrupted run for preemption by recompute and for the
-same request alone or in a batch.
+back EOS exactly that long); and an uninterrupted run for preemption (recompute, swap) and
+for the same request alone or in a batch.
 """
 
 from __future__ import annotations
@@ -62,10 +62,12 @@ def server(folio_server, checkpoint):
         yield s
 
 
-@pytest.fixture(scope="module")
-def small_pool_server(folio_server, checkpoint):
+@pytest.fixture(scope="module", params=[["--preemption-mode", "recompute"],
+                                        ["--preemption-mode", "swap", "--swap-space", "0.002"]],
+                ids=["recompute", "swap"])
+def small_pool_server(request, folio_server, checkpoint):
     args = ["--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(SMALL_POOL_BLOCKS),
-            "--preemption-mode", "recompute"]
+            *request.param]
     with folio_server(model=checkpoint, args=args) as s:
         yield s
 
@@ -275,10 +277,11 @@ def _penalised_requests(vocab: int, lengths, eos_ids: list[int]) -> list[dict]:
     return requests
 
 
-async def test_preemption_by_recompute_keeps_penalties_and_min_tokens(
-        server, small_pool_server, hf_model, eos_ids):
-    """A recomputed request is re-sent with prompt + outputs; the executor must still count
-    only the outputs (penalties, min_tokens): the answers equal the unpreempted run's."""
+async def test_preemption_keeps_penalties_and_min_tokens(server, small_pool_server, hf_model,
+                                                         eos_ids):
+    """A recomputed or swapped-in request is re-sent with prompt + outputs; the executor must
+    still count only the outputs (penalties, min_tokens): the answers equal the unpreempted
+    run's."""
     requests = _penalised_requests(hf_model.config.vocab_size, SMALL_POOL_LENGTHS, eos_ids)
     want = [await generate_all(server.address, [r]) for r in requests]  # one at a time
     got = await generate_all(small_pool_server.address, requests)
@@ -287,6 +290,7 @@ async def test_preemption_by_recompute_keeps_penalties_and_min_tokens(
     assert any(w.finish_reason == "stop" for (w,) in want), "min_tokens never ended a request"
     stats = wait_idle(small_pool_server.address)
     assert stats["num_preemptions"] > 0, stats
+    assert (stats["num_swap_outs"] > 0) == (stats["swap_blocks_total"] > 0), stats
 
 
 async def test_a_request_alone_equals_it_in_a_batch(server, hf_model, eos_ids):
