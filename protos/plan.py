@@ -17,7 +17,8 @@ Conversation (scheduler binds a ZeroMQ ROUTER, each executor connects a DEALER):
 
 A StepPlan is a diff against what the executor already holds:
 - ``new_reqs``: requests the executor has not seen (or must forget and rebuild, after a
-  recompute preemption): all token ids known so far, sampling params and the block table.
+  recompute preemption): all token ids known so far and how many of them are the prompt,
+  sampling params (with the logits processors) and the block table.
 - ``cached_reqs``: requests it holds: only the blocks appended this step and how many tokens to
   compute. The executor appends each token it samples to its own copy of the request, so a
   decode step sends no token ids at all.
@@ -46,7 +47,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import ClassVar, NamedTuple
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 # ---- strict field readers: exact types (bool is not an int here), or TypeError -------------
@@ -139,35 +140,62 @@ class StructuredSpec:
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    """What the executor needs to sample; stop conditions stay in the scheduler."""
+    """What the executor needs to sample; stop conditions stay in the scheduler.
+
+    The logits processors (``min_tokens`` .. ``bad_words``) are off at their defaults, and a
+    request that uses none of them costs the executor nothing extra."""
 
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None  # None = the executor's global generator
     # Return the top `num_logprobs` (token id, logprob) of each sampled row in StepResult.logprobs;
-    # logprobs are log_softmax of the model's raw logits in fp32 (before temperature/top-k/top-p).
+    # logprobs are log_softmax of the model's raw logits in fp32 (before every processor,
+    # temperature, top-k and top-p).
     num_logprobs: int = 0
     # False: the executor does not append what it samples; the scheduler chooses the next token
     # itself (beam search) and sends it in CachedRequest.new_token_ids.
     append_sampled: bool = True
+    # min_tokens_stop_ids (the EOS ids unless ignore_eos, and the stop ids) cannot be sampled
+    # while the request has fewer than min_tokens output tokens (NewRequest.num_prompt_tokens
+    # says where the output starts).
+    min_tokens: int = 0
+    min_tokens_stop_ids: tuple[int, ...] = ()
+    repetition_penalty: float = 1.0  # over prompt + output tokens; 1 = off
+    presence_penalty: float = 0.0  # over output tokens; 0 = off
+    frequency_penalty: float = 0.0  # over output tokens; 0 = off
+    min_p: float = 0.0  # 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids distinct
+    allowed_token_ids: tuple[int, ...] = ()  # empty = every token
+    # Token sequences: the last token of one is banned when the others end the output.
+    bad_words: tuple[tuple[int, ...], ...] = ()
     # Structured output (None = unconstrained); on the wire as the last field, nil or a list.
     structured: StructuredSpec | None = None
 
     def to_wire(self) -> list:
         return [self.temperature, self.top_p, self.top_k, self.seed, self.num_logprobs,
-                self.append_sampled,
+                self.append_sampled, self.min_tokens, list(self.min_tokens_stop_ids),
+                self.repetition_penalty, self.presence_penalty, self.frequency_penalty,
+                self.min_p, [[t, b] for t, b in self.logit_bias], list(self.allowed_token_ids),
+                [list(w) for w in self.bad_words],
                 None if self.structured is None else self.structured.to_wire()]
 
     @classmethod
     def from_wire(cls, w: list) -> SamplingSpec:
-        _list(w, 7)
+        _list(w, 16)
         seed = w[3]
         if seed is not None and type(seed) is not int:
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
-        structured = None if w[6] is None else StructuredSpec.from_wire(w[6])
+        logit_bias = tuple((_nat(t), _float(b)) for t, b in (_list(p, 2) for p in _list(w[12])))
+        if len({t for t, _ in logit_bias}) != len(logit_bias):
+            raise ValueError("logit_bias names a token id twice")
+        bad_words = tuple(tuple(_nats(word)) for word in _list(w[14]))
+        if not all(bad_words):
+            raise ValueError("bad_words holds an empty token sequence")
+        structured = None if w[15] is None else StructuredSpec.from_wire(w[15])
         return cls(_float(w[0]), _float(w[1]), _nat(w[2]), seed, _nat(w[4]), _bool(w[5]),
-                   structured)
+                   _nat(w[6]), tuple(_nats(w[7])), _float(w[8]), _float(w[9]), _float(w[10]),
+                   _float(w[11]), logit_bias, tuple(_nats(w[13])), bad_words, structured)
 
 
 @dataclass(frozen=True)
@@ -224,7 +252,7 @@ _NUM_CACHED_COLUMNS = len(CachedRequest._fields)
 def _cached_to_wire(cached_reqs: list[CachedRequest]) -> list:
     """Columns: [req_ids, new_block_ids lists, num_computed, num_scheduled, new_token_ids
     lists]; msgpack packs zip's tuples as arrays."""
-    return list(zip(*cached_reqs)) if cached_reqs else [[]] * _NUM_CACHED_COLUMNS
+    return list(zip(*cached_reqs, strict=True)) if cached_reqs else [[]] * _NUM_CACHED_COLUMNS
 
 
 def _only(values: list, cls: type) -> bool:
@@ -250,7 +278,7 @@ def _cached_from_wire(w: object) -> list[CachedRequest]:
             _nats(ids)
     # tuple.__new__ straight from the columns (zip yields exactly the five fields).
     return list(map(tuple.__new__, repeat(CachedRequest, n),
-                    zip(req_ids, block_ids, computed, scheduled, token_ids)))
+                    zip(req_ids, block_ids, computed, scheduled, token_ids, strict=True)))
 
 
 @dataclass(frozen=True)
@@ -387,7 +415,7 @@ class StepResult:
 
     def to_wire(self) -> list:
         # `sampled` as two columns, [req_ids, token id lists]: one entry per sampled request.
-        sampled = list(zip(*self.sampled)) if self.sampled else [[], []]
+        sampled = list(zip(*self.sampled, strict=True)) if self.sampled else [[], []]
         return [self.TAG, self.step_id, sampled,
                 self.execute_time_s, [[r, ids, lps] for r, ids, lps in self.logprobs],
                 self.idle_time_s]
@@ -403,7 +431,7 @@ class StepResult:
         flat = [t for ids in token_ids for t in ids]
         if not _only(flat, int) or (flat and min(flat) < 0):
             raise TypeError("sampled: token ids must be ints >= 0")
-        sampled = list(zip(req_ids, token_ids))  # msgpack made fresh lists
+        sampled = list(zip(req_ids, token_ids, strict=True))  # msgpack made fresh lists
         logprobs = []
         for entry in _list(w[4]):
             req_id, ids, lps = _list(entry, 3)

@@ -107,6 +107,7 @@ def test_n2_sequences_are_constrained_each_on_its_own(default_server):
     (dict(grammar="root ::= undefined_rule"), "undefined_rule"),
     (dict(choice=["ok", ""]), "empty string"),
     (dict(regex="a+", beam_width=2), "beam search"),
+    (dict(regex="a+", min_tokens=2), "min_tokens"),
 ])
 def test_invalid_constraints_are_refused_and_the_server_goes_on(default_server, kwargs, says):
     with FolioClient(default_server.address, timeout=60) as client:
