@@ -343,7 +343,9 @@ def test_fuzz_generate_requests(default_server, model, stub):
             if p.include_stop_str_in_output:
                 assert text.endswith(stop)
                 text = text[:-len(stop)]
-            assert not any(s in text for s in p.stop), (text, list(p.stop))
+            if not p.min_tokens:  # a stop ending within the first min_tokens tokens' text
+                # does not count (vLLM's rule), so only without min_tokens is none earlier
+                assert not any(s in text for s in p.stop), (text, list(p.stop))
 
     @FUZZ
     @given(msg=generate_requests())
