@@ -9,7 +9,8 @@ over either and no rebuild from lists::
     row r ──► token_ids[r, :num_tokens[r]]           every token held: prompt, then outputs
               block_table[r, :num_blocks[r]]         the request's blocks, then zeros
               num_computed[r]                        tokens whose KV is in those blocks
-              temperature, top_p, top_k, seed, has_seed, num_logprobs, append_sampled [r]
+              temperature, top_p, top_k, seed, has_seed, num_logprobs, append_sampled,
+              sampled_logprob, prompt_logprobs [r]
 
 Invariants:
 - ``row_of[req_id] == r`` exactly when ``req_ids[r] == req_id``; every other row is in
@@ -43,7 +44,7 @@ from protos.plan import SamplingSpec
 INITIAL_CAPACITY = 32
 _ROW_ARRAYS = ("token_ids", "block_table", "num_tokens", "num_blocks", "num_computed",
                "temperature", "top_p", "top_k", "seed", "has_seed", "num_logprobs",
-               "append_sampled")
+               "append_sampled", "sampled_logprob", "prompt_logprobs")
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,8 @@ class InputBatch(Mapping[str, RequestState]):
         self.has_seed = np.zeros(capacity, bool)
         self.num_logprobs = np.zeros(capacity, np.int64)
         self.append_sampled = np.zeros(capacity, bool)
+        self.sampled_logprob = np.zeros(capacity, bool)
+        self.prompt_logprobs = np.full(capacity, -1, np.int64)  # -1 = off
 
     def _grow(self) -> None:
         """Double every array; held rows keep their index (every old row is held)."""
@@ -118,6 +121,8 @@ class InputBatch(Mapping[str, RequestState]):
         self.seed[row] = seed_bits(sampling.seed) if sampling.seed is not None else 0
         self.num_logprobs[row] = sampling.num_logprobs
         self.append_sampled[row] = sampling.append_sampled
+        self.sampled_logprob[row] = sampling.sampled_logprob
+        self.prompt_logprobs[row] = sampling.prompt_logprobs
         return row
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
