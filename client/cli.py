@@ -91,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-spaces-between-special-tokens", action="store_true",
                      help="with --keep-special-tokens: no separator between adjacent added "
                           "tokens (only matters for tokenizers whose decoder puts one)")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="K",
+                     help="each token's logprob and rank plus K alternatives (0..20; in --json)")
+    gen.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                     help="each prompt token's logprob and rank plus K alternatives (0..20; "
+                          "in --json)")
     gen.add_argument("--request-id", default="")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (token_ids, text, finish_reason, "
@@ -123,7 +128,8 @@ def generate_kwargs(args: argparse.Namespace) -> dict:
                   stop=args.stop, include_stop_str_in_output=args.include_stop_str_in_output,
                   skip_special_tokens=False if args.keep_special_tokens else None,
                   spaces_between_special_tokens=(False if args.no_spaces_between_special_tokens
-                                                 else None))
+                                                 else None),
+                  logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.token_ids is not None:
         if prompt is not None or args.chat:

@@ -40,6 +40,8 @@ MAX_STOP_TOKEN_IDS = 32
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_ROLE_CHARS = 64
+# logprobs and prompt_logprobs: alternatives per token, as the OpenAI API caps top_logprobs.
+MAX_LOGPROBS = 20
 EARLY_STOPPING = {
     pb.EARLY_STOPPING_HEURISTIC: EarlyStopping.HEURISTIC,
     pb.EARLY_STOPPING_TRUE: EarlyStopping.TRUE,
@@ -83,7 +85,31 @@ def sampling_spec(p: pb.SamplingParams) -> SamplingSpec:
     if seed is not None and seed > MAX_SEED:
         raise InvalidRequest(f"seed must be in [0, {MAX_SEED}], got {seed}")
     return SamplingSpec(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
-                        seed=seed)
+                        seed=seed, **logprob_fields(p))
+
+
+def logprob_fields(p: pb.SamplingParams) -> dict:
+    """logprobs, prompt_logprobs and logprobs_mode as SamplingSpec fields: logprobs = k asks
+    for the sampled token's logprob and rank plus k alternatives (num_logprobs), as vLLM."""
+    fields: dict = {}
+    for name in ("logprobs", "prompt_logprobs"):
+        if p.HasField(name) and getattr(p, name) > MAX_LOGPROBS:
+            raise InvalidRequest(f"{name} must be between 0 and {MAX_LOGPROBS} alternatives "
+                                 f"per token, got {getattr(p, name)}")
+    if p.HasField("logprobs"):
+        fields.update(num_logprobs=p.logprobs, sampled_logprob=True)
+    if p.HasField("prompt_logprobs"):
+        fields.update(prompt_logprobs=p.prompt_logprobs)
+    if p.logprobs_mode == pb.LOGPROBS_MODE_PROCESSED:
+        raise InvalidRequest("logprobs_mode PROCESSED is not supported yet; use RAW (0): "
+                             "log_softmax of the model's logits before temperature, top-k "
+                             "and top-p")
+    if p.logprobs_mode != pb.LOGPROBS_MODE_RAW:
+        raise InvalidRequest(f"unknown logprobs_mode value {p.logprobs_mode}; use RAW (0)")
+    if fields and p.HasField("beam_width") and p.beam_width > 1:
+        raise InvalidRequest("logprobs and prompt_logprobs are not supported with beam search "
+                             "(beam_width > 1); leave them unset or use beam_width 1")
+    return fields
 
 
 def sequence_params(p: pb.SamplingParams) -> SequenceParams:
@@ -178,6 +204,10 @@ def check_for_executor(params: SubmitParams, vocab_size: int, max_model_len: int
                                  f"(ids 0..{vocab_size - 1})")
     if num_prompt > max_model_len:
         raise InvalidRequest(prompt_too_long(num_prompt, max_model_len))
+    num_top = max(params.sampling.num_logprobs, params.sampling.prompt_logprobs)
+    if num_top > vocab_size:
+        raise InvalidRequest(f"logprobs and prompt_logprobs may ask for at most the model's "
+                             f"{vocab_size} tokens, got {num_top}")
     # At least one token is always generated, even for a prompt of max_model_len tokens.
     max_tokens = max(1, max_model_len - num_prompt)
     if params.max_tokens is not None:
