@@ -124,6 +124,14 @@ def test_arbitrary_frames_never_raise_anything_but_protocol_error(frame):
     [StepResult.TAG, 0, [["r", [1.5]]], 0.0, []],
     [StepResult.TAG, 0, [["r", [1]]], 0.0, [["r", [1, 2], [0.0]]]],  # ids/logprobs mismatch
     [StepResult.TAG, 0, [["r", [1], "extra"]], 0.0, []],
+    # Protocol v6's logprob columns: a rank of 0, columns of different lengths, a prompt entry
+    # starting at token 0 (which has no context), top lists that do not line up.
+    [StepResult.TAG, 0, [["r"], [[1]]], 0.0, [], 0.0, [["r"], [-1.0], [0]], []],
+    [StepResult.TAG, 0, [["r"], [[1]]], 0.0, [], 0.0, [["r"], [-1.0, -2.0], [1]], []],
+    [StepResult.TAG, 0, [[], []], 0.0, [], 0.0, [[], [], []], [["r", 0, [-1.0], [1], [[]], [[]]]]],
+    [StepResult.TAG, 0, [[], []], 0.0, [], 0.0, [[], [], []],
+     [["r", 1, [-1.0], [1], [[1, 2]], [[-1.0]]]]],
+    [StepResult.TAG, 0, [[], []], 0.0, [], 0.0, [[], [], []], [["r", 1, [-1.0], [], [], []]]],
     [ExecutorError.TAG, -1, "m"],
     [Shutdown.TAG, 1],
 ])

@@ -109,6 +109,9 @@ FIELDS = {
     "include_stop_str_in_output": (st.booleans(), st.booleans()),
     "skip_special_tokens": (st.none() | st.booleans(), st.booleans()),
     "spaces_between_special_tokens": (st.none() | st.booleans(), st.booleans()),
+    "logprobs": (st.none() | st.integers(0, 20), st.integers(0, UINT32)),
+    "prompt_logprobs": (st.none() | st.integers(0, 20), st.integers(0, UINT32)),
+    "logprobs_mode": (st.just(0), st.integers(-(2**31), 2**31 - 1)),
     "request_id": (st.just("") | st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7e,
                                                       exclude_characters="/"), max_size=256),
                    st.text(max_size=20) | st.text(min_size=250, max_size=300)),
@@ -130,6 +133,8 @@ def generate_requests(draw) -> pb.GenerateRequest:
     values = {field: draw(allowed) for field, (allowed, _) in FIELDS.items()}
     if (n := values["n"]) is not None and (width := values["beam_width"] or 1) > 1:
         values["n"] = min(n, width)  # beam search returns at most beam_width sequences
+    if (values["beam_width"] or 1) > 1:  # logprobs are not offered with beam search
+        values["logprobs"] = values["prompt_logprobs"] = None
     for field in draw(st.lists(st.sampled_from(list(FIELDS)), max_size=2, unique=True)):
         values[field] = draw(FIELDS[field][1])
     sampling = pb.SamplingParams(**{f: values[f] for f in SAMPLING_FIELDS
@@ -182,6 +187,10 @@ def broken_rule(msg: pb.GenerateRequest, m: Model) -> str | None:
         (width > 1 and n > width, "n > beam_width"),
         (has("length_penalty") and not math.isfinite(p.length_penalty), "length_penalty"),
         (p.early_stopping not in (0, 1, 2), "early_stopping"),
+        (has("logprobs") and p.logprobs > 20, "logprobs"),
+        (has("prompt_logprobs") and p.prompt_logprobs > 20, "prompt_logprobs"),
+        (p.logprobs_mode != 0, "logprobs_mode (only RAW so far)"),
+        (width > 1 and (has("logprobs") or has("prompt_logprobs")), "logprobs with beams"),
         (len(msg.request_id) > 256 or not msg.request_id.isprintable()
          or "/" in msg.request_id, "request_id"),
     ]
@@ -241,7 +250,7 @@ def outcome(stub, msg: pb.GenerateRequest) -> tuple[grpc.StatusCode, list[pb.Gen
 
 def test_fuzz_generate_requests(default_server, model, stub):
     greedy_before = greedy_tokens(stub)
-    seen = {"completed": 0, "refused": 0, "stopped by a string": 0}
+    seen = {"completed": 0, "refused": 0, "stopped by a string": 0, "with prompt logprobs": 0}
 
     def check_stops(msg, responses, finals) -> None:
         """matched_stop says what ended a sequence; a stop string is cut from the text
@@ -261,6 +270,29 @@ def test_fuzz_generate_requests(default_server, model, stub):
                 text = text[:-len(stop)]
             assert not any(s in text for s in p.stop), (text, list(p.stop))
 
+    def check_logprobs(msg, responses, finals) -> None:
+        """One entry per token with k alternatives when asked (none otherwise); the prompt's
+        once, on index 0's first message, one per prompt token after the first."""
+        p = msg.sampling
+        for r in responses:
+            if p.HasField("logprobs"):
+                assert len(r.logprobs) == len(r.token_ids)
+                assert all(len(t.top_logprobs) == p.logprobs and t.rank >= 1
+                           and t.token_id == i for t, i in zip(r.logprobs, r.token_ids))
+            else:
+                assert not r.logprobs
+        carrying = [r for r in responses if r.prompt_logprobs]
+        num_prompt = finals[0].usage.prompt_tokens
+        if not p.HasField("prompt_logprobs") or num_prompt == 1:
+            assert not carrying
+            return
+        seen["with prompt logprobs"] += 1
+        assert len(carrying) == 1
+        assert carrying[0] is next(r for r in responses if r.index == 0)
+        assert len(carrying[0].prompt_logprobs) == num_prompt - 1
+        assert all(len(t.top_logprobs) == p.prompt_logprobs
+                   for t in carrying[0].prompt_logprobs)
+
     @FUZZ
     @given(msg=generate_requests())
     def check(msg: pb.GenerateRequest) -> None:
@@ -279,12 +311,13 @@ def test_fuzz_generate_requests(default_server, model, stub):
         assert sorted(r.index for r in finals) == list(range(n))
         assert all(0 < r.usage.completion_tokens <= msg.sampling.max_tokens for r in finals)
         check_stops(msg, responses, finals)
+        check_logprobs(msg, responses, finals)
         seen["completed"] += 1
 
     check()
     # The examples exercised both sides of the oracle, and stop strings that matched.
     assert seen["completed"] >= 20 and seen["refused"] >= 20, seen
-    assert seen["stopped by a string"] >= 3, seen
+    assert seen["stopped by a string"] >= 3 and seen["with prompt logprobs"] >= 5, seen
     assert_healthy_and_unchanged(default_server, stub, greedy_before)
 
 
