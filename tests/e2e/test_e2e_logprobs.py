@@ -208,3 +208,60 @@ async def test_processed_logprobs_mode_is_refused(server):
                 pass
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "PROCESSED is not supported yet" in e.value.details()
+
+
+def test_executor_crash_resends_no_logprobs_and_no_prompt_logprobs(folio_server, checkpoint,
+                                                                  hf_model):
+    """The executor is SIGKILLed while a seeded n = 2 stream runs and a long prompt is in its
+    chunked prefill: both resume and report exactly what an unbroken run reports, every token
+    once with its logprobs, the prompt's logprobs once."""
+    import os
+    import signal
+    import threading
+
+    from client import FolioClient
+    from tests.e2e.test_e2e_faults import executor_pid
+
+    short, long = random_prompts(hf_model.config.vocab_size, (9, 400), seed=12)
+    reqs = [dict(token_ids=short, temperature=0.9, seed=3, n=2, max_tokens=60, ignore_eos=True,
+                 logprobs=2, prompt_logprobs=2),
+            dict(token_ids=long, temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1,
+                 prompt_logprobs=1)]
+
+    def run(address: str, kill: bool) -> list[list]:
+        messages: list[list] = [[], []]
+        started = threading.Event()
+
+        def one(i: int) -> None:
+            with FolioClient(address, timeout=300) as client:
+                for m in client.generate(**reqs[i]):
+                    messages[i].append(m)
+                    if i == 0 and sum(len(x.token_ids) for x in messages[0]) >= 10:
+                        started.set()
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        if kill:
+            assert started.wait(120)
+            os.kill(executor_pid(server.proc.pid), signal.SIGKILL)
+        for t in threads:
+            t.join(300)
+        return messages
+
+    with folio_server(model=checkpoint, args=BUDGET) as server:
+        unbroken = run(server.address, kill=False)
+        resumed = run(server.address, kill=True)
+        log = server.log_tail(200_000)
+    assert "requests resumed" in log
+    for want, have, req in zip(unbroken, resumed, reqs, strict=True):
+        want_seqs, have_seqs = fold(want), fold(have)
+        assert sorted(have_seqs) == sorted(want_seqs)
+        for index, (token_ids, entries) in have_seqs.items():
+            assert token_ids == want_seqs[index][0]
+            assert len(entries) == req["max_tokens"]
+            assert_close_entries(entries, want_seqs[index][1])
+        carrying = [m for m in have if m.prompt_logprobs]
+        assert len(carrying) == 1 and len(carrying[0].prompt_logprobs) == len(req["token_ids"]) - 1
+        assert_close_entries(list(map(token_logprobs_dict, carrying[0].prompt_logprobs)),
+                             [token_logprobs_dict(t) for m in want for t in m.prompt_logprobs])
