@@ -360,7 +360,7 @@ def _prompt_logprobs_from_wire(w: object) -> list[PromptLogprobs]:
         m = len(lps)
         if not (len(ranks) == len(top_ids) == len(top_lps) == m):
             raise ValueError("prompt logprobs: as many ranks and top lists as positions")
-        if any(len(a) != len(b) for a, b in zip(top_ids, top_lps)):
+        if any(len(a) != len(b) for a, b in zip(top_ids, top_lps, strict=True)):
             raise ValueError("prompt logprobs: as many top ids as top values")
         if _nat(start) < 1 or (m and min(ranks) < 1):
             raise ValueError("prompt logprobs: start and ranks must be >= 1")
@@ -396,7 +396,7 @@ class StepResult:
         # `sampled` as two columns, [req_ids, token id lists]: one entry per sampled request.
         sampled = list(zip(*self.sampled)) if self.sampled else [[], []]
         # `sampled_logprobs` as three columns, [req_ids, logprobs, ranks].
-        sampled_lps = list(zip(*self.sampled_logprobs)) if self.sampled_logprobs else [[]] * 3
+        sampled_lps = list(zip(*self.sampled_logprobs, strict=True)) if self.sampled_logprobs else [[]] * 3
         return [self.TAG, self.step_id, sampled,
                 self.execute_time_s, [[r, ids, lps] for r, ids, lps in self.logprobs],
                 self.idle_time_s, sampled_lps, [list(p) for p in self.prompt_logprobs]]
@@ -427,7 +427,7 @@ class StepResult:
             raise ValueError("sampled logprobs: columns of equal length expected")
         if lp_ranks and min(lp_ranks) < 1:
             raise ValueError("sampled logprobs: ranks must be >= 1")
-        sampled_logprobs = list(zip(lp_req_ids, lp_values, lp_ranks))
+        sampled_logprobs = list(zip(lp_req_ids, lp_values, lp_ranks, strict=True))
         return cls(_nat(w[1]), sampled, _float(w[3]), logprobs, _float(w[5]), sampled_logprobs,
                    _prompt_logprobs_from_wire(w[7]))
 

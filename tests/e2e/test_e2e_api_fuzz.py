@@ -278,7 +278,7 @@ def test_fuzz_generate_requests(default_server, model, stub):
             if p.HasField("logprobs"):
                 assert len(r.logprobs) == len(r.token_ids)
                 assert all(len(t.top_logprobs) == p.logprobs and t.rank >= 1
-                           and t.token_id == i for t, i in zip(r.logprobs, r.token_ids))
+                           and t.token_id == i for t, i in zip(r.logprobs, r.token_ids, strict=True))
             else:
                 assert not r.logprobs
         carrying = [r for r in responses if r.prompt_logprobs]
