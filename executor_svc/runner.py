@@ -214,6 +214,9 @@ class ModelRunner:
         if not 0 <= sampling.num_logprobs <= self.vocab_size:
             raise PlanError(f"request {req_id}: num_logprobs {sampling.num_logprobs} is outside "
                             f"0..{self.vocab_size} (the model's vocabulary)")
+        if not -1 <= sampling.prompt_logprobs <= self.vocab_size:
+            raise PlanError(f"request {req_id}: prompt_logprobs {sampling.prompt_logprobs} is "
+                            f"outside -1..{self.vocab_size} (-1 = off; the model's vocabulary)")
 
     def _check_capacity(self, req_id: str, num_tokens: int, num_blocks: int) -> None:
         # A row holds max_model_len + 1 tokens (the last one sampled, never computed) and the
