@@ -186,6 +186,10 @@ class Scheduler(SchedulerState):
                     new_token_ids = token_ids[:i + 1]
                     break
             num_generated += len(new_token_ids)
+            if req.sampling.prompt_logprobs >= 0:
+                # The prompt is computed: a recompute or a resume never asks for its logprobs
+                # again (they go out with this token's message).
+                req.sampling = replace(req.sampling, prompt_logprobs=-1)
             token_lps = None
             if req.sampling.sampled_logprob:
                 token_lps = self._token_logprobs(req, new_token_ids, sampled_lps, logprobs)
@@ -198,10 +202,8 @@ class Scheduler(SchedulerState):
     def _token_logprobs(self, req: Request, token_ids: list[int],
                         sampled_lps: dict[str, tuple[float, int]],
                         top: dict[str, list[tuple[int, float]]]) -> list[TokenLogprobs]:
-        """The logprobs of a request's new token (one per step); its first one also ends the
-        prompt's logprobs: a recompute or a resume never asks for them again."""
-        if req.sampling.prompt_logprobs >= 0:
-            req.sampling = replace(req.sampling, prompt_logprobs=-1)
+        """The logprobs of a request's new token (one per step)."""
+        # The executor reports every row with sampled_logprob; rank 0 would mark a breach.
         lp, rank = sampled_lps.get(req.req_id, (float("nan"), 0))
         alternatives = top.get(req.req_id, [])
         return [TokenLogprobs(t, lp, rank, [i for i, _ in alternatives],
