@@ -91,6 +91,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-spaces-between-special-tokens", action="store_true",
                      help="with --keep-special-tokens: no separator between adjacent added "
                           "tokens (only matters for tokenizers whose decoder puts one)")
+    gen.add_argument("--min-tokens", type=int, default=None,
+                     help="no EOS or stop token before this many tokens")
+    gen.add_argument("--repetition-penalty", type=float, default=None,
+                     help="> 0, 1 = off (HF: over prompt and output)")
+    gen.add_argument("--presence-penalty", type=float, default=None,
+                     help="[-2, 2] (OpenAI: over the output)")
+    gen.add_argument("--frequency-penalty", type=float, default=None,
+                     help="[-2, 2] (OpenAI: over the output)")
+    gen.add_argument("--min-p", type=float, default=None, help="[0, 1], 0 = off")
+    gen.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                     help="add BIAS ([-100, 100]) to token ID's logit; repeatable")
+    gen.add_argument("--allowed-token-ids", default="",
+                     help="comma-separated ids: only these may be sampled")
+    gen.add_argument("--bad-words", action="append", default=[], metavar="WORD",
+                     help="a word never generated; repeatable")
     gen.add_argument("--logprobs", type=int, default=None, metavar="K",
                      help="each token's logprob and rank plus K alternatives (0..20; in --json)")
     gen.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
@@ -118,6 +133,19 @@ def _ids(text: str, flag: str) -> list[int]:
         raise SystemExit(f"folio: {flag} takes comma-separated integers, got {text!r}") from None
 
 
+def _logit_bias(entries: list[str]) -> dict[int, float]:
+    bias = {}
+    for entry in entries:
+        token_id, sep, value = entry.partition("=")
+        try:
+            bias[int(token_id)] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise SystemExit(f"folio: --logit-bias takes ID=BIAS (e.g. 42=-100), got {entry!r}")
+    return bias
+
+
 def generate_kwargs(args: argparse.Namespace) -> dict:
     """The FolioClient.generate arguments for `folio generate`'s flags."""
     kwargs = dict(max_tokens=args.max_tokens or None, temperature=args.temperature, top_p=args.top_p,
@@ -129,6 +157,12 @@ def generate_kwargs(args: argparse.Namespace) -> dict:
                   skip_special_tokens=False if args.keep_special_tokens else None,
                   spaces_between_special_tokens=(False if args.no_spaces_between_special_tokens
                                                  else None),
+                  min_tokens=args.min_tokens, repetition_penalty=args.repetition_penalty,
+                  presence_penalty=args.presence_penalty,
+                  frequency_penalty=args.frequency_penalty, min_p=args.min_p,
+                  logit_bias=_logit_bias(args.logit_bias),
+                  allowed_token_ids=_ids(args.allowed_token_ids, "--allowed-token-ids"),
+                  bad_words=args.bad_words,
                   logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.token_ids is not None:

@@ -7,7 +7,7 @@ Keeps the mapping from Python arguments to `folio.v1` messages in one place: `No
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from protos.folio.v1 import generator_pb2 as pb
@@ -122,6 +122,14 @@ def sampling_params(
     include_stop_str_in_output: bool = False,
     skip_special_tokens: bool | None = None,
     spaces_between_special_tokens: bool | None = None,
+    min_tokens: int | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    min_p: float | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    allowed_token_ids: Iterable[int] = (),
+    bad_words: Iterable[str] = (),
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
 ) -> pb.SamplingParams:
@@ -131,12 +139,18 @@ def sampling_params(
     params = pb.SamplingParams(stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                early_stopping=EARLY_STOPPING[early_stopping],
                                stop=[stop] if isinstance(stop, str) else list(stop),
-                               include_stop_str_in_output=include_stop_str_in_output)
+                               include_stop_str_in_output=include_stop_str_in_output,
+                               logit_bias=dict(logit_bias or {}),
+                               allowed_token_ids=list(allowed_token_ids),
+                               bad_words=list(bad_words))
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                         ("seed", seed), ("max_tokens", max_tokens), ("n", n),
                         ("beam_width", beam_width), ("length_penalty", length_penalty),
                         ("skip_special_tokens", skip_special_tokens),
                         ("spaces_between_special_tokens", spaces_between_special_tokens),
+                        ("min_tokens", min_tokens), ("repetition_penalty", repetition_penalty),
+                        ("presence_penalty", presence_penalty),
+                        ("frequency_penalty", frequency_penalty), ("min_p", min_p),
                         ("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if value is not None:
             setattr(params, name, value)

@@ -7,10 +7,13 @@ step costs the numpy work of its scheduled tokens and block-table entries, with 
 over either and no rebuild from lists::
 
     row r ──► token_ids[r, :num_tokens[r]]           every token held: prompt, then outputs
+              num_prompt[r]                          where the outputs start (kept on resume)
               block_table[r, :num_blocks[r]]         the request's blocks, then zeros
               num_computed[r]                        tokens whose KV is in those blocks
               temperature, top_p, top_k, seed, has_seed, num_logprobs, append_sampled,
               sampled_logprob, prompt_logprobs [r]
+              processors: min_tokens, penalties, min_p, logit bias, allowed ids, bad words
+                          (processor_rows.ProcessorRows, gathered only for rows that use them)
 
 Invariants:
 - ``row_of[req_id] == r`` exactly when ``req_ids[r] == req_id``; every other row is in
@@ -38,13 +41,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from executor_svc.processor_rows import ProcessorRows
 from executor_svc.sampler import seed_bits
 from protos.plan import SamplingSpec
 
 INITIAL_CAPACITY = 32
-_ROW_ARRAYS = ("token_ids", "block_table", "num_tokens", "num_blocks", "num_computed",
-               "temperature", "top_p", "top_k", "seed", "has_seed", "num_logprobs",
-               "append_sampled", "sampled_logprob", "prompt_logprobs")
+_ROW_ARRAYS = ("token_ids", "block_table", "num_tokens", "num_prompt", "num_blocks",
+               "num_computed", "temperature", "top_p", "top_k", "seed", "has_seed",
+               "num_logprobs", "append_sampled", "sampled_logprob", "prompt_logprobs")
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class RequestState:
     sampling: SamplingSpec
     block_ids: list[int]
     num_computed_tokens: int
+    num_prompt_tokens: int  # token_ids[num_prompt_tokens:] are outputs
 
 
 class InputBatch(Mapping[str, RequestState]):
@@ -78,6 +83,7 @@ class InputBatch(Mapping[str, RequestState]):
         self.token_ids = np.zeros((capacity, self.max_num_tokens), np.int32)
         self.block_table = np.zeros((capacity, self.max_num_blocks), np.int32)
         self.num_tokens = np.zeros(capacity, np.int64)
+        self.num_prompt = np.zeros(capacity, np.int64)
         self.num_blocks = np.zeros(capacity, np.int64)
         self.num_computed = np.zeros(capacity, np.int64)
         self.temperature = np.zeros(capacity, np.float32)
@@ -89,12 +95,16 @@ class InputBatch(Mapping[str, RequestState]):
         self.append_sampled = np.zeros(capacity, bool)
         self.sampled_logprob = np.zeros(capacity, bool)
         self.prompt_logprobs = np.full(capacity, -1, np.int64)  # -1 = off
+        self.processors = ProcessorRows(capacity)
 
     def _grow(self) -> None:
         """Double every array; held rows keep their index (every old row is held)."""
         old = {name: getattr(self, name) for name in _ROW_ARRAYS}
         req_ids, specs, num_old = self.req_ids, self.specs, self.capacity
+        processors = self.processors
         self._allocate(2 * num_old)
+        processors.grow(2 * num_old)
+        self.processors = processors
         for name, array in old.items():
             getattr(self, name)[:num_old] = array
         self.req_ids[:num_old], self.specs[:num_old] = req_ids, specs
@@ -103,8 +113,9 @@ class InputBatch(Mapping[str, RequestState]):
     # ---- the plan diff ----------------------------------------------------------------------
 
     def add(self, req_id: str, token_ids: list[int], block_ids: list[int],
-            num_computed: int, sampling: SamplingSpec) -> int:
-        """Write a whole row (replacing any older copy of req_id); returns its index."""
+            num_computed: int, sampling: SamplingSpec, num_prompt: int | None = None) -> int:
+        """Write a whole row (replacing any older copy of req_id); returns its index.
+        token_ids[:num_prompt] is the prompt (None: all of it), the rest earlier outputs."""
         self.remove(req_id)
         if not self.free_rows:
             self._grow()
@@ -114,6 +125,7 @@ class InputBatch(Mapping[str, RequestState]):
         self.token_ids[row, :len(token_ids)] = token_ids
         self.block_table[row, :len(block_ids)] = block_ids
         self.num_tokens[row], self.num_blocks[row] = len(token_ids), len(block_ids)
+        self.num_prompt[row] = len(token_ids) if num_prompt is None else num_prompt
         self.num_computed[row] = num_computed
         self.temperature[row], self.top_p[row] = sampling.temperature, sampling.top_p
         self.top_k[row] = sampling.top_k
@@ -123,6 +135,7 @@ class InputBatch(Mapping[str, RequestState]):
         self.append_sampled[row] = sampling.append_sampled
         self.sampled_logprob[row] = sampling.sampled_logprob
         self.prompt_logprobs[row] = sampling.prompt_logprobs
+        self.processors.add(row, sampling)
         return row
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
@@ -147,6 +160,7 @@ class InputBatch(Mapping[str, RequestState]):
             return False
         self.block_table[row, :self.num_blocks[row]] = 0
         self.num_blocks[row] = self.num_tokens[row] = self.num_computed[row] = 0
+        self.processors.remove(row)
         self.req_ids[row] = self.specs[row] = None
         heapq.heappush(self.free_rows, row)
         return True
@@ -164,7 +178,7 @@ class InputBatch(Mapping[str, RequestState]):
         assert spec is not None
         return RequestState(req_id, self.token_ids[row, :self.num_tokens[row]].tolist(), spec,
                             self.block_table[row, :self.num_blocks[row]].tolist(),
-                            int(self.num_computed[row]))
+                            int(self.num_computed[row]), int(self.num_prompt[row]))
 
     def __contains__(self, req_id: object) -> bool:
         return req_id in self.row_of

@@ -9,6 +9,9 @@ one host buffer, pinned on CUDA, of 8-byte-aligned typed segments::
     int32:   seq_lens | query_start_loc | block_tables
     float32: temperature | top_p
 
+Rows that use a logits processor add their segments (``processor_rows.ProcessorInputs``: bans,
+allowed ids, biases, penalty histories, min_p) to the same buffer; a step without any adds none.
+
 That buffer crosses to the device in one asynchronous copy and every piece is a typed view of
 the device copy, so a step pays one host-to-device transfer and the sampler reads its
 parameters from the device without another (on the CPU the "copy" is the buffer itself).
@@ -30,6 +33,8 @@ import torch
 
 from executor_svc.batch import BatchMetadata
 from executor_svc.input_batch import InputBatch
+from executor_svc.logits_processors import LogitsProcessing
+from executor_svc.processor_rows import ProcessorInputs
 from executor_svc.sampler import GREEDY_EPS, SamplingBatch
 
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
@@ -100,8 +105,10 @@ def build_step_inputs(ib: InputBatch, rows: np.ndarray, query_lens: np.ndarray,
     pl_seqs = np.flatnonzero(ib.prompt_logprobs[rows] >= 0)  # [num_pl_seqs] into rows
     pl_counts = query_lens[pl_seqs] - samples[pl_seqs]  # the sampling position has no next
     num_pl = int(pl_counts.sum())
+    processors = ib.processors.gather(sample_rows, ib.token_ids, ib.num_tokens, ib.num_prompt)
     i64, i32, f32 = torch.int64, torch.int32, torch.float32
-    stage = _Staging([
+    extra = _processor_segments(processors) if processors is not None else []
+    stage = _Staging(extra + [
         ("input_ids", i64, num_tokens), ("positions", i64, num_tokens),
         ("slot_mapping", i64, num_tokens), ("logits_indices", i64, num_logits + num_pl),
         ("top_k", i64, num_logits), ("seeded_rows", i64, len(seeded)),
@@ -148,6 +155,9 @@ def build_step_inputs(ib: InputBatch, rows: np.ndarray, query_lens: np.ndarray,
     h["logprob_rows"][:] = logprob_rows
     h["sampled_lp_rows"][:] = sampled_lp
 
+    if processors is not None:
+        for name, _, _ in extra:
+            h[name][:] = getattr(processors, name).reshape(-1)
     d = stage.to_device()
     batch = BatchMetadata(
         slot_mapping=d["slot_mapping"],
@@ -163,8 +173,33 @@ def build_step_inputs(ib: InputBatch, rows: np.ndarray, query_lens: np.ndarray,
         seeded_rows=d["seeded_rows"], seeds=d["seeds"], token_indices=d["token_indices"],
         all_greedy=bool((temperature < GREEDY_EPS).all()),
         any_filter=bool((h["top_p"] < 1.0).any() or (h["top_k"] > 0).any()),
+        processing=_processing(d, processors) if processors is not None else None,
     )
     return StepInputs(d["input_ids"], d["positions"], batch, sample_rows, sampling,
                       d["logprob_rows"], logprob_rows,
                       ib.num_logprobs[sample_rows[logprob_rows]],
                       d["sampled_lp_rows"], sampled_lp, d["prompt_targets"], prompt_lp)
+
+
+def _processor_segments(p: ProcessorInputs) -> list[tuple[str, torch.dtype, int]]:
+    """The staging segments of one step's processor inputs (empty ones cost nothing)."""
+    i64, i32, f32 = torch.int64, torch.int32, torch.float32
+    segments = [(name, i64, len(getattr(p, name))) for name in (
+        "ban_rows", "ban_ids", "restricted_rows", "allowed_rows", "allowed_ids", "bias_rows",
+        "bias_ids", "penalty_rows", "penalty_num_prompt", "penalty_num_tokens")]
+    segments += [("penalty_history", i32, p.penalty_history.size)]
+    segments += [(name, f32, len(getattr(p, name)))
+                 for name in ("bias_values", "repetition", "presence", "frequency")]
+    if p.min_p is not None:
+        segments.append(("min_p", f32, len(p.min_p)))
+    return segments
+
+
+def _processing(d: dict[str, torch.Tensor], p: ProcessorInputs) -> LogitsProcessing:
+    fields = {name: d[name] for name in (
+        "ban_rows", "ban_ids", "restricted_rows", "allowed_rows", "allowed_ids", "bias_rows",
+        "bias_ids", "bias_values", "penalty_rows", "penalty_num_prompt", "penalty_num_tokens",
+        "repetition", "presence", "frequency")}
+    return LogitsProcessing(
+        **fields, penalty_history=d["penalty_history"].view(p.penalty_history.shape),
+        min_p=d["min_p"] if p.min_p is not None else None)

@@ -22,6 +22,7 @@ swap-out through ``preempted_req_ids``).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -142,7 +143,7 @@ class ModelRunner:
         self._check_sampling(new.req_id, new.sampling)
         self._check_capacity(new.req_id, len(new.token_ids), len(new.block_ids))
         return self.input_batch.add(new.req_id, new.token_ids, new.block_ids,
-                                    new.num_computed_tokens, new.sampling)
+                                    new.num_computed_tokens, new.sampling, new.num_prompt_tokens)
 
     def _update(self, cached: CachedRequest) -> int:
         batch = self.input_batch
@@ -210,12 +211,26 @@ class ModelRunner:
             raise PlanError(f"request {req_id}: token ids outside the model's "
                             f"vocabulary of {self.vocab_size}")
 
-    def _check_sampling(self, req_id: str, sampling: SamplingSpec) -> None:
-        if not 0 <= sampling.num_logprobs <= self.vocab_size:
-            raise PlanError(f"request {req_id}: num_logprobs {sampling.num_logprobs} is outside "
+    def _check_sampling(self, req_id: str, s: SamplingSpec) -> None:
+        """What the scheduler validated, checked again where a bad value would fail a step
+        for every request in it (an id past the vocabulary indexes out of bounds)."""
+        if not 0 <= s.num_logprobs <= self.vocab_size:
+            raise PlanError(f"request {req_id}: num_logprobs {s.num_logprobs} is outside "
                             f"0..{self.vocab_size} (the model's vocabulary)")
-        if not -1 <= sampling.prompt_logprobs <= self.vocab_size:
-            raise PlanError(f"request {req_id}: prompt_logprobs {sampling.prompt_logprobs} is "
+        for what, ids in (("min_tokens_stop_ids", s.min_tokens_stop_ids),
+                          ("logit_bias", [t for t, _ in s.logit_bias]),
+                          ("allowed_token_ids", s.allowed_token_ids),
+                          ("bad_words", [t for word in s.bad_words for t in word])):
+            if ids and max(ids) >= self.vocab_size:
+                raise PlanError(f"request {req_id}: {what} names token id {max(ids)}, outside "
+                                f"the model's vocabulary of {self.vocab_size}")
+        values = (s.repetition_penalty, s.presence_penalty, s.frequency_penalty, s.min_p,
+                  *(b for _, b in s.logit_bias))
+        if not all(math.isfinite(v) for v in values) or s.repetition_penalty <= 0:
+            raise PlanError(f"request {req_id}: penalties, min_p and logit_bias must be finite "
+                            f"and repetition_penalty > 0")
+        if not -1 <= s.prompt_logprobs <= self.vocab_size:
+            raise PlanError(f"request {req_id}: prompt_logprobs {s.prompt_logprobs} is "
                             f"outside -1..{self.vocab_size} (-1 = off; the model's vocabulary)")
 
     def _check_capacity(self, req_id: str, num_tokens: int, num_blocks: int) -> None:

@@ -1,11 +1,19 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, per-request seeds; logprobs.
+"""Batched sampling: logits processors, greedy, temperature, min-p, top-k, top-p, per-request
+seeds; logprobs.
 
 One row of logits per request that samples this step, and one batched computation for all of
 them: the only Python branches test flags the host computed from the plan (all greedy, any
-filter, how many rows are seeded), never a row's values. Greedy rows (temperature 0) take the
-exact argmax. The other rows draw with the exponential race: ``argmax(probs / E)`` with
-``E ~ Exp(1)`` per vocab entry picks token v with probability probs[v], so the only random input
-is a noise row.
+filter, any processor, how many rows are seeded), never a row's values. The order is vLLM v1's:
+
+    raw logits ──► (top logprobs are read here: the raw model distribution)
+      └► allowed_token_ids + bad words ─► min_tokens ─► logit_bias ─► penalties
+           (logits_processors.apply_processors; skipped when no row uses any)
+      └► greedy rows: argmax
+      └► other rows: / temperature ─► min_p ─► top-k / top-p ─► exponential-race draw
+
+Greedy rows (temperature 0) take the exact argmax of the processed logits. The other rows draw
+with the exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)`` per vocab entry picks
+token v with probability probs[v], so the only random input is a noise row.
 
 The random stream. A seeded row's noise is counter-based: for vocab entry v of the token at
 index i (the position the sampled token will have in its request) it is a pure function of
@@ -30,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_svc.logits_processors import LogitsProcessing, apply_min_p, apply_processors
 from protos.plan import SamplingSpec
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy
@@ -89,6 +98,7 @@ class SamplingBatch:
     token_indices: torch.Tensor  # [num_seeded] int64: index the sampled token will have
     all_greedy: bool
     any_filter: bool  # some row uses top-k or top-p
+    processing: LogitsProcessing | None = None  # None: no row uses a logits processor
 
     @property
     def num_rows(self) -> int:
@@ -144,6 +154,9 @@ def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor,
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits [num_rows, vocab] float32 -> token ids [num_rows] int64 (on the logits' device)."""
     assert logits.shape[0] == batch.num_rows, "one logits row per sampling request"
+    processing = batch.processing
+    if processing is not None:
+        logits = apply_processors(logits, processing)  # a copy: the caller's stay raw
     greedy_ids = logits.argmax(dim=-1)  # [num_rows]
     if batch.all_greedy:
         return greedy_ids
@@ -151,6 +164,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     is_greedy = batch.temperature < GREEDY_EPS
     temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
     scaled = logits / temperature[:, None]  # [num_rows, vocab]
+    if processing is not None and processing.min_p is not None:
+        scaled = apply_min_p(scaled, processing.min_p)
     noise = _exponential_noise(batch, vocab, logits.device)  # [num_rows, vocab]
     sampled_ids = (scaled.softmax(dim=-1) / noise).argmax(dim=-1)  # [num_rows]
     if batch.any_filter:

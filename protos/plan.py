@@ -17,7 +17,8 @@ Conversation (scheduler binds a ZeroMQ ROUTER, each executor connects a DEALER):
 
 A StepPlan is a diff against what the executor already holds:
 - ``new_reqs``: requests the executor has not seen (or must forget and rebuild, after a
-  recompute preemption): all token ids known so far, sampling params and the block table.
+  recompute preemption): all token ids known so far and how many of them are the prompt,
+  sampling params (with the logits processors) and the block table.
 - ``cached_reqs``: requests it holds: only the blocks appended this step and how many tokens to
   compute. The executor appends each token it samples to its own copy of the request, so a
   decode step sends no token ids at all.
@@ -46,7 +47,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import ClassVar, NamedTuple
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 # ---- strict field readers: exact types (bool is not an int here), or TypeError -------------
@@ -111,18 +112,35 @@ def _pairs(v: object) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    """What the executor needs to sample; stop conditions stay in the scheduler."""
+    """What the executor needs to sample; stop conditions stay in the scheduler.
+
+    The logits processors (``min_tokens`` .. ``bad_words``) are off at their defaults, and a
+    request that uses none of them costs the executor nothing extra."""
 
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None  # None = the executor's global generator
     # Return the top `num_logprobs` (token id, logprob) of each sampled row in StepResult.logprobs;
-    # logprobs are log_softmax of the model's raw logits in fp32 (before temperature/top-k/top-p).
+    # logprobs are log_softmax of the model's raw logits in fp32 (before every processor,
+    # temperature, top-k and top-p).
     num_logprobs: int = 0
     # False: the executor does not append what it samples; the scheduler chooses the next token
     # itself (beam search) and sends it in CachedRequest.new_token_ids.
     append_sampled: bool = True
+    # min_tokens_stop_ids (the EOS ids unless ignore_eos, and the stop ids) cannot be sampled
+    # while the request has fewer than min_tokens output tokens (NewRequest.num_prompt_tokens
+    # says where the output starts).
+    min_tokens: int = 0
+    min_tokens_stop_ids: tuple[int, ...] = ()
+    repetition_penalty: float = 1.0  # over prompt + output tokens; 1 = off
+    presence_penalty: float = 0.0  # over output tokens; 0 = off
+    frequency_penalty: float = 0.0  # over output tokens; 0 = off
+    min_p: float = 0.0  # 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids distinct
+    allowed_token_ids: tuple[int, ...] = ()  # empty = every token
+    # Token sequences: the last token of one is banned when the others end the output.
+    bad_words: tuple[tuple[int, ...], ...] = ()
     # Return the sampled token's own logprob and rank in StepResult.sampled_logprobs (same
     # distribution as num_logprobs).
     sampled_logprob: bool = False
@@ -134,18 +152,29 @@ class SamplingSpec:
 
     def to_wire(self) -> list:
         return [self.temperature, self.top_p, self.top_k, self.seed, self.num_logprobs,
-                self.append_sampled, self.sampled_logprob, self.prompt_logprobs]
+                self.append_sampled, self.min_tokens, list(self.min_tokens_stop_ids),
+                self.repetition_penalty, self.presence_penalty, self.frequency_penalty,
+                self.min_p, [[t, b] for t, b in self.logit_bias], list(self.allowed_token_ids),
+                [list(w) for w in self.bad_words], self.sampled_logprob, self.prompt_logprobs]
 
     @classmethod
     def from_wire(cls, w: list) -> SamplingSpec:
-        _list(w, 8)
+        _list(w, 17)
         seed = w[3]
         if seed is not None and type(seed) is not int:
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
-        if _int(w[7]) < -1:
-            raise ValueError(f"prompt_logprobs must be >= -1 (-1 = off), got {w[7]}")
+        logit_bias = tuple((_nat(t), _float(b)) for t, b in (_list(p, 2) for p in _list(w[12])))
+        if len({t for t, _ in logit_bias}) != len(logit_bias):
+            raise ValueError("logit_bias names a token id twice")
+        bad_words = tuple(tuple(_nats(word)) for word in _list(w[14]))
+        if not all(bad_words):
+            raise ValueError("bad_words holds an empty token sequence")
+        if _int(w[16]) < -1:
+            raise ValueError(f"prompt_logprobs must be >= -1 (-1 = off), got {w[16]}")
         return cls(_float(w[0]), _float(w[1]), _nat(w[2]), seed, _nat(w[4]), _bool(w[5]),
-                   _bool(w[6]), w[7])
+                   _nat(w[6]), tuple(_nats(w[7])), _float(w[8]), _float(w[9]), _float(w[10]),
+                   _float(w[11]), logit_bias, tuple(_nats(w[13])), bad_words, _bool(w[15]),
+                   w[16])
 
 
 @dataclass(frozen=True)
@@ -156,16 +185,28 @@ class NewRequest:
     block_ids: list[int]  # the whole block table so far
     num_computed_tokens: int  # tokens whose KV is already in the blocks (prefix cache hits)
     num_scheduled_tokens: int  # tokens to compute this step, starting at num_computed_tokens
+    # token_ids[:num_prompt_tokens] is the prompt, the rest were generated (a resume): the
+    # penalties and min_tokens count output tokens from there. Left out: all of token_ids.
+    num_prompt_tokens: int = -1
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            object.__setattr__(self, "num_prompt_tokens", len(self.token_ids))
 
     def to_wire(self) -> list:
         return [self.req_id, self.token_ids, self.sampling.to_wire(), self.block_ids,
-                self.num_computed_tokens, self.num_scheduled_tokens]
+                self.num_computed_tokens, self.num_scheduled_tokens, self.num_prompt_tokens]
 
     @classmethod
     def from_wire(cls, w: list) -> NewRequest:
-        _list(w, 6)
-        return cls(_str(w[0]), _nats(w[1]), SamplingSpec.from_wire(w[2]), _nats(w[3]),
-                   _nat(w[4]), _nat(w[5]))
+        _list(w, 7)
+        token_ids = _nats(w[1])
+        num_prompt_tokens = _nat(w[6])
+        if num_prompt_tokens > len(token_ids):
+            raise ValueError(f"num_prompt_tokens {num_prompt_tokens} exceeds the "
+                             f"{len(token_ids)} token ids sent")
+        return cls(_str(w[0]), token_ids, SamplingSpec.from_wire(w[2]), _nats(w[3]),
+                   _nat(w[4]), _nat(w[5]), num_prompt_tokens)
 
 
 @dataclass(frozen=True, init=False)
@@ -190,7 +231,7 @@ _NUM_CACHED_COLUMNS = len(CachedRequest._fields)
 def _cached_to_wire(cached_reqs: list[CachedRequest]) -> list:
     """Columns: [req_ids, new_block_ids lists, num_computed, num_scheduled, new_token_ids
     lists]; msgpack packs zip's tuples as arrays."""
-    return list(zip(*cached_reqs)) if cached_reqs else [[]] * _NUM_CACHED_COLUMNS
+    return list(zip(*cached_reqs, strict=True)) if cached_reqs else [[]] * _NUM_CACHED_COLUMNS
 
 
 def _only(values: list, cls: type) -> bool:
@@ -216,7 +257,7 @@ def _cached_from_wire(w: object) -> list[CachedRequest]:
             _nats(ids)
     # tuple.__new__ straight from the columns (zip yields exactly the five fields).
     return list(map(tuple.__new__, repeat(CachedRequest, n),
-                    zip(req_ids, block_ids, computed, scheduled, token_ids)))
+                    zip(req_ids, block_ids, computed, scheduled, token_ids, strict=True)))
 
 
 @dataclass(frozen=True)
@@ -394,9 +435,10 @@ class StepResult:
 
     def to_wire(self) -> list:
         # `sampled` as two columns, [req_ids, token id lists]: one entry per sampled request.
-        sampled = list(zip(*self.sampled)) if self.sampled else [[], []]
+        sampled = list(zip(*self.sampled, strict=True)) if self.sampled else [[], []]
         # `sampled_logprobs` as three columns, [req_ids, logprobs, ranks].
-        sampled_lps = list(zip(*self.sampled_logprobs, strict=True)) if self.sampled_logprobs else [[]] * 3
+        sampled_lps = (list(zip(*self.sampled_logprobs, strict=True)) if self.sampled_logprobs
+                       else [[]] * 3)
         return [self.TAG, self.step_id, sampled,
                 self.execute_time_s, [[r, ids, lps] for r, ids, lps in self.logprobs],
                 self.idle_time_s, sampled_lps, [list(p) for p in self.prompt_logprobs]]
@@ -412,7 +454,7 @@ class StepResult:
         flat = [t for ids in token_ids for t in ids]
         if not _only(flat, int) or (flat and min(flat) < 0):
             raise TypeError("sampled: token ids must be ints >= 0")
-        sampled = list(zip(req_ids, token_ids))  # msgpack made fresh lists
+        sampled = list(zip(req_ids, token_ids, strict=True))  # msgpack made fresh lists
         logprobs = []
         for entry in _list(w[4]):
             req_id, ids, lps = _list(entry, 3)

@@ -43,7 +43,8 @@ def new_sequence_output(index: int, params: SubmitParams, tokenizer: Tokenizer
     detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens,
                                          params.spaces_between_special_tokens)
     return SequenceOutput(index, detokenizer,
-                          StopChecker(params.stop, params.include_stop_str_in_output))
+                          StopChecker(params.stop, params.include_stop_str_in_output,
+                                      params.min_tokens))
 
 
 def beam_stop_strings(params: SubmitParams, tokenizer: Tokenizer) -> BeamStopStrings | None:
@@ -64,20 +65,23 @@ def admit(sched: Scheduler, client: ClientRequest, info: ExecutorInfo,
     p = client.params
     eos_token_ids = tokenizer.eos_token_ids
     stop_token_ids = frozenset(p.stop_token_ids)
+    stops = stop_token_ids | (frozenset() if p.ignore_eos else eos_token_ids)
+    # The executor masks every id that would stop the sequence until min_tokens.
+    spec = replace(p.sampling, min_tokens_stop_ids=tuple(sorted(stops))) \
+        if p.min_tokens and stops else p.sampling
 
     def new_request(seq_id: str, prompt: list[int], sampling: SamplingSpec, index: int
                     ) -> Request:
         return Request(req_id=seq_id, prompt_token_ids=prompt, sampling=sampling,
                        max_tokens=client.max_tokens, arrival=client.arrival,
                        eos_token_ids=eos_token_ids, stop_token_ids=stop_token_ids,
-                       ignore_eos=p.ignore_eos, index=index)
+                       ignore_eos=p.ignore_eos, min_tokens=p.min_tokens, index=index)
 
     if client.num_resumes:  # checked at submit against the executor of that time
         check_for_executor(p, info.vocab_size, info.max_model_len)
     if p.sequence.is_beam_search:
         check_beam_fits(p, client.max_tokens, sched.block_manager)
         # A beam ends on the ids that would stop a sequence.
-        stops = stop_token_ids | (frozenset() if p.ignore_eos else eos_token_ids)
         sched.add_group(BeamGroup(client.req_id, p.sequence, p.prompt_token_ids,
                                   client.max_tokens, stops, info.vocab_size, new_request,
                                   text_stop=beam_stop_strings(p, tokenizer)))
@@ -85,7 +89,7 @@ def admit(sched: Scheduler, client: ClientRequest, info: ExecutorInfo,
     started = any(s.token_ids or s.finished for s in client.sequences)
     if client.is_group and not started:
         sched.add_group(ParallelGroup(client.req_id, p.sequence, p.prompt_token_ids,
-                                      p.sampling, new_request))
+                                      spec, new_request))
         return []
     no_room = []
     for seq in client.unfinished():
@@ -94,8 +98,8 @@ def admit(sched: Scheduler, client: ClientRequest, info: ExecutorInfo,
             continue
         # Prompt logprobs are owed to index 0 until its first message carries them.
         owed = seq.index == 0 and not seq.prompt_logprobs_sent
-        sampling = replace(p.sampling, seed=sequence_seed(p.sampling.seed, seq.index),
-                           prompt_logprobs=p.sampling.prompt_logprobs if owed else -1)
+        sampling = replace(spec, seed=sequence_seed(spec.seed, seq.index),
+                           prompt_logprobs=spec.prompt_logprobs if owed else -1)
         req = new_request(client.seq_id(seq.index), list(p.prompt_token_ids), sampling,
                           seq.index)
         if seq.token_ids:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from protos.folio.v1 import generator_pb2 as pb
@@ -40,6 +41,12 @@ MAX_STOP_TOKEN_IDS = 32
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_ROLE_CHARS = 64
+# Logits processors: every entry is gathered for the executor each step the request samples.
+MAX_LOGIT_BIAS = 1024
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256
+MAX_ABS_PENALTY = 2.0  # presence and frequency penalties, OpenAI's range
 # logprobs and prompt_logprobs: alternatives per token, as the OpenAI API caps top_logprobs.
 MAX_LOGPROBS = 20
 EARLY_STOPPING = {
@@ -68,9 +75,11 @@ def check_request_id(req_id: str) -> None:
 
 
 def sampling_spec(p: pb.SamplingParams) -> SamplingSpec:
-    """temperature, top_p, top_k, seed. Proto floats are float32, the executor's dtype, so a
-    finite value stays finite there; the executor samples greedily below temperature 1e-5 and
-    keeps every token when top_k is at least the vocabulary size."""
+    """temperature, top_p, top_k, seed and the logits processors. Proto floats are float32, the
+    executor's dtype, so a finite value stays finite there; the executor samples greedily below
+    temperature 1e-5 and keeps every token when top_k is at least the vocabulary size. Token
+    ids are checked against the vocabulary later (`check_for_executor`); bad words are
+    tokenized later (`bad_words_token_ids`), and min_tokens' stop ids filled in at admission."""
     temperature = p.temperature if p.HasField("temperature") else 1.0
     top_p = p.top_p if p.HasField("top_p") else 1.0
     top_k = p.top_k if p.HasField("top_k") else 0
@@ -84,8 +93,32 @@ def sampling_spec(p: pb.SamplingParams) -> SamplingSpec:
     seed = p.seed if p.HasField("seed") else None
     if seed is not None and seed > MAX_SEED:
         raise InvalidRequest(f"seed must be in [0, {MAX_SEED}], got {seed}")
-    return SamplingSpec(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
-                        seed=seed, **logprob_fields(p))
+    repetition = p.repetition_penalty if p.HasField("repetition_penalty") else 1.0
+    if not (math.isfinite(repetition) and repetition > 0):
+        raise InvalidRequest(f"repetition_penalty must be > 0 and finite (1 = off), "
+                             f"got {repetition:g}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(p, name)
+        if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:  # also refuses NaN
+            raise InvalidRequest(f"{name} must be in [-{MAX_ABS_PENALTY:g}, "
+                                 f"{MAX_ABS_PENALTY:g}] (0 = off), got {value:g}")
+    if not 0 <= p.min_p <= 1:
+        raise InvalidRequest(f"min_p must be in [0, 1] (0 = off), got {p.min_p:g}")
+    if len(p.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got "
+                             f"{len(p.logit_bias)}")
+    for token_id, bias in p.logit_bias.items():
+        if not -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE:
+            raise InvalidRequest(f"logit_bias for token {token_id} must be in "
+                                 f"[-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], "
+                                 f"got {bias:g}")
+    return SamplingSpec(
+        temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), seed=seed,
+        min_tokens=p.min_tokens, repetition_penalty=float(repetition),
+        presence_penalty=float(p.presence_penalty),
+        frequency_penalty=float(p.frequency_penalty), min_p=float(p.min_p),
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in p.logit_bias.items())),
+        allowed_token_ids=tuple(sorted(set(p.allowed_token_ids))), **logprob_fields(p))
 
 
 def logprob_fields(p: pb.SamplingParams) -> dict:
@@ -102,14 +135,41 @@ def logprob_fields(p: pb.SamplingParams) -> dict:
         fields.update(prompt_logprobs=p.prompt_logprobs)
     if p.logprobs_mode == pb.LOGPROBS_MODE_PROCESSED:
         raise InvalidRequest("logprobs_mode PROCESSED is not supported yet; use RAW (0): "
-                             "log_softmax of the model's logits before temperature, top-k "
-                             "and top-p")
+                             "log_softmax of the model's logits before the penalties, temperature, "
+                             "top-k and top-p")
     if p.logprobs_mode != pb.LOGPROBS_MODE_RAW:
         raise InvalidRequest(f"unknown logprobs_mode value {p.logprobs_mode}; use RAW (0)")
     if fields and p.HasField("beam_width") and p.beam_width > 1:
         raise InvalidRequest("logprobs and prompt_logprobs are not supported with beam search "
                              "(beam_width > 1); leave them unset or use beam_width 1")
     return fields
+
+
+def check_bad_words(words: list[str]) -> tuple[str, ...]:
+    if len(words) > MAX_BAD_WORDS:
+        raise InvalidRequest(f"bad_words may hold at most {MAX_BAD_WORDS} words, got "
+                             f"{len(words)}")
+    for i, word in enumerate(words):
+        if not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
+            raise InvalidRequest(f"bad_words[{i}] must have 1 to {MAX_BAD_WORD_CHARS} "
+                                 f"characters, not all whitespace; got {_shown(word)}")
+    return tuple(words)
+
+
+def bad_words_token_ids(words: tuple[str, ...], encode: Callable[[str], list[int]]
+                        ) -> tuple[tuple[int, ...], ...]:
+    """vLLM's rule: each word (leading whitespace stripped) is encoded without special tokens
+    as is, and again after a space; the spaced variant is kept when it is a different first
+    token in as many tokens (the word as a new word mid-text), so both placements are banned."""
+    sequences: list[list[int]] = []
+    for word in words:
+        plain = encode(word.lstrip())
+        spaced = encode(" " + word.lstrip())
+        if plain:
+            sequences.append(plain)
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            sequences.append(spaced)
+    return tuple(tuple(s) for s in sequences)
 
 
 def sequence_params(p: pb.SamplingParams) -> SequenceParams:
@@ -145,6 +205,12 @@ def submit_params(msg: pb.GenerateRequest) -> SubmitParams:
     sequence = sequence_params(p)
     # Unset or 0: the rest of the context (capped in check_for_executor).
     max_tokens = p.max_tokens or None
+    if max_tokens is not None and p.min_tokens > max_tokens:
+        raise InvalidRequest(f"min_tokens ({p.min_tokens}) may not exceed max_tokens "
+                             f"({max_tokens})")
+    bad_words = check_bad_words(list(p.bad_words))
+    if sequence.is_beam_search:
+        check_no_processors(sampling, bad_words)
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
                              f"got {len(p.stop_token_ids)}")
@@ -161,7 +227,8 @@ def submit_params(msg: pb.GenerateRequest) -> SubmitParams:
                              else True),
         spaces_between_special_tokens=(p.spaces_between_special_tokens
                                        if p.HasField("spaces_between_special_tokens")
-                                       else True))
+                                       else True),
+        min_tokens=p.min_tokens, bad_words=bad_words)
 
 
 def check_stop_strings(stop) -> None:
@@ -174,6 +241,19 @@ def check_stop_strings(stop) -> None:
                                  f"characters, got {len(s)}"
                                  + (f": {_shown(s)}" if s else " (an empty string would "
                                     "stop at once; leave it out)"))
+
+
+def check_no_processors(s: SamplingSpec, bad_words: tuple[str, ...]) -> None:
+    """Beam search ranks the raw model logprobs (HF's beam search without logits processors),
+    so none of the processors applies; a request setting one is refused, not half-served."""
+    used = [name for name, value in (
+        ("min_tokens", s.min_tokens), ("repetition_penalty", s.repetition_penalty != 1.0),
+        ("presence_penalty", s.presence_penalty), ("frequency_penalty", s.frequency_penalty),
+        ("min_p", s.min_p), ("logit_bias", s.logit_bias),
+        ("allowed_token_ids", s.allowed_token_ids), ("bad_words", bad_words)) if value]
+    if used:
+        raise InvalidRequest(f"beam search (beam_width > 1) does not support "
+                             f"{', '.join(used)}; unset them or use beam_width 1")
 
 
 def chat_turns(chat: pb.Chat, max_model_len: int) -> list[ChatTurn]:
@@ -197,7 +277,14 @@ def check_for_executor(params: SubmitParams, vocab_size: int, max_model_len: int
     num_prompt = len(params.prompt_token_ids)
     if num_prompt == 0:
         raise InvalidRequest("the prompt is empty; send at least one token")
-    for name, ids in (("prompt", params.prompt_token_ids), ("stop", params.stop_token_ids)):
+    s = params.sampling
+    if len(s.allowed_token_ids) > vocab_size:  # deduplicated, so only ids past the vocab
+        raise InvalidRequest(f"allowed_token_ids holds {len(s.allowed_token_ids)} distinct "
+                             f"ids, more than the model's vocabulary of {vocab_size}")
+    for name, ids in (("prompt", params.prompt_token_ids), ("stop", params.stop_token_ids),
+                      ("logit_bias", [t for t, _ in s.logit_bias]),
+                      ("allowed_token_ids", s.allowed_token_ids),
+                      ("bad_words", [t for word in s.bad_words for t in word])):
         if (bad := next((t for t in ids if t >= vocab_size), None)) is not None:
             raise InvalidRequest(f"{name} token id {bad} is out of range: the model's "
                                  f"vocabulary has {vocab_size} tokens "

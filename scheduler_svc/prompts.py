@@ -91,6 +91,15 @@ class PromptEncoder:
                 raise InvalidRequest("the request has no input; set one of text, token_ids or "
                                      "chat")
 
+    async def bad_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """The token sequences `words` ban (inputs.bad_words_token_ids), off the event loop."""
+        if not words:
+            return ()
+        return await self._run(inputs.bad_words_token_ids, words, self._encode_plain)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     async def _chat_ids(self, chat: pb.Chat, max_model_len: int) -> list[int]:
         turns = inputs.chat_turns(chat, max_model_len)
         self._check_chars(sum(len(t.role) + len(t.content) for t in turns),

@@ -55,6 +55,12 @@ class SubmitParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # No EOS or stop token ends the output before it has min_tokens tokens (also in
+    # sampling.min_tokens, where the executor masks those tokens).
+    min_tokens: int = 0
+    # Words as the client sent them; `sampling.bad_words` holds their token sequences once
+    # the server has tokenized them (inputs.bad_words_token_ids).
+    bad_words: tuple[str, ...] = ()
 
 
 class TokenLogprobs(NamedTuple):
@@ -96,6 +102,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop tokens stop nothing before this many output tokens
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV the executor holds
     status: RequestStatus = RequestStatus.WAITING

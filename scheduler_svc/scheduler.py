@@ -411,7 +411,7 @@ class Scheduler(SchedulerState):
         req.pending_token_ids = []  # all_token_ids carries them
         return NewRequest(req.req_id, req.all_token_ids, req.sampling,
                           self.block_manager.block_table(req.req_id), req.num_computed_tokens,
-                          num_new)
+                          num_new, req.num_prompt_tokens)
 
     def _fits_seq_cap(self, req: Request, step: _Step) -> bool:
         """Room under `max_num_seqs` for `req` and the sequences it forks into. With nothing
@@ -433,11 +433,12 @@ class Scheduler(SchedulerState):
             req.num_placeholders += 1  # it samples this step; the executor appends the token
 
     def _stop_status(self, req: Request, token_id: int) -> RequestStatus | None:
-        if not req.ignore_eos and token_id in req.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if token_id in req.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
         num_output_tokens = len(req.output_token_ids)  # once: checked for every sampled token
+        if ((not req.ignore_eos and token_id in req.eos_token_ids)
+                or token_id in req.stop_token_ids) and num_output_tokens >= req.min_tokens:
+            # The executor masks these ids before min_tokens; checked here as well, so no
+            # EOS or stop id ends a sequence early whatever was sampled (vLLM does the same).
+            return RequestStatus.FINISHED_STOPPED
         if (num_output_tokens >= req.max_tokens
                 or len(req.prompt_token_ids) + num_output_tokens >= self.max_model_len):
             return RequestStatus.FINISHED_LENGTH

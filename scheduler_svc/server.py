@@ -140,7 +140,10 @@ class GeneratorService:
     async def Generate(self, request: pb.GenerateRequest, context):
         params = inputs.submit_params(request)  # every cheap check before tokenizing
         prompt = await self.prompts.token_ids(request, self.max_model_len())
-        params = dataclasses.replace(params, prompt_token_ids=prompt)
+        bad_words = await self.prompts.bad_words(params.bad_words)
+        params = dataclasses.replace(
+            params, prompt_token_ids=prompt,
+            sampling=dataclasses.replace(params.sampling, bad_words=bad_words))
         stream = self.engine.submit(params)
         num_open = params.sequence.n  # sequences (n > 1, beams) whose last message is due
         done = False

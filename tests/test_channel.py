@@ -59,8 +59,23 @@ def check_types(msg) -> None:
             for item in value:
                 if dataclasses.is_dataclass(item):
                     check_types(item)
+        elif origin is tuple:
+            check_tuple(value, hint, f.name)
         elif dataclasses.is_dataclass(value):
             check_types(value)
+
+
+def check_tuple(value, hint, name: str) -> None:
+    """tuple[X, ...] or tuple[X, Y] of ints, floats and such tuples, checked recursively."""
+    assert type(value) is tuple, (name, value)
+    args = typing.get_args(hint)
+    items = [args[0]] * len(value) if args[-1] is Ellipsis else list(args)
+    assert len(items) == len(value), (name, value)
+    for item, item_hint in zip(value, items, strict=True):
+        if typing.get_origin(item_hint) is tuple:
+            check_tuple(item, item_hint, name)
+        else:
+            assert type(item) is item_hint, (name, value)
 
 
 def mutations(wire: list) -> list[list]:
@@ -112,19 +127,42 @@ def test_arbitrary_frames_never_raise_anything_but_protocol_error(frame):
         pass
 
 
+SPEC_WIRE = SamplingSpec().to_wire()
+
+
+NO_CACHED = [[], [], [], [], []]  # a plan's cached requests on the wire: five empty columns
+
+
+def plan_with_spec(index: int, value) -> list:
+    """A StepPlan's wire form with one new request whose SamplingSpec field `index` is
+    `value`."""
+    spec = list(SPEC_WIRE)
+    spec[index] = value
+    return [StepPlan.TAG, 0, [["r", [1], spec, [0], 0, 1, 1]], NO_CACHED, [], [], [], [], [],
+            False]
+
+
 @pytest.mark.parametrize("wire", [
     [Hello.TAG, "3", "e", "m", "a", 1, 2, 3, 4, 5, "f", "cpu", False],  # version as a string
     [Hello.TAG, 3, "e", "m", "a", -1, 2, 3, 4, 5, "f", "cpu", False],  # negative vocab
     [Hello.TAG, 3, "e", "m", "a", 1, 2, 3, 4, 5, "f", "cpu", 1],  # bool as an int
     [Welcome.TAG],  # too few fields
     [Reject.TAG, "why", "yes"],
-    [StepPlan.TAG, 0, [], [], [], [], [], [], [], "no"],
-    [StepPlan.TAG, 0, [["r", [1], ["hot", 1.0, 0, None, 0, True], [0], 0, 1]], [], [], [], [],
+    [StepPlan.TAG, 0, [], NO_CACHED, [], [], [], [], [], "no"],
+    [StepPlan.TAG, 0, [["r", [1], ["hot", *SPEC_WIRE[1:]], [0], 0, 1, 1]], NO_CACHED, [], [], [],
      [], [], False],  # a NewRequest whose SamplingSpec has a string temperature
-    [StepResult.TAG, 0, [["r", [1.5]]], 0.0, []],
-    [StepResult.TAG, 0, [["r", [1]]], 0.0, [["r", [1, 2], [0.0]]]],  # ids/logprobs mismatch
-    [StepResult.TAG, 0, [["r", [1], "extra"]], 0.0, []],
-    # Protocol v6's logprob columns: a rank of 0, columns of different lengths, a prompt entry
+    plan_with_spec(12, [[3, 1.0], [3, 2.0]]),  # logit_bias names token 3 twice
+    plan_with_spec(12, [[3]]),  # a logit_bias entry without its value
+    plan_with_spec(12, [[-3, 1.0]]),  # a negative token id
+    plan_with_spec(14, [[5], []]),  # an empty bad word
+    plan_with_spec(13, [1, "2"]),  # allowed_token_ids with a string
+    plan_with_spec(7, [1.5]),  # a float stop id
+    [StepPlan.TAG, 0, [["r", [1, 2], SPEC_WIRE, [0], 0, 1, 3]], NO_CACHED, [], [], [], [], [],
+     False],  # more prompt tokens than token ids
+    [StepResult.TAG, 0, [["r"], [[1.5]]], 0.0, [], 0.0],
+    [StepResult.TAG, 0, [["r"], [[1]]], 0.0, [["r", [1, 2], [0.0]]], 0.0],  # ids != logprobs
+    [StepResult.TAG, 0, [["r"], [[1]], "extra"], 0.0, [], 0.0],
+    # Protocol v7's logprob columns: a rank of 0, columns of different lengths, a prompt entry
     # starting at token 0 (which has no context), top lists that do not line up.
     [StepResult.TAG, 0, [["r"], [[1]]], 0.0, [], 0.0, [["r"], [-1.0], [0]], []],
     [StepResult.TAG, 0, [["r"], [[1]]], 0.0, [], 0.0, [["r"], [-1.0, -2.0], [1]], []],
@@ -138,6 +176,15 @@ def test_arbitrary_frames_never_raise_anything_but_protocol_error(frame):
 def test_wrong_types_are_refused(wire):
     with pytest.raises(ProtocolError):
         decode(msgpack.packb(wire, use_bin_type=True))
+
+
+def test_a_plan_that_only_breaks_one_rule_decodes_once_fixed():
+    """The refusals above are for the one broken field: the same frames with it fixed decode."""
+    for index, value in ((12, [[3, 1.0], [4, 2.0]]), (14, [[5], [6, 7]]), (13, [1, 2]),
+                         (7, [1])):
+        decode(msgpack.packb(plan_with_spec(index, value), use_bin_type=True))
+    decode(msgpack.packb([StepPlan.TAG, 0, [["r", [1, 2], SPEC_WIRE, [0], 0, 1, 2]], NO_CACHED,
+                          [], [], [], [], [], False], use_bin_type=True))
 
 
 def test_valid_extremes_still_decode():

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from client.cli import build_parser, generate_kwargs, main
+from client.messages import sampling_params
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,6 +63,26 @@ def test_text_flags_map_to_client_arguments():
     assert generate_kwargs(parse("Hi", "--max-tokens", "0"))["max_tokens"] is None
 
 
+def test_logits_processor_flags_map_to_client_arguments():
+    kwargs = generate_kwargs(parse(
+        "Hi", "--min-tokens", "4", "--repetition-penalty", "1.2", "--presence-penalty", "0.5",
+        "--frequency-penalty", "-0.5", "--min-p", "0.1", "--logit-bias", "42=-100",
+        "--logit-bias", "7=2.5", "--allowed-token-ids", "1,2,42", "--bad-words", "foo",
+        "--bad-words", "bar baz"))
+    assert (kwargs["min_tokens"], kwargs["repetition_penalty"], kwargs["presence_penalty"],
+            kwargs["frequency_penalty"], kwargs["min_p"]) == (4, 1.2, 0.5, -0.5, 0.1)
+    assert kwargs["logit_bias"] == {42: -100.0, 7: 2.5}
+    assert kwargs["allowed_token_ids"] == [1, 2, 42]
+    assert kwargs["bad_words"] == ["foo", "bar baz"]
+    unset = generate_kwargs(parse("Hi"))
+    assert unset["min_p"] is None and unset["logit_bias"] == {} and unset["bad_words"] == []
+    params = sampling_params(**{k: v for k, v in kwargs.items()
+                                if k not in ("prompt", "request_id")})
+    assert params.min_tokens == 4 and dict(params.logit_bias) == {42: -100.0, 7: 2.5}
+    assert list(params.bad_words) == ["foo", "bar baz"] and params.HasField("min_p")
+    assert not sampling_params().HasField("repetition_penalty")  # unset: server default
+
+
 def test_chat_and_token_id_inputs():
     chat = generate_kwargs(parse("Hello", "--chat", "--system", "Be brief."))
     assert chat["messages"] == [("system", "Be brief."), ("user", "Hello")]
@@ -74,6 +95,8 @@ def test_chat_and_token_id_inputs():
     ((), "needs a PROMPT"),
     (("Hi", "--token-ids", "1,2"), "not both"),
     (("--token-ids", "1,x"), "comma-separated integers"),
+    (("Hi", "--logit-bias", "42"), "ID=BIAS"),
+    (("Hi", "--logit-bias", "x=1"), "ID=BIAS"),
 ])
 def test_bad_generate_arguments_exit_with_a_message(argv, message):
     with pytest.raises(SystemExit) as err:

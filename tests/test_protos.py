@@ -41,6 +41,12 @@ MESSAGES = [
                        16, 24),
             NewRequest("b0", [5, 6], SamplingSpec(0.0, num_logprobs=8, append_sampled=False),
                        [1], 1, 1),
+            # A resumed request with every logits processor: 3 prompt tokens, 2 outputs.
+            NewRequest("p0", [5, 6, 7, 8, 9], SamplingSpec(
+                0.8, seed=3, min_tokens=4, min_tokens_stop_ids=(2, 7), repetition_penalty=1.3,
+                presence_penalty=-0.5, frequency_penalty=2.0, min_p=0.05,
+                logit_bias=((4, -100.0), (9, 2.5)), allowed_token_ids=(4, 5, 9),
+                bad_words=((8,), (6, 7, 8))), [2], 0, 5, 3),
         ],
         cached_reqs=[CachedRequest("r0", [], 33, 1), CachedRequest("r3", [12], 48, 1),
                      CachedRequest("b1", [], 7, 1, [901])],
@@ -87,7 +93,7 @@ def test_wire_is_plain_msgpack():
 
 
 def test_plan_counts_scheduled_tokens():
-    assert MESSAGES[4].num_scheduled_tokens == 4 + 24 + 1 + 1 + 1 + 1
+    assert MESSAGES[4].num_scheduled_tokens == 4 + 24 + 1 + 5 + 1 + 1 + 1
 
 
 @pytest.mark.parametrize("frame, match", [

@@ -109,6 +109,22 @@ FIELDS = {
     "include_stop_str_in_output": (st.booleans(), st.booleans()),
     "skip_special_tokens": (st.none() | st.booleans(), st.booleans()),
     "spaces_between_special_tokens": (st.none() | st.booleans(), st.booleans()),
+    # Logits processors. min_tokens stays within the max_tokens above when allowed.
+    "min_tokens": (st.none() | st.integers(0, 1), st.integers(0, UINT32)),
+    "repetition_penalty": (st.none() | st.floats(0, FLT_MAX, exclude_min=True, width=32),
+                           any_float),
+    "presence_penalty": (st.none() | st.floats(-2, 2, width=32), any_float),
+    "frequency_penalty": (st.none() | st.floats(-2, 2, width=32), any_float),
+    "min_p": (st.none() | st.floats(0, 1, width=32), any_float),
+    "logit_bias": (st.dictionaries(st.integers(0, 2047), st.floats(-100, 100, width=32),
+                                   max_size=8),
+                   st.dictionaries(st.integers(0, UINT32), any_float, max_size=8)
+                   | st.builds(lambda k: dict.fromkeys(range(k), 1.0), st.integers(1020, 1030))),
+    "allowed_token_ids": (st.lists(st.integers(0, 2047), max_size=20),
+                          st.lists(st.integers(0, UINT32), max_size=20)),
+    "bad_words": (st.lists(st.text(min_size=1, max_size=256).filter(str.strip), max_size=4),
+                  st.lists(st.text(max_size=300), max_size=6)
+                  | st.builds(lambda k: ["w"] * k, st.integers(60, 70))),
     "logprobs": (st.none() | st.integers(0, 20), st.integers(0, UINT32)),
     "prompt_logprobs": (st.none() | st.integers(0, 20), st.integers(0, UINT32)),
     "logprobs_mode": (st.just(0), st.integers(-(2**31), 2**31 - 1)),
@@ -187,6 +203,23 @@ def broken_rule(msg: pb.GenerateRequest, m: Model) -> str | None:
         (width > 1 and n > width, "n > beam_width"),
         (has("length_penalty") and not math.isfinite(p.length_penalty), "length_penalty"),
         (p.early_stopping not in (0, 1, 2), "early_stopping"),
+        (p.min_tokens > p.max_tokens, "min_tokens > max_tokens"),
+        (has("repetition_penalty") and not (math.isfinite(p.repetition_penalty)
+                                             and p.repetition_penalty > 0), "repetition_penalty"),
+        (not -2 <= p.presence_penalty <= 2, "presence_penalty"),
+        (not -2 <= p.frequency_penalty <= 2, "frequency_penalty"),
+        (not 0 <= p.min_p <= 1, "min_p"),
+        (len(p.logit_bias) > 1024, "too many logit_bias entries"),
+        (any(not -100 <= b <= 100 for b in p.logit_bias.values()), "logit_bias value"),
+        (any(t >= m.vocab_size for t in p.logit_bias), "logit_bias id out of range"),
+        (any(t >= m.vocab_size for t in p.allowed_token_ids), "allowed id out of range"),
+        (len(p.bad_words) > 64, "too many bad_words"),
+        (any(not w.strip() or len(w) > 256 for w in p.bad_words), "bad word"),
+        (width > 1 and (p.min_tokens > 0 or (has("repetition_penalty")
+                                             and p.repetition_penalty != 1)
+                        or p.presence_penalty != 0 or p.frequency_penalty != 0 or p.min_p != 0
+                        or p.logit_bias or p.allowed_token_ids or p.bad_words),
+         "logits processors with beam search"),
         (has("logprobs") and p.logprobs > 20, "logprobs"),
         (has("prompt_logprobs") and p.prompt_logprobs > 20, "prompt_logprobs"),
         (p.logprobs_mode != 0, "logprobs_mode (only RAW so far)"),

@@ -1,9 +1,11 @@
 """Faults with real processes: the executor killed under live streams, the scheduler killed
 under a running executor. The oracle is an uninterrupted run on the same server.
 
-1. `folio serve` on a tiny llama; 32 streams (24 greedy, 8 seeded sampling) plus one n = 4
-   seeded request and one beam search run once undisturbed, then again while the executor is
-   killed with SIGKILL three times. Every stream completes with exactly the tokens and text of
+1. `folio serve` on a tiny llama; 32 streams (24 greedy, 8 seeded sampling), 4 with every
+   logits processor (penalties count outputs only, and min_tokens holds a biased stop id back
+   until exactly its count: both must survive a resume), plus one n = 4 seeded request and one
+   beam search run once undisturbed, then again while the executor is killed with SIGKILL
+   three times. Every stream completes with exactly the tokens and text of
    the undisturbed run (nothing lost, nothing repeated), health goes NOT_SERVING within 2 s of
    each kill and SERVING again once the restarted executor has shaken hands.
 2. `folio scheduler` + `folio executor` apart, with a channel secret: the scheduler is killed
@@ -37,6 +39,7 @@ NUM_GREEDY, NUM_SEEDED = 24, 8
 MAX_TOKENS = 160
 NUM_KILLS = 3
 NOT_SERVING_WITHIN_S = 2.0
+PENALISED_STOP_ID = 42
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -56,6 +59,11 @@ def workload(vocab_size: int) -> list[dict]:
     for i in range(NUM_SEEDED):
         reqs.append(dict(token_ids=prompts[NUM_GREEDY + i], temperature=0.9, top_p=0.95,
                          seed=100 + i))
+    for i, prompt in enumerate(random_prompts(vocab_size, (5, 20, 41, 70), seed=12)):
+        reqs.append(dict(token_ids=prompt, temperature=0.0 if i % 2 else 0.8, seed=200 + i,
+                         repetition_penalty=1.3, presence_penalty=0.8, frequency_penalty=0.5,
+                         min_p=0.05, bad_words=["the"], stop_token_ids=[PENALISED_STOP_ID],
+                         logit_bias={PENALISED_STOP_ID: 30.0}, min_tokens=100 + 10 * i))
     reqs.append(dict(token_ids=prompts[-2], temperature=1.0, seed=7, n=4))
     reqs.append(dict(token_ids=prompts[-1][:20], beam_width=3, n=2))
     for r in reqs:
@@ -152,6 +160,11 @@ async def test_executor_killed_three_times_under_32_streams(folio_server, checkp
         assert got["finish"] is not None and got["finish"] == want["finish"], key
         assert got["tokens"] == want["tokens"], f"tokens of {key} differ from the unbroken run"
         assert got["text"] == want["text"], key
+    for i, r in enumerate(reqs):
+        if "min_tokens" in r:  # the biased stop id comes right after min_tokens
+            want = reference[(i, 0)]
+            assert want["finish"] == pb.FINISH_REASON_STOP
+            assert len(want["tokens"]) == r["min_tokens"] + 1, (i, want)
     # The greedy ones are also HF's answer.
     greedy_prompts = [r["token_ids"] for r in reqs[:4]]
     want = hf_greedy(model, greedy_prompts, MAX_TOKENS)

@@ -108,6 +108,28 @@ def test_greedy_stops_like_the_reference(server, include):
     wait_idle(server.address)
 
 
+def test_stop_strings_wait_for_min_tokens(server):
+    """A stop string is only checked once min_tokens tokens are out (vLLM): one that occurs
+    in the first tokens does not end the sequence there."""
+    checked = 0
+    for prompt in PROMPTS:
+        common = dict(prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        [free] = stream(server.address, **common).values()
+        early = "".join(free["deltas"][:4])
+        if len(early) < 2 or "\ufffd" in early[-2:]:
+            continue
+        stop = [early[-2:]]
+        assert reference(free["deltas"], stop, False)[2] <= 4  # would stop early without
+        [stopped] = stream(server.address, stop=stop, min_tokens=12, **common).values()
+        want_text, want_match, num_tokens = reference(free["deltas"], stop, False, 12)
+        assert num_tokens > 12 or want_match is None
+        assert stopped["text"] == want_text and stopped["matched"] == want_match
+        assert stopped["tokens"] == free["tokens"][:num_tokens]
+        checked += 1
+    assert checked >= 2
+    wait_idle(server.address)
+
+
 def test_n_sequences_stop_each_on_its_own(server):
     common = dict(prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.9, seed=7, n=3,
                   ignore_eos=True)

@@ -77,3 +77,28 @@ def test_seeded_noise_on_cuda_equals_the_cpu_stream():
     token_indices = torch.tensor([0, 1, 500, 40_000])
     cpu = seeded_bits(seeds, token_indices, 50_000)
     assert torch.equal(cpu, seeded_bits(seeds.to(CUDA), token_indices.to(CUDA), 50_000).cpu())
+
+
+
+def test_logits_processors_on_cuda_equal_the_cpu_path():
+    """The processors' staging segments and batched ops on the device give the CPU build's
+    processed logits (elementwise ops: exact) and the same greedy tokens."""
+    import random
+
+    from executor_svc.logits_processors import apply_processors
+    from executor_svc.sampler import sample
+    from tests.executor.test_logits_processors import VOCAB, _batch
+
+    cpu, specs, *_ = _batch(random.Random(3), 12)
+    gpu, *_ = _batch(random.Random(3), 12, CUDA)
+    assert cpu.sampling.processing is not None and gpu.sampling.processing is not None
+    logits = torch.randn(12, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+    want = apply_processors(logits, cpu.sampling.processing)
+    got = apply_processors(logits.to(CUDA), gpu.sampling.processing)
+    assert got.is_cuda and torch.equal(got.cpu(), want)
+    # Greedy rows must agree exactly; sampled ones go through softmax, which may round
+    # differently on the device.
+    greedy = torch.tensor([s.temperature == 0.0 for s in specs])
+    assert greedy.any()
+    assert torch.equal(sample(logits.to(CUDA), gpu.sampling).cpu()[greedy],
+                       sample(logits, cpu.sampling)[greedy])

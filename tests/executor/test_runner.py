@@ -89,6 +89,17 @@ def test_bad_plans_fail_with_a_reason_and_drop_the_requests(checkpoint_cache):
     bad_ids = new.__class__(new.req_id, [1, 2, 300], new.sampling, new.block_ids, 0, 3)
     with pytest.raises(PlanError, match="outside the model's vocabulary of 300"):
         runner.execute(driver.plan(new_reqs=[bad_ids]))
+    for spec, reason in ((SamplingSpec(logit_bias=((300, 1.0),)),
+                          "logit_bias names token id 300"),
+                         (SamplingSpec(bad_words=((5, 301),)), "bad_words names token id 301"),
+                         (SamplingSpec(min_tokens=2, min_tokens_stop_ids=(300,)),
+                          "min_tokens_stop_ids names"),
+                         (SamplingSpec(allowed_token_ids=(1, 999)), "allowed_token_ids names"),
+                         (SamplingSpec(repetition_penalty=0.0), "repetition_penalty > 0"),
+                         (SamplingSpec(min_p=float("nan")), "must be finite")):
+        bad_spec = new.__class__(new.req_id, new.token_ids, spec, new.block_ids, 0, len(PROMPT))
+        with pytest.raises(PlanError, match=reason):
+            runner.execute(driver.plan(new_reqs=[bad_spec]))
     # A well-formed plan still runs afterwards; an empty one computes nothing.
     assert runner.execute(driver.plan(new_reqs=[new])).sampled[0][0] == "b"
     assert runner.execute(driver.plan(finished_req_ids=["b"])).sampled == []

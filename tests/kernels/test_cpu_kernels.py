@@ -36,8 +36,9 @@ def decode_path(request, monkeypatch):
 
 def test_decode_path_rule():
     assert cpu.per_sequence_decode((300,))  # a lone sequence
-    assert cpu.per_sequence_decode((10, 900) * 2)  # few sequences
-    assert not cpu.per_sequence_decode((160,) * 32)  # many sequences of one length
+    assert cpu.per_sequence_decode((10, 900) * 2)  # lengths far apart
+    assert not cpu.per_sequence_decode((160,) * 32)  # one length: no padding
+    assert not cpu.per_sequence_decode((600, 620, 580))
     assert cpu.per_sequence_decode((50,) * 31 + (1500,))  # one long one: mostly padding
 
 

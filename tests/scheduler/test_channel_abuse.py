@@ -89,7 +89,7 @@ WRONG_TYPED = [
     [Hello.TAG, "3", "e", "m", "a", 1, 2, 3, 4, 5, "f", "cpu", False],
     [Hello.TAG, 3, "e"],
     [StepResult.TAG, "0", [], 0.0, []],
-    [StepResult.TAG, 0, [["x", ["a"]]], 0.0, []],
+    [StepResult.TAG, 0, [["x"], [["a"]]], 0.0, [], 0.0],
     [StepResult.TAG, 0, {"x": 1}, 0.0, []],
     [6, "step", "message"],
     [7, 1, 2, 3],

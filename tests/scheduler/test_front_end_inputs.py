@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from protos.folio.v1 import generator_pb2 as pb
+from protos.plan import SamplingSpec
 from scheduler_svc import inputs
 from scheduler_svc.errors import InvalidRequest
 from scheduler_svc.server import MAX_REQUEST_BYTES
@@ -49,6 +50,21 @@ def submit(**fields) -> None:
     (dict(beam_width=4, length_penalty=-math.inf), "length_penalty must be a finite number, "
                                                    "got -inf"),
     (dict(early_stopping=-5), "unknown early_stopping value -5"),
+    (dict(min_tokens=5, max_tokens=4), "min_tokens (5) may not exceed max_tokens (4)"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be > 0 and finite (1 = off), got 0"),
+    (dict(repetition_penalty=math.inf), "repetition_penalty must be > 0 and finite"),
+    (dict(presence_penalty=2.5), "presence_penalty must be in [-2, 2] (0 = off), got 2.5"),
+    (dict(frequency_penalty=math.nan), "frequency_penalty must be in [-2, 2] (0 = off), got nan"),
+    (dict(min_p=-0.5), "min_p must be in [0, 1] (0 = off), got -0.5"),
+    (dict(logit_bias={7: 100.5}), "logit_bias for token 7 must be in [-100, 100], got 100.5"),
+    (dict(logit_bias=dict.fromkeys(range(1025), 1.0)),
+     "logit_bias may hold at most 1024 entries, got 1025"),
+    (dict(bad_words=["w"] * 65), "bad_words may hold at most 64 words, got 65"),
+    (dict(bad_words=["ok", "  "]), "bad_words[1] must have 1 to 256 characters, not all "
+                                   "whitespace; got '  '"),
+    (dict(bad_words=["x" * 257]), "bad_words[0] must have 1 to 256 characters"),
+    (dict(beam_width=2, min_p=0.1, bad_words=["x"]),
+     "beam search (beam_width > 1) does not support min_p, bad_words"),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_bad_sampling_values_say_the_range_and_the_value(sampling, message):
     with pytest.raises(InvalidRequest) as err:
@@ -62,7 +78,12 @@ def test_bad_sampling_values_say_the_range_and_the_value(sampling, message):
     dict(beam_width=2, length_penalty=FLT_MAX), dict(beam_width=2, length_penalty=-FLT_MAX),
     dict(n=128), dict(stop=["😀" * 256] * 64), dict(stop=["\n"], include_stop_str_in_output=True),
     dict(skip_special_tokens=False, spaces_between_special_tokens=False),
-], ids=repr)
+    dict(min_tokens=4, max_tokens=4), dict(min_tokens=2**32 - 1),
+    dict(repetition_penalty=FLT_MAX), dict(repetition_penalty=1e-45),
+    dict(presence_penalty=-2.0, frequency_penalty=2.0), dict(min_p=1.0),
+    dict(logit_bias=dict.fromkeys(range(1024), -100.0)), dict(bad_words=["x" * 256] * 64),
+    dict(beam_width=2, repetition_penalty=1.0, min_tokens=0, min_p=0.0),
+], ids=lambda x: repr(x)[:60])
 def test_extreme_values_the_math_can_take_are_allowed(sampling):
     submit(sampling=sampling)
 
@@ -234,3 +255,25 @@ async def test_tokenize_works_without_an_executor_and_checks_size(harness, tiny_
         await harness.stub.Tokenize(pb.TokenizeRequest(text="z" * (2048 * 12 + 1)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "more than max_model_len (2048) tokens can hold" in err.value.details()
+
+
+@pytest.mark.parametrize("field, sampling", [
+    ("logit_bias", SamplingSpec(logit_bias=((3, 1.0), (300, 1.0)))),
+    ("allowed_token_ids", SamplingSpec(allowed_token_ids=(5, 300))),
+    ("bad_words", SamplingSpec(bad_words=((4,), (5, 300)))),
+])
+def test_processor_token_ids_are_checked_against_the_vocabulary(field, sampling):
+    params = dataclasses.replace(inputs.submit_params(pb.GenerateRequest(text="hi")),
+                                 prompt_token_ids=[1, 2], sampling=sampling)
+    with pytest.raises(InvalidRequest, match=f"{field} token id 300 is out of range: the "
+                                             "model's vocabulary has 300 tokens"):
+        inputs.check_for_executor(params, 300, 100)
+    inputs.check_for_executor(params, 301, 100)
+
+
+def test_bad_words_tokenize_as_is_and_after_a_space_when_that_is_a_new_first_token():
+    vocab = {"foo": [10], " foo": [11], "foo bar": [10, 12], " foo bar": [11, 12],
+             "x": [20], " x": [20], "ab": [30, 31], " ab": [32]}
+    got = inputs.bad_words_token_ids(("foo", "  foo bar", "x", "ab"), vocab.__getitem__)
+    # "x": the spaced form starts with the same token; "ab": not as many tokens.
+    assert got == ((10,), (11,), (10, 12), (11, 12), (20,), (30, 31))

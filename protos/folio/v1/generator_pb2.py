@@ -24,19 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/folio/v1/generator.proto\x12\x08\x66olio.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"m\n\x04\x43hat\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.folio.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xc4\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0e\n\x01n\x18\x08 \x01(\rH\x05\x88\x01\x01\x12\x17\n\nbeam_width\x18\t \x01(\rH\x06\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12/\n\x0e\x65\x61rly_stopping\x18\x0b \x01(\x0e\x32\x17.folio.v1.EarlyStopping\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x08\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x0f \x01(\x08H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18  \x01(\rH\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18! \x01(\rH\x0b\x88\x01\x01\x12-\n\rlogprobs_mode\x18\" \x01(\x0e\x32\x16.folio.v1.LogprobsModeB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x04\n\x02_nB\r\n\x0b_beam_widthB\x11\n\x0f_length_penaltyB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xb3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.folio.v1.TokenIdsH\x00\x12\x1e\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x0e.folio.v1.ChatH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.folio.v1.SamplingParamsB\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\",\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"i\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\'\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x11.folio.v1.Logprob\"\xca\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.folio.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.folio.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\r\x12\x1a\n\x10matched_token_id\x18\x07 \x01(\rH\x00\x12\x1a\n\x10matched_stop_str\x18\x08 \x01(\tH\x00\x12)\n\x08logprobs\x18\t \x03(\x0b\x32\x17.folio.v1.TokenLogprobs\x12\x30\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x17.folio.v1.TokenLogprobsB\x0e\n\x0cmatched_stop\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"J\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x1e\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0e.folio.v1.ChatH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"\xc2\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x16\n\x0erandom_weights\x18\t \x01(\x08\"\x17\n\x15GetServerStatsRequest\"\x8d\x04\n\x0bServerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x1d\n\x15num_finished_requests\x18\x06 \x01(\x04\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x04\x12\x1c\n\x14num_generated_tokens\x18\x08 \x01(\x04\x12\x11\n\tnum_steps\x18\t \x01(\x04\x12\x1a\n\x12\x65xecutor_connected\x18\n \x01(\x08\x12\x13\n\x0bnum_swapped\x18\x0b \x01(\r\x12\x19\n\x11swap_blocks_total\x18\x0c \x01(\r\x12\x18\n\x10swap_blocks_free\x18\r \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x0e \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0f \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x10 \x01(\x01\x12\x15\n\rnum_swap_outs\x18\x11 \x01(\x04\x12\x17\n\x0f\x65xecutor_busy_s\x18\x12 \x01(\x01\x12\x17\n\x0f\x65xecutor_idle_s\x18\x13 \x01(\x01\x12\x18\n\x10scheduler_busy_s\x18\x14 \x01(\x01*B\n\x0cLogprobsMode\x12\x15\n\x11LOGPROBS_MODE_RAW\x10\x00\x12\x1b\n\x17LOGPROBS_MODE_PROCESSED\x10\x01*`\n\rEarlyStopping\x12\x1c\n\x18\x45\x41RLY_STOPPING_HEURISTIC\x10\x00\x12\x17\n\x13\x45\x41RLY_STOPPING_TRUE\x10\x01\x12\x18\n\x14\x45\x41RLY_STOPPING_NEVER\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xdb\x02\n\tGenerator\x12\x43\n\x08Generate\x12\x19.folio.v1.GenerateRequest\x1a\x1a.folio.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.folio.v1.AbortRequest\x1a\x17.folio.v1.AbortResponse\x12\x41\n\x08Tokenize\x12\x19.folio.v1.TokenizeRequest\x1a\x1a.folio.v1.TokenizeResponse\x12\x42\n\x0cGetModelInfo\x12\x1d.folio.v1.GetModelInfoRequest\x1a\x13.folio.v1.ModelInfo\x12H\n\x0eGetServerStats\x12\x1f.folio.v1.GetServerStatsRequest\x1a\x15.folio.v1.ServerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/folio/v1/generator.proto\x12\x08\x66olio.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"m\n\x04\x43hat\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.folio.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xc9\x08\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0e\n\x01n\x18\x08 \x01(\rH\x05\x88\x01\x01\x12\x17\n\nbeam_width\x18\t \x01(\rH\x06\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12/\n\x0e\x65\x61rly_stopping\x18\x0b \x01(\x0e\x32\x17.folio.v1.EarlyStopping\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x08\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x0f \x01(\x08H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x10 \x01(\rH\n\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x02H\x0b\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x12 \x01(\x02H\x0c\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x13 \x01(\x02H\r\x88\x01\x01\x12\x12\n\x05min_p\x18\x14 \x01(\x02H\x0e\x88\x01\x01\x12;\n\nlogit_bias\x18\x15 \x03(\x0b\x32\'.folio.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x16 \x03(\r\x12\x11\n\tbad_words\x18\x17 \x03(\t\x12\x15\n\x08logprobs\x18  \x01(\rH\x0f\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18! \x01(\rH\x10\x88\x01\x01\x12-\n\rlogprobs_mode\x18\" \x01(\x0e\x32\x16.folio.v1.LogprobsMode\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x04\n\x02_nB\r\n\x0b_beam_widthB\x11\n\x0f_length_penaltyB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokensB\r\n\x0b_min_tokensB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x08\n\x06_min_pB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xb3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.folio.v1.TokenIdsH\x00\x12\x1e\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x0e.folio.v1.ChatH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.folio.v1.SamplingParamsB\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\",\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"i\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\'\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x11.folio.v1.Logprob\"\xca\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.folio.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.folio.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\r\x12\x1a\n\x10matched_token_id\x18\x07 \x01(\rH\x00\x12\x1a\n\x10matched_stop_str\x18\x08 \x01(\tH\x00\x12)\n\x08logprobs\x18\t \x03(\x0b\x32\x17.folio.v1.TokenLogprobs\x12\x30\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x17.folio.v1.TokenLogprobsB\x0e\n\x0cmatched_stop\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"J\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x1e\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0e.folio.v1.ChatH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"\xc2\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x16\n\x0erandom_weights\x18\t \x01(\x08\"\x17\n\x15GetServerStatsRequest\"\x8d\x04\n\x0bServerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x1d\n\x15num_finished_requests\x18\x06 \x01(\x04\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x04\x12\x1c\n\x14num_generated_tokens\x18\x08 \x01(\x04\x12\x11\n\tnum_steps\x18\t \x01(\x04\x12\x1a\n\x12\x65xecutor_connected\x18\n \x01(\x08\x12\x13\n\x0bnum_swapped\x18\x0b \x01(\r\x12\x19\n\x11swap_blocks_total\x18\x0c \x01(\r\x12\x18\n\x10swap_blocks_free\x18\r \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x0e \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0f \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x10 \x01(\x01\x12\x15\n\rnum_swap_outs\x18\x11 \x01(\x04\x12\x17\n\x0f\x65xecutor_busy_s\x18\x12 \x01(\x01\x12\x17\n\x0f\x65xecutor_idle_s\x18\x13 \x01(\x01\x12\x18\n\x10scheduler_busy_s\x18\x14 \x01(\x01*B\n\x0cLogprobsMode\x12\x15\n\x11LOGPROBS_MODE_RAW\x10\x00\x12\x1b\n\x17LOGPROBS_MODE_PROCESSED\x10\x01*`\n\rEarlyStopping\x12\x1c\n\x18\x45\x41RLY_STOPPING_HEURISTIC\x10\x00\x12\x17\n\x13\x45\x41RLY_STOPPING_TRUE\x10\x01\x12\x18\n\x14\x45\x41RLY_STOPPING_NEVER\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xdb\x02\n\tGenerator\x12\x43\n\x08Generate\x12\x19.folio.v1.GenerateRequest\x1a\x1a.folio.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.folio.v1.AbortRequest\x1a\x17.folio.v1.AbortResponse\x12\x41\n\x08Tokenize\x12\x19.folio.v1.TokenizeRequest\x1a\x1a.folio.v1.TokenizeResponse\x12\x42\n\x0cGetModelInfo\x12\x1d.folio.v1.GetModelInfoRequest\x1a\x13.folio.v1.ModelInfo\x12H\n\x0eGetServerStats\x12\x1f.folio.v1.GetServerStatsRequest\x1a\x15.folio.v1.ServerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.folio.v1.generator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LOGPROBSMODE']._serialized_start=2644
-  _globals['_LOGPROBSMODE']._serialized_end=2710
-  _globals['_EARLYSTOPPING']._serialized_start=2712
-  _globals['_EARLYSTOPPING']._serialized_end=2808
-  _globals['_FINISHREASON']._serialized_start=2810
-  _globals['_FINISHREASON']._serialized_end=2930
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_LOGPROBSMODE']._serialized_start=3033
+  _globals['_LOGPROBSMODE']._serialized_end=3099
+  _globals['_EARLYSTOPPING']._serialized_start=3101
+  _globals['_EARLYSTOPPING']._serialized_end=3197
+  _globals['_FINISHREASON']._serialized_start=3199
+  _globals['_FINISHREASON']._serialized_end=3319
   _globals['_TOKENIDS']._serialized_start=45
   _globals['_TOKENIDS']._serialized_end=68
   _globals['_CHATMESSAGE']._serialized_start=70
@@ -44,33 +46,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHAT']._serialized_start=116
   _globals['_CHAT']._serialized_end=225
   _globals['_SAMPLINGPARAMS']._serialized_start=228
-  _globals['_SAMPLINGPARAMS']._serialized_end=936
-  _globals['_GENERATEREQUEST']._serialized_start=939
-  _globals['_GENERATEREQUEST']._serialized_end=1118
-  _globals['_USAGE']._serialized_start=1120
-  _globals['_USAGE']._serialized_end=1200
-  _globals['_LOGPROB']._serialized_start=1202
-  _globals['_LOGPROB']._serialized_end=1246
-  _globals['_TOKENLOGPROBS']._serialized_start=1248
-  _globals['_TOKENLOGPROBS']._serialized_end=1353
-  _globals['_GENERATERESPONSE']._serialized_start=1356
-  _globals['_GENERATERESPONSE']._serialized_end=1686
-  _globals['_ABORTREQUEST']._serialized_start=1688
-  _globals['_ABORTREQUEST']._serialized_end=1722
-  _globals['_ABORTRESPONSE']._serialized_start=1724
-  _globals['_ABORTRESPONSE']._serialized_end=1754
-  _globals['_TOKENIZEREQUEST']._serialized_start=1756
-  _globals['_TOKENIZEREQUEST']._serialized_end=1830
-  _globals['_TOKENIZERESPONSE']._serialized_start=1832
-  _globals['_TOKENIZERESPONSE']._serialized_end=1869
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1871
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1892
-  _globals['_MODELINFO']._serialized_start=1895
-  _globals['_MODELINFO']._serialized_end=2089
-  _globals['_GETSERVERSTATSREQUEST']._serialized_start=2091
-  _globals['_GETSERVERSTATSREQUEST']._serialized_end=2114
-  _globals['_SERVERSTATS']._serialized_start=2117
-  _globals['_SERVERSTATS']._serialized_end=2642
-  _globals['_GENERATOR']._serialized_start=2933
-  _globals['_GENERATOR']._serialized_end=3280
+  _globals['_SAMPLINGPARAMS']._serialized_end=1325
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=995
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1043
+  _globals['_GENERATEREQUEST']._serialized_start=1328
+  _globals['_GENERATEREQUEST']._serialized_end=1507
+  _globals['_USAGE']._serialized_start=1509
+  _globals['_USAGE']._serialized_end=1589
+  _globals['_LOGPROB']._serialized_start=1591
+  _globals['_LOGPROB']._serialized_end=1635
+  _globals['_TOKENLOGPROBS']._serialized_start=1637
+  _globals['_TOKENLOGPROBS']._serialized_end=1742
+  _globals['_GENERATERESPONSE']._serialized_start=1745
+  _globals['_GENERATERESPONSE']._serialized_end=2075
+  _globals['_ABORTREQUEST']._serialized_start=2077
+  _globals['_ABORTREQUEST']._serialized_end=2111
+  _globals['_ABORTRESPONSE']._serialized_start=2113
+  _globals['_ABORTRESPONSE']._serialized_end=2143
+  _globals['_TOKENIZEREQUEST']._serialized_start=2145
+  _globals['_TOKENIZEREQUEST']._serialized_end=2219
+  _globals['_TOKENIZERESPONSE']._serialized_start=2221
+  _globals['_TOKENIZERESPONSE']._serialized_end=2258
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2260
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2281
+  _globals['_MODELINFO']._serialized_start=2284
+  _globals['_MODELINFO']._serialized_end=2478
+  _globals['_GETSERVERSTATSREQUEST']._serialized_start=2480
+  _globals['_GETSERVERSTATSREQUEST']._serialized_end=2503
+  _globals['_SERVERSTATS']._serialized_start=2506
+  _globals['_SERVERSTATS']._serialized_end=3031
+  _globals['_GENERATOR']._serialized_start=3322
+  _globals['_GENERATOR']._serialized_end=3669
 # @@protoc_insertion_point(module_scope)
