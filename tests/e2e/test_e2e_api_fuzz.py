@@ -301,7 +301,10 @@ def test_fuzz_generate_requests(default_server, model, stub):
             if p.include_stop_str_in_output:
                 assert text.endswith(stop)
                 text = text[:-len(stop)]
-            assert not any(s in text for s in p.stop), (text, list(p.stop))
+            # A stop counts only after the first min_tokens tokens (vLLM's rule): their text
+            # may hold one, and the messages do not say where those tokens' text ends.
+            if not p.min_tokens:
+                assert not any(s in text for s in p.stop), (text, list(p.stop))
 
     def check_logprobs(msg, responses, finals) -> None:
         """One entry per token with k alternatives when asked (none otherwise); the prompt's
