@@ -155,6 +155,20 @@ async def test_seeded_sampling_reports_the_raw_distribution(server, hf_model):
     assert any(e["rank"] > 1 for e in first.logprobs)  # it did sample, at temperature 1.5
 
 
+async def test_logprobs_stay_raw_under_the_logits_processors(server, hf_model):
+    """Penalties, a bias and min_p change which token is drawn, not what is reported: the
+    raw distribution at each position, the drawn token's place in it."""
+    prompt = random_prompts(hf_model.config.vocab_size, (25,), seed=13)[0]
+    async with AsyncFolioClient(server.address, timeout=240) as client:
+        c = await client.generate_text(
+            token_ids=prompt, temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=4,
+            repetition_penalty=1.8, frequency_penalty=1.0, min_p=0.05,
+            logit_bias={prompt[3]: 5.0})
+    rows = hf_log_softmax(hf_model, prompt + c.token_ids)
+    for i, entry in enumerate(c.logprobs):
+        assert_entry(entry, rows[len(prompt) + i - 1], c.token_ids[i], 4)
+
+
 async def test_preemption_and_n_report_what_an_unpreempted_run_reports(
         server, small_pool_server, hf_model):
     prompts = random_prompts(hf_model.config.vocab_size, (40, 57, 90, 33), seed=10)
