@@ -69,7 +69,8 @@ def assert_entry(entry: dict, row: torch.Tensor, token_id: int, k: int) -> None:
 
 def assert_close_entries(got: list[dict], want: list[dict]) -> None:
     """The same tokens, ranks and alternatives; values equal up to the float noise of a
-    different batch composition (the model's matmuls see other row counts)."""
+    different batch composition or chunking (the model's matmuls and attention see other
+    shapes): the tolerance the HF comparisons use."""
     def ids(entries):
         return [(e["token_id"], e["rank"], [a["token_id"] for a in e["top_logprobs"]])
                 for e in entries]
@@ -80,7 +81,7 @@ def assert_close_entries(got: list[dict], want: list[dict]) -> None:
 
     assert ids(got) == ids(want)
     torch.testing.assert_close(torch.tensor(values(got)), torch.tensor(values(want)),
-                               atol=1e-5, rtol=0)
+                               atol=1e-4, rtol=0)
 
 
 async def stream(address: str, **kwargs) -> tuple[list, list]:
