@@ -118,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
                             help="the output is a sentence of this GBNF (or Lark) grammar")
     structured.add_argument("--choice", action="append", default=None, metavar="TEXT",
                             help="the output is exactly one of the TEXTs (repeatable)")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="K",
+                     help="each token's logprob and rank plus K alternatives (0..20; in --json)")
+    gen.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                     help="each prompt token's logprob and rank plus K alternatives (0..20; "
+                          "in --json)")
     gen.add_argument("--request-id", default="")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (token_ids, text, finish_reason, "
@@ -195,7 +200,8 @@ def generate_kwargs(args: argparse.Namespace) -> dict:
                   frequency_penalty=args.frequency_penalty, min_p=args.min_p,
                   logit_bias=_logit_bias(args.logit_bias),
                   allowed_token_ids=_ids(args.allowed_token_ids, "--allowed-token-ids"),
-                  bad_words=args.bad_words)
+                  bad_words=args.bad_words,
+                  logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
     kwargs.update(structured_kwargs(args))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.token_ids is not None:

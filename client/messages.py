@@ -40,11 +40,19 @@ class Completion:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     usage: dict[str, int] = field(default_factory=dict)  # prompt/completion/cached tokens
     matched_stop: int | str | None = None  # with "stop": the stop token id or stop string
+    # With logprobs / prompt_logprobs asked for: one dict per token (token_logprobs_dict).
+    logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict] | None = None
 
     def add(self, resp: pb.GenerateResponse) -> None:
         self.request_id = resp.request_id or self.request_id
         self.index = resp.index
         self.token_ids.extend(resp.token_ids)
+        if resp.logprobs:
+            self.logprobs = (self.logprobs or []) + [token_logprobs_dict(t)
+                                                     for t in resp.logprobs]
+        if resp.prompt_logprobs:
+            self.prompt_logprobs = [token_logprobs_dict(t) for t in resp.prompt_logprobs]
         self.text += resp.text
         if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             self.finish_reason = FINISH_REASON_NAMES[resp.finish_reason]
@@ -59,7 +67,17 @@ class Completion:
     def to_dict(self) -> dict:
         return {"request_id": self.request_id, "index": self.index, "token_ids": self.token_ids,
                 "text": self.text, "finish_reason": self.finish_reason,
-                "matched_stop": self.matched_stop, "usage": self.usage}
+                "matched_stop": self.matched_stop, "usage": self.usage,
+                **({"logprobs": self.logprobs} if self.logprobs is not None else {}),
+                **({"prompt_logprobs": self.prompt_logprobs}
+                   if self.prompt_logprobs is not None else {})}
+
+
+def token_logprobs_dict(t: pb.TokenLogprobs) -> dict:
+    """{"token_id", "logprob", "rank", "top_logprobs": [{"token_id", "logprob"}, ...]}"""
+    return {"token_id": t.token_id, "logprob": t.logprob, "rank": t.rank,
+            "top_logprobs": [{"token_id": a.token_id, "logprob": a.logprob}
+                             for a in t.top_logprobs]}
 
 
 class Choices:
@@ -118,6 +136,8 @@ def sampling_params(
     regex: str | None = None,
     grammar: str | None = None,
     choice: Iterable[str] | None = None,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> pb.SamplingParams:
     if early_stopping not in EARLY_STOPPING:
         raise ValueError(f"early_stopping is one of {sorted(EARLY_STOPPING)}, "
@@ -136,7 +156,8 @@ def sampling_params(
                         ("spaces_between_special_tokens", spaces_between_special_tokens),
                         ("min_tokens", min_tokens), ("repetition_penalty", repetition_penalty),
                         ("presence_penalty", presence_penalty),
-                        ("frequency_penalty", frequency_penalty), ("min_p", min_p)):
+                        ("frequency_penalty", frequency_penalty), ("min_p", min_p),
+                        ("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if value is not None:
             setattr(params, name, value)
     structured = [k for k, v in (("json_schema", json_schema), ("json_object", json_object),

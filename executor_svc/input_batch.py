@@ -10,7 +10,8 @@ over either and no rebuild from lists::
               num_prompt[r]                          where the outputs start (kept on resume)
               block_table[r, :num_blocks[r]]         the request's blocks, then zeros
               num_computed[r]                        tokens whose KV is in those blocks
-              temperature, top_p, top_k, seed, has_seed, num_logprobs, append_sampled [r]
+              temperature, top_p, top_k, seed, has_seed, num_logprobs, append_sampled,
+              sampled_logprob, prompt_logprobs [r]
               processors: min_tokens, penalties, min_p, logit bias, allowed ids, bad words
                           (processor_rows.ProcessorRows, gathered only for rows that use them)
 
@@ -47,7 +48,7 @@ from protos.plan import SamplingSpec
 INITIAL_CAPACITY = 32
 _ROW_ARRAYS = ("token_ids", "block_table", "num_tokens", "num_prompt", "num_blocks",
                "num_computed", "temperature", "top_p", "top_k", "seed", "has_seed",
-               "num_logprobs", "append_sampled")
+               "num_logprobs", "append_sampled", "sampled_logprob", "prompt_logprobs")
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ class InputBatch(Mapping[str, RequestState]):
         self.has_seed = np.zeros(capacity, bool)
         self.num_logprobs = np.zeros(capacity, np.int64)
         self.append_sampled = np.zeros(capacity, bool)
+        self.sampled_logprob = np.zeros(capacity, bool)
+        self.prompt_logprobs = np.full(capacity, -1, np.int64)  # -1 = off
         self.processors = ProcessorRows(capacity)
 
     def _grow(self) -> None:
@@ -130,6 +133,8 @@ class InputBatch(Mapping[str, RequestState]):
         self.seed[row] = seed_bits(sampling.seed) if sampling.seed is not None else 0
         self.num_logprobs[row] = sampling.num_logprobs
         self.append_sampled[row] = sampling.append_sampled
+        self.sampled_logprob[row] = sampling.sampled_logprob
+        self.prompt_logprobs[row] = sampling.prompt_logprobs
         self.processors.add(row, sampling)
         return row
 

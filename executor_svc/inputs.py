@@ -5,7 +5,7 @@ array is built with numpy indexing over the rows (no per-token or per-block Pyth
 one host buffer, pinned on CUDA, of 8-byte-aligned typed segments::
 
     int64:   input_ids | positions | slot_mapping | logits_indices | top_k | seeded_rows | seeds
-             | token_indices | logprob_rows
+             | token_indices | logprob_rows | sampled_lp_rows | prompt_targets
     int32:   seq_lens | query_start_loc | block_tables
     float32: temperature | top_p
 
@@ -15,6 +15,13 @@ allowed ids, biases, penalty histories, min_p) to the same buffer; a step withou
 That buffer crosses to the device in one asynchronous copy and every piece is a typed view of
 the device copy, so a step pays one host-to-device transfer and the sampler reads its
 parameters from the device without another (on the CPU the "copy" is the buffer itself).
+
+Prompt logprobs: a row whose ``prompt_logprobs >= 0`` also needs the logits of every computed
+position that has a next token held (its prompt positions: the scheduler asks only while the
+prompt's logprobs are owed). Their flattened token indices follow the sampling rows' in
+``logits_indices`` (``[num_logits + num_prompt_positions]``), so the model computes logits for
+them and the sampler still reads rows ``:num_logits``; ``prompt_targets`` holds the next token
+of each. Steps where no row asks add nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +50,20 @@ class StepInputs:
     logprob_rows: torch.Tensor  # [num_lp] int64: logits rows that asked for top logprobs
     logprob_rows_host: np.ndarray  # [num_lp] int64: the same, on the host
     num_logprobs: np.ndarray  # [num_lp] int64: how many each asked for
+    sampled_lp_rows: torch.Tensor  # [num_slp] int64: logits rows that want the sampled logprob
+    sampled_lp_rows_host: np.ndarray  # [num_slp] int64: the same, on the host
+    prompt_targets: torch.Tensor  # [num_prompt_positions] int64: the next token of each
+    prompt_lp: PromptPositions | None  # None when no row asks for prompt logprobs
+
+
+@dataclass(frozen=True)
+class PromptPositions:
+    """The rows computing prompt logprobs this step, in logits order after the sampling rows."""
+
+    rows: np.ndarray  # [num_pl_seqs] int64: persistent-batch rows
+    starts: np.ndarray  # [num_pl_seqs] int64: index of the first prompt token covered (>= 1)
+    counts: np.ndarray  # [num_pl_seqs] int64 >= 0: positions of each
+    num_top: np.ndarray  # [num_pl_seqs] int64: alternatives each asked for
 
 
 class _Staging:
@@ -80,15 +101,20 @@ def build_step_inputs(ib: InputBatch, rows: np.ndarray, query_lens: np.ndarray,
     width = int(ib.num_blocks[rows].max())  # block table columns this step
     seeded = np.flatnonzero(ib.has_seed[sample_rows])  # [num_seeded] logits rows
     logprob_rows = np.flatnonzero(ib.num_logprobs[sample_rows])  # [num_lp] logits rows
+    sampled_lp = np.flatnonzero(ib.sampled_logprob[sample_rows])  # [num_slp] logits rows
+    pl_seqs = np.flatnonzero(ib.prompt_logprobs[rows] >= 0)  # [num_pl_seqs] into rows
+    pl_counts = query_lens[pl_seqs] - samples[pl_seqs]  # the sampling position has no next
+    num_pl = int(pl_counts.sum())
     processors = ib.processors.gather(sample_rows, ib.token_ids, ib.num_tokens, ib.num_prompt)
     i64, i32, f32 = torch.int64, torch.int32, torch.float32
     extra = _processor_segments(processors) if processors is not None else []
     stage = _Staging(extra + [
         ("input_ids", i64, num_tokens), ("positions", i64, num_tokens),
-        ("slot_mapping", i64, num_tokens), ("logits_indices", i64, num_logits),
+        ("slot_mapping", i64, num_tokens), ("logits_indices", i64, num_logits + num_pl),
         ("top_k", i64, num_logits), ("seeded_rows", i64, len(seeded)),
         ("seeds", i64, len(seeded)), ("token_indices", i64, len(seeded)),
-        ("logprob_rows", i64, len(logprob_rows)),
+        ("logprob_rows", i64, len(logprob_rows)), ("sampled_lp_rows", i64, len(sampled_lp)),
+        ("prompt_targets", i64, num_pl),
         ("seq_lens", i32, num_seqs), ("query_start_loc", i32, num_seqs + 1),
         ("block_tables", i32, num_seqs * width),
         ("temperature", f32, num_logits), ("top_p", f32, num_logits)], device)
@@ -105,7 +131,18 @@ def build_step_inputs(ib: InputBatch, rows: np.ndarray, query_lens: np.ndarray,
     np.take(ib.block_table[:, :width], rows, axis=0, out=block_tables)
     h["slot_mapping"][:] = (block_tables[seq_idx, positions // block_size].astype(np.int64)
                             * block_size + positions % block_size)
-    h["logits_indices"][:] = (query_start_loc[1:] - 1)[samples]
+    h["logits_indices"][:num_logits] = (query_start_loc[1:] - 1)[samples]
+    prompt_lp = None
+    if len(pl_seqs):
+        # Position j of prompt row i: token index query_start_loc[i] + j, next token at
+        # computed[i] + j + 1 (numpy only: a repeat and an arange, no loop over positions).
+        within = np.arange(num_pl) - np.repeat(np.cumsum(pl_counts) - pl_counts, pl_counts)
+        h["logits_indices"][num_logits:] = np.repeat(query_start_loc[:-1][pl_seqs],
+                                                     pl_counts) + within
+        h["prompt_targets"][:] = ib.token_ids[np.repeat(rows[pl_seqs], pl_counts),
+                                              np.repeat(computed[pl_seqs], pl_counts) + within + 1]
+        prompt_lp = PromptPositions(rows[pl_seqs], computed[pl_seqs] + 1, pl_counts,
+                                    ib.prompt_logprobs[rows[pl_seqs]])
     h["seq_lens"][:] = seq_lens
 
     temperature = h["temperature"]
@@ -116,6 +153,7 @@ def build_step_inputs(ib: InputBatch, rows: np.ndarray, query_lens: np.ndarray,
     h["seeds"][:] = ib.seed[sample_rows[seeded]]
     h["token_indices"][:] = ib.num_tokens[sample_rows[seeded]]  # the sampled token's index
     h["logprob_rows"][:] = logprob_rows
+    h["sampled_lp_rows"][:] = sampled_lp
 
     if processors is not None:
         for name, _, _ in extra:
@@ -139,7 +177,8 @@ def build_step_inputs(ib: InputBatch, rows: np.ndarray, query_lens: np.ndarray,
     )
     return StepInputs(d["input_ids"], d["positions"], batch, sample_rows, sampling,
                       d["logprob_rows"], logprob_rows,
-                      ib.num_logprobs[sample_rows[logprob_rows]])
+                      ib.num_logprobs[sample_rows[logprob_rows]],
+                      d["sampled_lp_rows"], sampled_lp, d["prompt_targets"], prompt_lp)
 
 
 def _processor_segments(p: ProcessorInputs) -> list[tuple[str, torch.dtype, int]]:

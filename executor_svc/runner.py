@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -33,12 +33,12 @@ import torch
 from torch import nn
 
 from executor_svc.input_batch import InputBatch, RequestState
-from executor_svc.inputs import StepInputs, build_step_inputs
+from executor_svc.inputs import PromptPositions, StepInputs, build_step_inputs
 from executor_svc.kv_cache import KVCache
-from executor_svc.sampler import sample, top_logprobs
+from executor_svc.sampler import sample, token_logprobs, top_logprobs
 from executor_svc.structured import StructuredRows, apply_bitmask
 from executor_svc.swap import SwapPool
-from protos.plan import CachedRequest, NewRequest, SamplingSpec, StepPlan
+from protos.plan import CachedRequest, NewRequest, PromptLogprobs, SamplingSpec, StepPlan
 
 __all__ = ["ModelRunner", "PlanError", "RequestState", "Scheduled", "StepOutput"]
 
@@ -64,6 +64,19 @@ class StepOutput:
     execute_time_s: float
     # (req_id, top token ids, their logprobs), best first, for requests with num_logprobs > 0
     logprobs: list[tuple[str, list[int], list[float]]]
+    # (req_id, sampled token's logprob, its rank) for requests with sampled_logprob
+    sampled_logprobs: list[tuple[str, float, int]] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+
+
+@dataclass
+class _Sampled:
+    """What `_sample` brings back from the device, in its one transfer."""
+
+    token_ids: list[int]
+    logprobs: list[tuple[str, list[int], list[float]]] = field(default_factory=list)
+    sampled_logprobs: list[tuple[str, float, int]] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -103,13 +116,14 @@ class ModelRunner:
             with torch.inference_mode():
                 scheduled = self.apply(plan)
                 self._move_blocks(plan)
-                sampled, logprobs = self._run(scheduled) if len(scheduled.rows) else ([], [])
+                sampled, out = self._run(scheduled) if len(scheduled.rows) else ([], _Sampled([]))
         except Exception:
             for req_id in [r.req_id for r in plan.new_reqs] + [r.req_id for r in plan.cached_reqs]:
                 self.input_batch.remove(req_id)
             raise
         num_tokens = int(scheduled.query_lens.sum())
-        return StepOutput(sampled, num_tokens, time.perf_counter() - start, logprobs)
+        return StepOutput(sampled, num_tokens, time.perf_counter() - start, out.logprobs,
+                          out.sampled_logprobs, out.prompt_logprobs)
 
     def apply(self, plan: StepPlan) -> Scheduled:
         """Validate the plan and write its diff into the persistent batch; return the rows to
@@ -226,6 +240,9 @@ class ModelRunner:
         if not all(math.isfinite(v) for v in values) or s.repetition_penalty <= 0:
             raise PlanError(f"request {req_id}: penalties, min_p and logit_bias must be finite "
                             f"and repetition_penalty > 0")
+        if not -1 <= s.prompt_logprobs <= self.vocab_size:
+            raise PlanError(f"request {req_id}: prompt_logprobs {s.prompt_logprobs} is "
+                            f"outside -1..{self.vocab_size} (-1 = off; the model's vocabulary)")
 
     def _check_capacity(self, req_id: str, num_tokens: int, num_blocks: int) -> None:
         # A row holds max_model_len + 1 tokens (the last one sampled, never computed) and the
@@ -275,15 +292,15 @@ class ModelRunner:
         return build_step_inputs(self.input_batch, scheduled.rows, scheduled.query_lens,
                                  self.device)
 
-    def _run(self, scheduled: Scheduled
-             ) -> tuple[list[tuple[str, list[int]]], list[tuple[str, list[int], list[float]]]]:
+    def _run(self, scheduled: Scheduled) -> tuple[list[tuple[str, list[int]]], _Sampled]:
         inputs = self.prepare(scheduled)
-        logits = self.model(inputs.input_ids, inputs.positions, inputs.batch)  # [num_logits, vocab]
+        # [num_logits (+ prompt positions asking for logprobs), vocab]
+        logits = self.model(inputs.input_ids, inputs.positions, inputs.batch)
         sample_rows = inputs.sample_rows  # [num_logits]
-        sampled: list[int] = []
-        logprobs: list[tuple[str, list[int], list[float]]] = []
-        if len(sample_rows):
-            sampled, logprobs = self._sample(logits, inputs)
+        out = _Sampled([])
+        if len(sample_rows) or inputs.prompt_lp is not None:
+            out = self._sample(logits, inputs)
+        sampled = out.token_ids
         batch = self.input_batch
         batch.num_computed[scheduled.rows] += scheduled.query_lens
         appends = batch.append_sampled[sample_rows]  # [num_logits] bool
@@ -294,35 +311,85 @@ class ModelRunner:
             self.structured.advance(appended_rows[hit].tolist(), batch.req_ids,
                                     [[t] for t in appended_ids[hit].tolist()])
         log.debug("step computed", num_seqs=len(scheduled.rows), num_tokens=len(inputs.input_ids),
-                  num_sampled=len(sampled), num_logprobs=len(logprobs))
+                  num_sampled=len(sampled), num_logprobs=len(out.logprobs))
         req_ids = [batch.req_ids[r] for r in sample_rows.tolist()]
-        return [(r, [t]) for r, t in zip(req_ids, sampled, strict=True)], logprobs
+        return [(r, [t]) for r, t in zip(req_ids, sampled, strict=True)], out
 
-    def _sample(self, logits: torch.Tensor, inputs: StepInputs
-                ) -> tuple[list[int], list[tuple[str, list[int], list[float]]]]:
-        """Sampled ids, plus top logprobs for the rows that ask, in the step's one host sync."""
-        masked = logits
+    def _sample(self, logits: torch.Tensor, inputs: StepInputs) -> _Sampled:
+        """Sampled ids, plus the logprobs the rows ask for, in the step's one host sync."""
+        num_rows = len(inputs.sample_rows)
+        num_lp, num_slp = len(inputs.num_logprobs), len(inputs.sampled_lp_rows_host)
+        masked = logits[:num_rows]
         if self.structured.active:
             idx, bitmask = self.structured.bitmask(inputs.sample_rows, self.input_batch.req_ids)
             if len(idx):  # logprobs stay the raw model's: mask a copy when any are asked for
-                masked = logits.clone() if len(inputs.num_logprobs) else logits
+                masked = masked.clone() if num_lp or num_slp else masked
                 apply_bitmask(masked, torch.from_numpy(idx).to(self.device),
                               torch.from_numpy(bitmask).to(self.device))
         sampled_ids = sample(masked, inputs.sampling)  # [num_logits]
-        if not len(inputs.num_logprobs):
-            return sampled_ids.tolist(), []
-        k = int(inputs.num_logprobs.max())
-        top_ids, top_lps = top_logprobs(logits, inputs.logprob_rows, k)  # [num_lp, k] each
-        # One transfer for everything: token ids (< 2**53) and fp32 logprobs are exact in fp64.
-        host = torch.cat([sampled_ids.double(), top_ids.flatten().double(),
-                          top_lps.flatten().double()]).tolist()
-        num_rows, num_top = len(inputs.sample_rows), len(inputs.num_logprobs) * k
-        flat_ids, flat_lps = host[num_rows:num_rows + num_top], host[num_rows + num_top:]
-        logprobs = []
-        for j, (row, n) in enumerate(zip(inputs.logprob_rows_host.tolist(),
-                                         inputs.num_logprobs.tolist(), strict=True)):
-            req_id = self.input_batch.req_ids[int(inputs.sample_rows[row])]
-            assert req_id is not None
-            span = slice(j * k, j * k + n)
-            logprobs.append((req_id, [int(t) for t in flat_ids[span]], flat_lps[span]))
-        return [int(t) for t in host[:num_rows]], logprobs
+        if not (num_lp or num_slp or inputs.prompt_lp is not None):
+            return _Sampled(sampled_ids.tolist())  # the common step: nothing else crosses
+        # One transfer for everything: token ids (< 2**53), ranks and fp32 logprobs are exact
+        # in fp64. `parts` are flat device tensors, read back in the same order.
+        parts = [sampled_ids.double()]
+        k = int(inputs.num_logprobs.max()) if num_lp else 0
+        if num_lp:
+            top_ids, top_lps = top_logprobs(logits[:num_rows], inputs.logprob_rows, k)
+            parts += [top_ids.flatten().double(), top_lps.flatten().double()]  # [num_lp * k]
+        if num_slp:
+            rows = inputs.sampled_lp_rows  # [num_slp]
+            own, ranks, _ = token_logprobs(logits.index_select(0, rows), sampled_ids[rows])
+            parts += [own.double(), ranks.double()]
+        pl = inputs.prompt_lp
+        pl_k = int(pl.num_top.max()) if pl is not None else 0
+        if pl is not None:
+            own, ranks, lsm = token_logprobs(logits[num_rows:], inputs.prompt_targets)
+            pl_lps, pl_ids = lsm.topk(pl_k, dim=-1)  # [num_pl, pl_k]
+            parts += [own.double(), ranks.double(), pl_ids.flatten().double(),
+                      pl_lps.flatten().double()]
+        host = iter(_split(torch.cat(parts).tolist(), [p.numel() for p in parts]))
+        out = _Sampled([int(t) for t in next(host)])
+        req_ids, sample_rows = self.input_batch.req_ids, inputs.sample_rows
+        if num_lp:
+            flat_ids, flat_lps = next(host), next(host)
+            for j, (row, n) in enumerate(zip(inputs.logprob_rows_host.tolist(),
+                                             inputs.num_logprobs.tolist(), strict=True)):
+                span = slice(j * k, j * k + n)
+                out.logprobs.append((req_ids[int(sample_rows[row])],
+                                     [int(t) for t in flat_ids[span]], flat_lps[span]))
+        if num_slp:
+            own_lps, own_ranks = next(host), next(host)
+            out.sampled_logprobs = [
+                (req_ids[int(sample_rows[row])], lp, int(rank)) for row, lp, rank
+                in zip(inputs.sampled_lp_rows_host.tolist(), own_lps, own_ranks, strict=True)]
+        if pl is not None:
+            out.prompt_logprobs = _prompt_logprobs(pl, req_ids, pl_k, next(host), next(host),
+                                                  next(host), next(host))
+        return out
+
+
+def _split(values: list, sizes: list[int]) -> list[list]:
+    """values cut into consecutive pieces of the given sizes."""
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(values[start:start + size])
+        start += size
+    return pieces
+
+
+def _prompt_logprobs(pl: PromptPositions, req_ids: list[str | None], k: int, own: list[float],
+                     ranks: list[float], top_ids: list[float], top_lps: list[float]
+                     ) -> list[PromptLogprobs]:
+    """Per prompt row: its positions' own logprobs and ranks and its top `num_top` of `k`."""
+    out, start = [], 0
+    for row, first, count, n in zip(pl.rows.tolist(), pl.starts.tolist(), pl.counts.tolist(),
+                                    pl.num_top.tolist(), strict=True):
+        end = start + count
+        req_id = req_ids[row]
+        assert req_id is not None
+        out.append(PromptLogprobs(
+            req_id, first, own[start:end], [int(r) for r in ranks[start:end]],
+            [[int(t) for t in top_ids[i * k:i * k + n]] for i in range(start, end)],
+            [top_lps[i * k:i * k + n] for i in range(start, end)]))
+        start = end
+    return out

@@ -1,5 +1,5 @@
 """Batched sampling: logits processors, greedy, temperature, min-p, top-k, top-p, per-request
-seeds; top logprobs.
+seeds; logprobs.
 
 One row of logits per request that samples this step, and one batched computation for all of
 them: the only Python branches test flags the host computed from the plan (all greedy, any
@@ -193,3 +193,17 @@ def top_logprobs(logits: torch.Tensor, rows: torch.Tensor,
     logprobs = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
     values, token_ids = logprobs.topk(k, dim=-1, largest=True, sorted=True)
     return token_ids, values
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's given token: its logprob and rank, and the row's log_softmax for more.
+
+    logits [n, vocab]; token_ids [n] int64 -> (logprobs [n] float32, ranks [n] int64,
+    log_softmax [n, vocab] float32). The rank is 1 + the number of entries strictly greater
+    (vLLM's rank: ties share the better rank). Raw logits, fp32, like `top_logprobs`.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, vocab]
+    own = logprobs.gather(1, token_ids[:, None])  # [n, 1]
+    ranks = (logprobs > own).sum(dim=-1) + 1  # [n]
+    return own.squeeze(1), ranks, logprobs

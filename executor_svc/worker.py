@@ -239,7 +239,8 @@ def _step(runner: ModelRunner, plan: StepPlan, stats: _Stats,
     stats.add(out.num_tokens, len(out.sampled), out.execute_time_s)
     log.debug("step done", step=plan.step_id, num_tokens=out.num_tokens,
               num_sampled=len(out.sampled), execute_time_s=round(out.execute_time_s, 6))
-    return StepResult(plan.step_id, out.sampled, out.execute_time_s, out.logprobs, idle_s)
+    return StepResult(plan.step_id, out.sampled, out.execute_time_s, out.logprobs, idle_s,
+                      out.sampled_logprobs, out.prompt_logprobs)
 
 
 class _Stats:

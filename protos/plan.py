@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import ClassVar, NamedTuple
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 # ---- strict field readers: exact types (bool is not an int here), or TypeError -------------
@@ -171,6 +171,14 @@ class SamplingSpec:
     bad_words: tuple[tuple[int, ...], ...] = ()
     # Structured output (None = unconstrained); on the wire as the last field, nil or a list.
     structured: StructuredSpec | None = None
+    # Return the sampled token's own logprob and rank in StepResult.sampled_logprobs (same
+    # distribution as num_logprobs).
+    sampled_logprob: bool = False
+    # >= 0: for every computed position that has a next token held (a prompt position), return
+    # that token's logprob and rank and the top `prompt_logprobs` alternatives in
+    # StepResult.prompt_logprobs. -1 = off. The scheduler sets it only while the prompt's
+    # logprobs are still owed to the client, so the positions are prompt positions.
+    prompt_logprobs: int = -1
 
     def to_wire(self) -> list:
         return [self.temperature, self.top_p, self.top_k, self.seed, self.num_logprobs,
@@ -178,11 +186,12 @@ class SamplingSpec:
                 self.repetition_penalty, self.presence_penalty, self.frequency_penalty,
                 self.min_p, [[t, b] for t, b in self.logit_bias], list(self.allowed_token_ids),
                 [list(w) for w in self.bad_words],
-                None if self.structured is None else self.structured.to_wire()]
+                None if self.structured is None else self.structured.to_wire(),
+                self.sampled_logprob, self.prompt_logprobs]
 
     @classmethod
     def from_wire(cls, w: list) -> SamplingSpec:
-        _list(w, 16)
+        _list(w, 18)
         seed = w[3]
         if seed is not None and type(seed) is not int:
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
@@ -193,9 +202,12 @@ class SamplingSpec:
         if not all(bad_words):
             raise ValueError("bad_words holds an empty token sequence")
         structured = None if w[15] is None else StructuredSpec.from_wire(w[15])
+        if _int(w[17]) < -1:
+            raise ValueError(f"prompt_logprobs must be >= -1 (-1 = off), got {w[17]}")
         return cls(_float(w[0]), _float(w[1]), _nat(w[2]), seed, _nat(w[4]), _bool(w[5]),
                    _nat(w[6]), tuple(_nats(w[7])), _float(w[8]), _float(w[9]), _float(w[10]),
-                   _float(w[11]), logit_bias, tuple(_nats(w[13])), bad_words, structured)
+                   _float(w[11]), logit_bias, tuple(_nats(w[13])), bad_words, structured,
+                   _bool(w[16]), w[17])
 
 
 @dataclass(frozen=True)
@@ -394,6 +406,42 @@ class StepPlan:
         )
 
 
+class PromptLogprobs(NamedTuple):
+    """Logprobs of consecutive prompt tokens ``start .. start + len(token_logprobs) - 1`` of one
+    request, each given the tokens before it (so start >= 1), computed in one step."""
+
+    req_id: str
+    start: int  # index of the first prompt token covered
+    token_logprobs: list[float]  # [m] each token's own logprob
+    ranks: list[int]  # [m] 1 + the number of tokens strictly more likely
+    top_ids: list[list[int]]  # [m][k] the k most likely tokens at each position, best first
+    top_logprobs: list[list[float]]  # [m][k] their logprobs
+
+
+def _floats(v: object) -> list[float]:
+    if type(v) is not list or not {*map(type, v)} <= {float, int}:
+        raise TypeError("expected a list of numbers")
+    return [float(x) for x in v]
+
+
+def _prompt_logprobs_from_wire(w: object) -> list[PromptLogprobs]:
+    out = []
+    for entry in _list(w):
+        req_id, start, lps, ranks, top_ids, top_lps = _list(entry, 6)
+        lps, ranks = _floats(lps), _nats(ranks)
+        top_ids = [_nats(ids) for ids in _list(top_ids)]
+        top_lps = [_floats(x) for x in _list(top_lps)]
+        m = len(lps)
+        if not (len(ranks) == len(top_ids) == len(top_lps) == m):
+            raise ValueError("prompt logprobs: as many ranks and top lists as positions")
+        if any(len(a) != len(b) for a, b in zip(top_ids, top_lps, strict=True)):
+            raise ValueError("prompt logprobs: as many top ids as top values")
+        if _nat(start) < 1 or (m and min(ranks) < 1):
+            raise ValueError("prompt logprobs: start and ranks must be >= 1")
+        out.append(PromptLogprobs(_str(req_id), start, lps, ranks, top_ids, top_lps))
+    return out
+
+
 @dataclass(frozen=True)
 class StepResult:
     """Executor -> scheduler: the tokens sampled in step `step_id`.
@@ -401,7 +449,10 @@ class StepResult:
     `sampled` holds (req_id, token_ids) for each request that sampled this step (one id per
     request today; a list leaves room for speculative decoding). Requests in the middle of a
     chunked prefill are absent. `logprobs` holds (req_id, top token ids, their logprobs), best
-    first, for each sampled request whose SamplingSpec.num_logprobs > 0.
+    first, for each sampled request whose SamplingSpec.num_logprobs > 0. `sampled_logprobs`
+    holds (req_id, the sampled token's logprob, its rank) for each sampled request whose
+    SamplingSpec.sampled_logprob is set; `prompt_logprobs` one entry per request that computed
+    prompt positions with SamplingSpec.prompt_logprobs >= 0.
     """
 
     TAG: ClassVar[int] = 5
@@ -412,17 +463,22 @@ class StepResult:
     # How long the executor waited for this plan after sending its previous result (0 for
     # the first plan of a connection): the executor's idle time between steps.
     idle_time_s: float = 0.0
+    sampled_logprobs: list[tuple[str, float, int]] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
     def to_wire(self) -> list:
         # `sampled` as two columns, [req_ids, token id lists]: one entry per sampled request.
         sampled = list(zip(*self.sampled, strict=True)) if self.sampled else [[], []]
+        # `sampled_logprobs` as three columns, [req_ids, logprobs, ranks].
+        sampled_lps = (list(zip(*self.sampled_logprobs, strict=True)) if self.sampled_logprobs
+                       else [[]] * 3)
         return [self.TAG, self.step_id, sampled,
                 self.execute_time_s, [[r, ids, lps] for r, ids, lps in self.logprobs],
-                self.idle_time_s]
+                self.idle_time_s, sampled_lps, [list(p) for p in self.prompt_logprobs]]
 
     @classmethod
     def from_wire(cls, w: list) -> StepResult:
-        _list(w, 6)
+        _list(w, 8)
         req_ids, token_ids = _list(w[2], 2)
         if type(token_ids) is not list or len(token_ids) != len(_strs(req_ids)):
             raise ValueError("sampled: as many token id lists as request ids")
@@ -439,7 +495,16 @@ class StepResult:
             if len(ids) != len(lps):
                 raise ValueError("logprobs: as many token ids as values")
             logprobs.append((_str(req_id), ids, lps))
-        return cls(_nat(w[1]), sampled, _float(w[3]), logprobs, _float(w[5]))
+        lp_req_ids, lp_values, lp_ranks = _list(w[6], 3)
+        _strs(lp_req_ids)
+        lp_values, lp_ranks = _floats(lp_values), _nats(lp_ranks)
+        if not len(lp_req_ids) == len(lp_values) == len(lp_ranks):
+            raise ValueError("sampled logprobs: columns of equal length expected")
+        if lp_ranks and min(lp_ranks) < 1:
+            raise ValueError("sampled logprobs: ranks must be >= 1")
+        sampled_logprobs = list(zip(lp_req_ids, lp_values, lp_ranks, strict=True))
+        return cls(_nat(w[1]), sampled, _float(w[3]), logprobs, _float(w[5]), sampled_logprobs,
+                   _prompt_logprobs_from_wire(w[7]))
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,10 @@ def admit(sched: Scheduler, client: ClientRequest, info: ExecutorInfo,
         if len(p.prompt_token_ids) + len(seq.token_ids) >= info.max_model_len:
             no_room.append(seq)
             continue
-        sampling = replace(spec, seed=sequence_seed(spec.seed, seq.index))
+        # Prompt logprobs are owed to index 0 until its first message carries them.
+        owed = seq.index == 0 and not seq.prompt_logprobs_sent
+        sampling = replace(spec, seed=sequence_seed(spec.seed, seq.index),
+                           prompt_logprobs=spec.prompt_logprobs if owed else -1)
         req = new_request(client.seq_id(seq.index), list(p.prompt_token_ids), sampling,
                           seq.index)
         if seq.token_ids:

@@ -49,6 +49,8 @@ MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range: -100 bans a token, 100 all but f
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256
 MAX_ABS_PENALTY = 2.0  # presence and frequency penalties, OpenAI's range
+# logprobs and prompt_logprobs: alternatives per token, as the OpenAI API caps top_logprobs.
+MAX_LOGPROBS = 20
 EARLY_STOPPING = {
     pb.EARLY_STOPPING_HEURISTIC: EarlyStopping.HEURISTIC,
     pb.EARLY_STOPPING_TRUE: EarlyStopping.TRUE,
@@ -118,7 +120,31 @@ def sampling_spec(p: pb.SamplingParams) -> SamplingSpec:
         presence_penalty=float(p.presence_penalty),
         frequency_penalty=float(p.frequency_penalty), min_p=float(p.min_p),
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in p.logit_bias.items())),
-        allowed_token_ids=tuple(sorted(set(p.allowed_token_ids))))
+        allowed_token_ids=tuple(sorted(set(p.allowed_token_ids))), **logprob_fields(p))
+
+
+def logprob_fields(p: pb.SamplingParams) -> dict:
+    """logprobs, prompt_logprobs and logprobs_mode as SamplingSpec fields: logprobs = k asks
+    for the sampled token's logprob and rank plus k alternatives (num_logprobs), as vLLM."""
+    fields: dict = {}
+    for name in ("logprobs", "prompt_logprobs"):
+        if p.HasField(name) and getattr(p, name) > MAX_LOGPROBS:
+            raise InvalidRequest(f"{name} must be between 0 and {MAX_LOGPROBS} alternatives "
+                                 f"per token, got {getattr(p, name)}")
+    if p.HasField("logprobs"):
+        fields.update(num_logprobs=p.logprobs, sampled_logprob=True)
+    if p.HasField("prompt_logprobs"):
+        fields.update(prompt_logprobs=p.prompt_logprobs)
+    if p.logprobs_mode == pb.LOGPROBS_MODE_PROCESSED:
+        raise InvalidRequest("logprobs_mode PROCESSED is not supported yet; use RAW (0): "
+                             "log_softmax of the model's logits before the penalties, temperature, "
+                             "top-k and top-p")
+    if p.logprobs_mode != pb.LOGPROBS_MODE_RAW:
+        raise InvalidRequest(f"unknown logprobs_mode value {p.logprobs_mode}; use RAW (0)")
+    if fields and p.HasField("beam_width") and p.beam_width > 1:
+        raise InvalidRequest("logprobs and prompt_logprobs are not supported with beam search "
+                             "(beam_width > 1); leave them unset or use beam_width 1")
+    return fields
 
 
 def check_bad_words(words: list[str]) -> tuple[str, ...]:
@@ -272,6 +298,10 @@ def check_for_executor(params: SubmitParams, vocab_size: int, max_model_len: int
                                  f"(ids 0..{vocab_size - 1})")
     if num_prompt > max_model_len:
         raise InvalidRequest(prompt_too_long(num_prompt, max_model_len))
+    num_top = max(params.sampling.num_logprobs, params.sampling.prompt_logprobs)
+    if num_top > vocab_size:
+        raise InvalidRequest(f"logprobs and prompt_logprobs may ask for at most the model's "
+                             f"{vocab_size} tokens, got {num_top}")
     # At least one token is always generated, even for a prompt of max_model_len tokens.
     max_tokens = max(1, max_model_len - num_prompt)
     if params.max_tokens is not None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import structlog
 
 from scheduler_svc.registry import ClientRequest, Registry, SequenceOutput
-from scheduler_svc.request import RequestOutput, RequestStatus
+from scheduler_svc.request import RequestOutput, RequestStatus, TokenLogprobs
 from scheduler_svc.scheduler import StepOutput
 
 log = structlog.get_logger("folio.scheduler.engine")
@@ -40,7 +40,7 @@ class OutputProcessor:
         """Emit the outputs; returns the ids of sequences whose text completed a stop string,
         which the Scheduler must still finish (`Scheduler.stop_request`)."""
         stopped_by_text: list[str] = []
-        for req, new_token_ids, finished in outputs:
+        for req, new_token_ids, finished, logprobs in outputs:
             found = self.registry.sequence(req.req_id)
             if found is None:
                 continue  # a hidden sequence, or a request already ended
@@ -50,10 +50,27 @@ class OutputProcessor:
             seq.num_cached_tokens = req.num_cached_tokens
             status = req.status if finished else None
             matched = req.matched_stop if status is RequestStatus.FINISHED_STOPPED else None
-            self._emit(client, seq, new_token_ids, status, matched)
+            prompt_lps = (self._prompt_logprobs(client, seq, req.prompt_logprobs)
+                          if client.params.sampling.prompt_logprobs >= 0 else None)
+            self._emit(client, seq, new_token_ids, status, matched, logprobs, prompt_lps)
             if seq.stop.matched is not None and not finished:
                 stopped_by_text.append(req.req_id)
         return stopped_by_text
+
+    @staticmethod
+    def _prompt_logprobs(client: ClientRequest, seq: SequenceOutput,
+                         recorded: list[TokenLogprobs | None] | None
+                         ) -> list[TokenLogprobs] | None:
+        """The prompt's logprobs (asked for) if this is index 0's first message: sent once,
+        whatever preemptions and resumes recomputed."""
+        if seq.index != 0 or seq.prompt_logprobs_sent:
+            return None
+        seq.prompt_logprobs_sent = True
+        num_prompt = len(client.params.prompt_token_ids)
+        entries = recorded if recorded is not None else [None] * (num_prompt - 1)
+        assert all(e is not None for e in entries), \
+            f"{client.req_id}: a prompt position's logprobs were never reported"
+        return entries  # type: ignore[return-value]
 
     def finish(self, client: ClientRequest, seq: SequenceOutput, status: RequestStatus) -> None:
         """End one sequence without new tokens (abort, or a resume that has no room left)."""
@@ -73,9 +90,11 @@ class OutputProcessor:
         self.registry.remove(client)
 
     def _emit(self, client: ClientRequest, seq: SequenceOutput, new_token_ids: list[int],
-              status: RequestStatus | None, matched: int | str | None = None) -> None:
+              status: RequestStatus | None, matched: int | str | None = None,
+              logprobs: list[TokenLogprobs] | None = None,
+              prompt_logprobs: list[TokenLogprobs] | None = None) -> None:
         """`status` ends the sequence after these ids; with FINISHED_STOPPED, `matched` is the
-        stop id that is the last of them (or a beam's stop string)."""
+        stop id that is the last of them (or a beam's stop string). `logprobs`: one per id."""
         # A stop id's text is not shown (unless asked for): it is recorded, not decoded.
         hide_last = isinstance(matched, int) and not client.params.include_stop_str_in_output
         decoded = new_token_ids[:-1] if hide_last else new_token_ids
@@ -104,7 +123,10 @@ class OutputProcessor:
             num_prompt_tokens=len(client.params.prompt_token_ids),
             num_output_tokens=len(seq.token_ids), num_cached_tokens=seq.num_cached_tokens,
             index=seq.index,
-            matched_stop=matched if status is RequestStatus.FINISHED_STOPPED else None))
+            matched_stop=matched if status is RequestStatus.FINISHED_STOPPED else None,
+            # token_ids is always a prefix of new_token_ids (ids after a stop are dropped)
+            logprobs=logprobs[:len(token_ids)] if logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs))
         if status is not None:
             log.debug("sequence finished", req_id=client.req_id, index=seq.index,
                       status=status.value, num_output_tokens=len(seq.token_ids))

@@ -45,6 +45,7 @@ class SequenceOutput:
     stop: StopChecker  # stop strings: the text held back from the stream, the match
     finish_status: RequestStatus | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    prompt_logprobs_sent: bool = False  # index 0's first message carried them (if asked)
 
     @property
     def token_ids(self) -> list[int]:

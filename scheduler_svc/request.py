@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from protos.plan import SamplingSpec
 from scheduler_svc.sequence_params import SequenceParams
@@ -62,6 +63,17 @@ class SubmitParams:
     bad_words: tuple[str, ...] = ()
 
 
+class TokenLogprobs(NamedTuple):
+    """One token's logprob and rank (1 = most likely), and the top alternatives at its
+    position, best first (GenerateResponse.TokenLogprobs)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 @dataclass(frozen=True)
 class RequestOutput:
     """One message for the request's stream. `error` set = the stream ends with a status."""
@@ -75,6 +87,9 @@ class RequestOutput:
     error: Exception | None = None
     index: int = 0  # which of the request's n sequences this output belongs to
     matched_stop: int | str | None = None  # with FINISHED_STOPPED: the stop id or string
+    logprobs: list[TokenLogprobs] | None = None  # one per token_ids entry, when asked for
+    # Prompt tokens 1.. (the first has no context): on index 0's first message, when asked for
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(eq=False)
@@ -111,6 +126,9 @@ class Request:
     # Set when it finishes STOPPED: the stop token id (EOS or stop_token_ids, the last output
     # token), or for a beam search's result, the stop string its text completed.
     matched_stop: int | str | None = None
+    # While sampling.prompt_logprobs >= 0: entry i - 1 is prompt token i's, filled as the
+    # chunks that compute its position report (a recompute overwrites with the same values).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -57,7 +57,7 @@ Invariants between plans (at most two plans are in flight):
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import structlog
@@ -65,7 +65,7 @@ import structlog
 from protos.plan import CachedRequest, NewRequest, StepPlan, StepResult
 from scheduler_svc.preemption import preemption_mode, swap_in_fits
 from scheduler_svc.prefix_cache import cache_computed_blocks_many, cached_prefix
-from scheduler_svc.request import Request, RequestStatus
+from scheduler_svc.request import Request, RequestStatus, TokenLogprobs
 from scheduler_svc.scheduler_state import InFlight, SchedulerState
 from scheduler_svc.sequence_group import BeamGroup, num_seq_slots
 
@@ -81,6 +81,7 @@ class StepOutput(NamedTuple):
     req: Request
     new_token_ids: list[int]
     finished: bool
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, if the request asks
 
 
 @dataclass
@@ -156,6 +157,9 @@ class Scheduler(SchedulerState):
         new_output = tuple.__new__  # StepOutput's own __new__ is Python code: one per request
         num_generated = 0
         logprobs = {r: list(zip(ids, lps, strict=True)) for r, ids, lps in result.logprobs}
+        if result.prompt_logprobs:
+            self._record_prompt_logprobs(result)
+        sampled_lps = {r: (lp, rank) for r, lp, rank in result.sampled_logprobs}
         for req_id, token_ids in result.sampled:
             req = requests.get(req_id)
             if req is None or req.status is not running:
@@ -182,11 +186,46 @@ class Scheduler(SchedulerState):
                     new_token_ids = token_ids[:i + 1]
                     break
             num_generated += len(new_token_ids)
-            outputs.append(new_output(StepOutput, (req, new_token_ids, finished)))
+            if req.sampling.prompt_logprobs >= 0:
+                # The prompt is computed: a recompute or a resume never asks for its logprobs
+                # again (they go out with this token's message).
+                req.sampling = replace(req.sampling, prompt_logprobs=-1)
+            token_lps = None
+            if req.sampling.sampled_logprob:
+                token_lps = self._token_logprobs(req, new_token_ids, sampled_lps, logprobs)
+            outputs.append(new_output(StepOutput, (req, new_token_ids, finished, token_lps)))
             if req.group is not None and req.group.is_done():
                 self.groups.pop(req.group.req_id, None)
         self.num_generated_tokens += num_generated
         return outputs
+
+    def _token_logprobs(self, req: Request, token_ids: list[int],
+                        sampled_lps: dict[str, tuple[float, int]],
+                        top: dict[str, list[tuple[int, float]]]) -> list[TokenLogprobs]:
+        """The logprobs of a request's new token (one per step)."""
+        # The executor reports every row with sampled_logprob; rank 0 would mark a breach.
+        lp, rank = sampled_lps.get(req.req_id, (float("nan"), 0))
+        alternatives = top.get(req.req_id, [])
+        return [TokenLogprobs(t, lp, rank, [i for i, _ in alternatives],
+                              [v for _, v in alternatives]) for t in token_ids]
+
+    def _record_prompt_logprobs(self, result: StepResult) -> None:
+        """File each reported prompt position under its token (index - 1), by position, so a
+        chunk computed again after a recompute preemption replaces rather than repeats."""
+        for entry in result.prompt_logprobs:
+            req = self.requests.get(entry.req_id)
+            if req is None or req.sampling.prompt_logprobs < 0:
+                continue
+            prompt = req.prompt_token_ids
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = [None] * (len(prompt) - 1)
+            for j, (lp, rank, ids, lps) in enumerate(zip(
+                    entry.token_logprobs, entry.ranks, entry.top_ids, entry.top_logprobs,
+                    strict=True)):
+                index = entry.start + j
+                if index < len(prompt):
+                    req.prompt_logprobs[index - 1] = TokenLogprobs(prompt[index], lp, rank,
+                                                                   ids, lps)
 
     def stop_request(self, req_id: str) -> None:
         """Finish a sequence whose text completed a stop string (found after `update`, by the
@@ -339,7 +378,9 @@ class Scheduler(SchedulerState):
             req = self.waiting[0]
             if not self._fits_seq_cap(req, step):
                 break  # FCFS: a group waits for its sequence slots, no one overtakes it
-            cached_block_ids = cached_prefix(bm, req) if self.enable_prefix_caching else []
+            # Prompt logprobs need every prompt position computed: no prefix cache read then.
+            cached_block_ids = (cached_prefix(bm, req) if self.enable_prefix_caching
+                                and req.sampling.prompt_logprobs < 0 else [])
             num_cached = len(cached_block_ids) * bm.block_size
             num_new = min(req.num_tokens - num_cached, step.budget)
             if bm.allocate_new(req.req_id, num_cached + num_new, cached_block_ids) is None:

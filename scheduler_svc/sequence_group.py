@@ -59,12 +59,16 @@ class ParallelGroup:
     def __init__(self, req_id: str, params: SequenceParams, prompt_token_ids: list[int],
                  sampling: SamplingSpec, new_request: RequestFactory):
         self.req_id = req_id
+        # Prompt logprobs go on index 0's stream: sequence 0 computes them, on its own
+        # prompt (a forked child computes only the last prompt position).
         self.outputs = [
             new_request(f"{req_id}/{i}", list(prompt_token_ids),
-                        replace(sampling, seed=sequence_seed(sampling.seed, i)), i)
+                        replace(sampling, seed=sequence_seed(sampling.seed, i),
+                                prompt_logprobs=sampling.prompt_logprobs if i == 0 else -1), i)
             for i in range(params.n)]
         self.parent: Request | None = None
-        if len(prompt_token_ids) > 1:  # a one-token prompt has nothing to share
+        # A one-token prompt has nothing to share; with prompt logprobs, nothing is forked.
+        if len(prompt_token_ids) > 1 and sampling.prompt_logprobs < 0:
             self.parent = new_request(f"{req_id}/prompt", list(prompt_token_ids[:-1]),
                                       SamplingSpec(temperature=0.0), 0)
         for req in self.members():

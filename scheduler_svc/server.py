@@ -34,7 +34,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine, ExecutorCallback
 from scheduler_svc.errors import FolioError, InvalidRequest
 from scheduler_svc.prompts import PromptEncoder
-from scheduler_svc.request import RequestStatus
+from scheduler_svc.request import RequestStatus, TokenLogprobs
 from scheduler_svc.structured_output import StructuredValidator
 from scheduler_svc.tokenizer import Tokenizer
 
@@ -59,6 +59,13 @@ async def _abort_with(context: grpc.aio.ServicerContext, e: Exception, method: s
     log.exception("unexpected error in a handler", method=method)
     await context.abort(grpc.StatusCode.INTERNAL,
                         f"internal scheduler error ({type(e).__name__}: {e}); see the server log")
+
+
+def _token_logprobs(t: TokenLogprobs) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(
+        token_id=t.token_id, logprob=t.logprob, rank=t.rank,
+        top_logprobs=[pb.Logprob(token_id=i, logprob=v)
+                      for i, v in zip(t.top_ids, t.top_logprobs, strict=True)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +163,10 @@ class GeneratorService:
                 response = pb.GenerateResponse(request_id=params.req_id,
                                                token_ids=out.token_ids, text=out.text,
                                                index=out.index)
+                if out.logprobs is not None:
+                    response.logprobs.extend(map(_token_logprobs, out.logprobs))
+                if out.prompt_logprobs is not None:
+                    response.prompt_logprobs.extend(map(_token_logprobs, out.prompt_logprobs))
                 if out.finish_status is not None:
                     num_open -= 1
                     done = num_open == 0

@@ -165,6 +165,14 @@ def plan_with_spec(index: int, value) -> list:
     plan_with_spec(15, ["yaml", "", []]),  # an unknown structured output kind
     plan_with_spec(15, ["regex", "a", [-1]]),  # a negative EOS id
     plan_with_spec(15, ["regex", "a"]),  # a StructuredSpec without its EOS ids
+    # Protocol v7's logprob columns: a rank of 0, columns of different lengths, a prompt entry
+    # starting at token 0 (which has no context), top lists that do not line up.
+    [StepResult.TAG, 0, [["r"], [[1]]], 0.0, [], 0.0, [["r"], [-1.0], [0]], []],
+    [StepResult.TAG, 0, [["r"], [[1]]], 0.0, [], 0.0, [["r"], [-1.0, -2.0], [1]], []],
+    [StepResult.TAG, 0, [[], []], 0.0, [], 0.0, [[], [], []], [["r", 0, [-1.0], [1], [[]], [[]]]]],
+    [StepResult.TAG, 0, [[], []], 0.0, [], 0.0, [[], [], []],
+     [["r", 1, [-1.0], [1], [[1, 2]], [[-1.0]]]]],
+    [StepResult.TAG, 0, [[], []], 0.0, [], 0.0, [[], [], []], [["r", 1, [-1.0], [], [], []]]],
     [ExecutorError.TAG, -1, "m"],
     [Shutdown.TAG, 1],
 ])

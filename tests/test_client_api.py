@@ -78,6 +78,29 @@ def test_text_options_reach_the_request():
     assert list(p.stop) == ["a", "b"] and not p.HasField("skip_special_tokens")
 
 
+def test_completion_folds_logprobs():
+    def entry(token_id, logprob, rank, *top):
+        return pb.TokenLogprobs(token_id=token_id, logprob=logprob, rank=rank,
+                                top_logprobs=[pb.Logprob(token_id=t, logprob=v) for t, v in top])
+
+    c = Completion()
+    c.add(pb.GenerateResponse(token_ids=[7], logprobs=[entry(7, -0.5, 1, (7, -0.5))],
+                              prompt_logprobs=[entry(3, -2.0, 4, (9, -1.0))]))
+    c.add(pb.GenerateResponse(token_ids=[8], logprobs=[entry(8, -1.5, 2, (1, -0.25))],
+                              finish_reason=pb.FINISH_REASON_LENGTH))
+    out = c.to_dict()
+    assert out["logprobs"] == [
+        {"token_id": 7, "logprob": -0.5, "rank": 1,
+         "top_logprobs": [{"token_id": 7, "logprob": -0.5}]},
+        {"token_id": 8, "logprob": -1.5, "rank": 2,
+         "top_logprobs": [{"token_id": 1, "logprob": -0.25}]}]
+    assert out["prompt_logprobs"] == [{"token_id": 3, "logprob": -2.0, "rank": 4,
+                                       "top_logprobs": [{"token_id": 9, "logprob": -1.0}]}]
+    p = generate_request("Hi", logprobs=0, prompt_logprobs=3).sampling
+    assert p.HasField("logprobs") and p.logprobs == 0 and p.prompt_logprobs == 3
+    assert not generate_request("Hi").sampling.HasField("logprobs")
+
+
 def test_wait_ready_gives_up_in_time():
     with FolioClient("127.0.0.1:1") as client, pytest.raises(TimeoutError):
         client.wait_ready(timeout=0.5)
@@ -95,6 +118,12 @@ def test_sync_client(default_server):
                                        ignore_eos=True).token_ids for _ in range(2)]
         assert greedy[0] == greedy[1] and len(greedy[0]) == 6
         assert client.abort("no-such-request") is False
+        asked = client.generate_text(token_ids=[10, 20, 30], max_tokens=6, temperature=0.0,
+                                     ignore_eos=True, logprobs=2, prompt_logprobs=1)
+        assert asked.token_ids == greedy[0]
+        assert [e["token_id"] for e in asked.logprobs] == asked.token_ids
+        assert all(e["rank"] == 1 and len(e["top_logprobs"]) == 2 for e in asked.logprobs)
+        assert [e["token_id"] for e in asked.prompt_logprobs] == [20, 30]
         assert client.tokenize("Hi")[-1] != client.tokenize("Hi there")[-1]
         with pytest.raises(grpc.RpcError) as err:
             client.generate_text("x", top_k=-1)

@@ -57,6 +57,9 @@ def test_text_flags_map_to_client_arguments():
     assert kwargs["skip_special_tokens"] is False
     assert kwargs["spaces_between_special_tokens"] is False
     assert generate_kwargs(parse("Hi"))["max_tokens"] == 256  # the CLI's documented default
+    kwargs = generate_kwargs(parse("Hi", "--logprobs", "3", "--prompt-logprobs", "0"))
+    assert (kwargs["logprobs"], kwargs["prompt_logprobs"]) == (3, 0)
+    assert generate_kwargs(parse("Hi"))["logprobs"] is None  # unset: none asked for
     assert generate_kwargs(parse("Hi", "--max-tokens", "0"))["max_tokens"] is None
 
 
@@ -175,6 +178,19 @@ def test_generate_json_on_the_default_model(default_server, hf_tokenizer):
                      "--temperature", "0", "--ignore-eos", "Hello, Folio")
     assert streamed.returncode == 0, streamed.stderr
     assert streamed.stdout == out["text"] + "\n"  # greedy: the same completion, streamed
+
+    # --logprobs / --prompt-logprobs: one entry per token (and per prompt token but the
+    # first) in the JSON, greedy tokens ranked first.
+    lp = folio("generate", "--address", default_server.address, "--json", "--max-tokens",
+               "8", "--temperature", "0", "--ignore-eos", "--logprobs", "2",
+               "--prompt-logprobs", "1", "Hello, Folio")
+    assert lp.returncode == 0, lp.stderr
+    lp = json.loads(lp.stdout)
+    assert lp["token_ids"] == out["token_ids"]
+    assert [e["token_id"] for e in lp["logprobs"]] == lp["token_ids"]
+    assert all(e["rank"] == 1 and len(e["top_logprobs"]) == 2 for e in lp["logprobs"])
+    prompt_ids = hf_tokenizer("Hello, Folio")["input_ids"]
+    assert [e["token_id"] for e in lp["prompt_logprobs"]] == prompt_ids[1:]
 
     # A stop string from inside that completion: the text ends right before it.
     stop = out["text"][len(out["text"]) // 2:][:3]

@@ -16,6 +16,7 @@ from protos.plan import (
     ExecutorError,
     Hello,
     NewRequest,
+    PromptLogprobs,
     Reject,
     SamplingSpec,
     Shutdown,
@@ -64,9 +65,17 @@ MESSAGES = [
         NewRequest("g1", [5], SamplingSpec(0.0, structured=StructuredSpec("choice", '["a"]')),
                    [1], 0, 1),
     ]),
+    StepPlan(step_id=19, new_reqs=[NewRequest(
+        "p", [5, 6, 7], SamplingSpec(num_logprobs=2, sampled_logprob=True, prompt_logprobs=0),
+        [2], 0, 3)]),
     StepResult(17, [("r1", [42]), ("r0", [7, 8])], 0.0123,
                [("b0", [3, 1], [-0.25, -1.5])]),
     StepResult(18),
+    StepResult(19, [("p", [4]), ("q", [9])], 0.5, [("p", [4, 2], [-0.5, -1.0])], 0.01,
+               sampled_logprobs=[("p", -0.5, 1), ("q", -7.25, 130)],
+               prompt_logprobs=[PromptLogprobs("p", 1, [-2.0, -0.125], [3, 1],
+                                               [[5, 6], [7, 8]], [[-1.0, -1.5], [-0.125, -3.0]]),
+                                PromptLogprobs("q", 17, [-1.0], [2], [[]], [[]])]),
     ExecutorError(19, "CUDA out of memory"),
     Shutdown(),
 ]
@@ -113,7 +122,7 @@ def _columns_plan(cached: list) -> bytes:
 
 
 def _columns_result(sampled: list) -> bytes:
-    return msgpack.packb([StepResult.TAG, 1, sampled, 0.0, [], 0.0])
+    return msgpack.packb([StepResult.TAG, 1, sampled, 0.0, [], 0.0, [[], [], []], []])
 
 
 @pytest.mark.parametrize("frame, match", [

@@ -161,6 +161,9 @@ FIELDS = {
     # (oneof field, value): valid constraints, and ones llguidance or the limits refuse.
     "structured_output": (st.none() | st.sampled_from(VALID_STRUCTURED),
                           st.sampled_from(INVALID_STRUCTURED)),
+    "logprobs": (st.none() | st.integers(0, 20), st.integers(0, UINT32)),
+    "prompt_logprobs": (st.none() | st.integers(0, 20), st.integers(0, UINT32)),
+    "logprobs_mode": (st.just(0), st.integers(-(2**31), 2**31 - 1)),
     "request_id": (st.just("") | st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7e,
                                                       exclude_characters="/"), max_size=256),
                    st.text(max_size=20) | st.text(min_size=250, max_size=300)),
@@ -182,6 +185,8 @@ def generate_requests(draw) -> pb.GenerateRequest:
     values = {field: draw(allowed) for field, (allowed, _) in FIELDS.items()}
     if (n := values["n"]) is not None and (width := values["beam_width"] or 1) > 1:
         values["n"] = min(n, width)  # beam search returns at most beam_width sequences
+    if (values["beam_width"] or 1) > 1:  # logprobs are not offered with beam search
+        values["logprobs"] = values["prompt_logprobs"] = None
     for field in draw(st.lists(st.sampled_from(list(FIELDS)), max_size=2, unique=True)):
         values[field] = draw(FIELDS[field][1])
     sampling = pb.SamplingParams(**{f: values[f] for f in SAMPLING_FIELDS
@@ -258,6 +263,10 @@ def broken_rule(msg: pb.GenerateRequest, m: Model) -> str | None:
          "structured output with beam search"),
         (structured_value(p) not in (None, ("json_object", False)) and p.min_tokens > 0,
          "structured output with min_tokens"),
+        (has("logprobs") and p.logprobs > 20, "logprobs"),
+        (has("prompt_logprobs") and p.prompt_logprobs > 20, "prompt_logprobs"),
+        (p.logprobs_mode != 0, "logprobs_mode (only RAW so far)"),
+        (width > 1 and (has("logprobs") or has("prompt_logprobs")), "logprobs with beams"),
         (len(msg.request_id) > 256 or not msg.request_id.isprintable()
          or "/" in msg.request_id, "request_id"),
     ]
@@ -325,7 +334,7 @@ def outcome(stub, msg: pb.GenerateRequest) -> tuple[grpc.StatusCode, list[pb.Gen
 def test_fuzz_generate_requests(default_server, model, stub):
     greedy_before = greedy_tokens(stub)
     seen = {"completed": 0, "refused": 0, "stopped by a string": 0, "constrained": 0,
-            "refused structured": 0}
+            "refused structured": 0, "with prompt logprobs": 0}
 
     def check_stops(msg, responses, finals) -> None:
         """matched_stop says what ended a sequence; a stop string is cut from the text
@@ -343,9 +352,33 @@ def test_fuzz_generate_requests(default_server, model, stub):
             if p.include_stop_str_in_output:
                 assert text.endswith(stop)
                 text = text[:-len(stop)]
-            if not p.min_tokens:  # a stop ending within the first min_tokens tokens' text
-                # does not count (vLLM's rule), so only without min_tokens is none earlier
+            # A stop counts only after the first min_tokens tokens (vLLM's rule): their text
+            # may hold one, and the messages do not say where those tokens' text ends.
+            if not p.min_tokens:
                 assert not any(s in text for s in p.stop), (text, list(p.stop))
+
+    def check_logprobs(msg, responses, finals) -> None:
+        """One entry per token with k alternatives when asked (none otherwise); the prompt's
+        once, on index 0's first message, one per prompt token after the first."""
+        p = msg.sampling
+        for r in responses:
+            if p.HasField("logprobs"):
+                assert len(r.logprobs) == len(r.token_ids)
+                assert all(len(t.top_logprobs) == p.logprobs and t.rank >= 1
+                           and t.token_id == i for t, i in zip(r.logprobs, r.token_ids, strict=True))
+            else:
+                assert not r.logprobs
+        carrying = [r for r in responses if r.prompt_logprobs]
+        num_prompt = finals[0].usage.prompt_tokens
+        if not p.HasField("prompt_logprobs") or num_prompt == 1:
+            assert not carrying
+            return
+        seen["with prompt logprobs"] += 1
+        assert len(carrying) == 1
+        assert carrying[0] is next(r for r in responses if r.index == 0)
+        assert len(carrying[0].prompt_logprobs) == num_prompt - 1
+        assert all(len(t.top_logprobs) == p.prompt_logprobs
+                   for t in carrying[0].prompt_logprobs)
 
     @FUZZ
     @given(msg=generate_requests())
@@ -376,12 +409,13 @@ def test_fuzz_generate_requests(default_server, model, stub):
                 text = "".join(r.text for r in responses if r.index == final.index)
                 assert any(c.startswith(text) for c in value[1]), (text, value[1])
         seen["constrained"] += value is not None
+        check_logprobs(msg, responses, finals)
         seen["completed"] += 1
 
     check()
     # The examples exercised both sides of the oracle, and stop strings that matched.
     assert seen["completed"] >= 20 and seen["refused"] >= 20, seen
-    assert seen["stopped by a string"] >= 3, seen
+    assert seen["stopped by a string"] >= 3 and seen["with prompt logprobs"] >= 5, seen
     assert seen["constrained"] >= 5 and seen["refused structured"] >= 3, seen
     assert_healthy_and_unchanged(default_server, stub, greedy_before)
 

@@ -115,3 +115,64 @@ def test_chosen_token_plans_are_checked(checkpoint_cache):
     with pytest.raises(PlanError, match="num_logprobs 301 is outside 0..300"):
         runner.execute(driver.plan(new_reqs=[driver.new(
             "u", [1], 1, SamplingSpec(temperature=0.0, num_logprobs=301))]))
+
+
+def _hf_log_softmax(hf_model, token_ids: list[int]) -> torch.Tensor:
+    """[len(token_ids), vocab]: HF's log_softmax in fp32 after each prefix."""
+    with torch.no_grad():
+        return torch.log_softmax(hf_model(torch.tensor([token_ids])).logits[0].float(), dim=-1)
+
+
+def _rank(row: torch.Tensor, token_id: int) -> int:
+    return int((row > row[token_id]).sum()) + 1
+
+
+def test_sampled_logprob_and_rank_and_prompt_logprobs_across_chunks(checkpoint_cache):
+    """Requests asking for the sampled token's logprob/rank and for prompt logprobs, next to one
+    asking for nothing, with prompts computed in chunks of 3: against HF's forward."""
+    hf_model, model_dir = checkpoint_cache("llama3")
+    runner, driver = make_runner(model_dir), PlanDriver(seed=33)
+    prompts = {"p": [5, 17, 29, 3, 88, 140, 2, 9, 41, 77], "s": [7, 8, 9, 250, 11, 12, 13],
+               "o": [60, 61, 62, 63, 64]}
+    specs = {"p": SamplingSpec(temperature=0.0, prompt_logprobs=4, sampled_logprob=True,
+                               num_logprobs=3),
+             "s": SamplingSpec(temperature=0.9, seed=5, sampled_logprob=True),
+             "o": SamplingSpec(temperature=0.0)}
+    chunk = 3
+    new = [driver.new(r, prompts[r], min(chunk, len(prompts[r])), specs[r]) for r in prompts]
+    out = runner.execute(driver.plan(new_reqs=new))
+    tokens = {r: list(p) for r, p in prompts.items()}
+    prompt_seen: dict[int, tuple] = {}
+    num_sampled_checked = 0
+    for _ in range(12):
+        for entry in out.prompt_logprobs:
+            assert entry.req_id == "p"
+            for j, lp in enumerate(entry.token_logprobs):
+                index = entry.start + j
+                assert index not in prompt_seen, "a prompt position reported twice"
+                prompt_seen[index] = (lp, entry.ranks[j], entry.top_ids[j], entry.top_logprobs[j])
+        assert {r for r, _, _ in out.sampled_logprobs} == {r for r, _ in out.sampled} & {"p", "s"}
+        sampled = dict(out.sampled)
+        for req_id, lp, rank in out.sampled_logprobs:
+            row = _hf_log_softmax(hf_model, tokens[req_id])[-1]
+            token_id = sampled[req_id][0]
+            assert abs(lp - float(row[token_id])) < 1e-4
+            assert rank == _rank(row, token_id)
+            num_sampled_checked += 1
+        for req_id, ids in out.sampled:
+            tokens[req_id].extend(ids)
+        driver.record(out.sampled)
+        cached = [driver.cached(r, min(chunk, driver.num_tokens[r] - driver.num_computed[r]))
+                  for r in prompts]
+        out = runner.execute(driver.plan(cached_reqs=cached))
+    # Every prompt token but the first, once, equal to HF's forward over the prompt.
+    assert sorted(prompt_seen) == list(range(1, len(prompts["p"])))
+    hf = _hf_log_softmax(hf_model, prompts["p"])
+    for index, (lp, rank, top_ids, top_lps) in prompt_seen.items():
+        row = hf[index - 1]
+        assert abs(lp - float(row[prompts["p"][index]])) < 1e-4
+        assert rank == _rank(row, prompts["p"][index])
+        values, ids = row.topk(4)
+        assert top_ids == ids.tolist()
+        torch.testing.assert_close(torch.tensor(top_lps), values, atol=1e-4, rtol=1e-4)
+    assert num_sampled_checked >= 15

@@ -7,7 +7,8 @@ a block whose contents are not its own tokens fails the step."""
 from __future__ import annotations
 
 from protos.plan import SamplingSpec
-from scheduler_svc.request import Request
+from scheduler_svc.request import Request, RequestStatus
+from scheduler_svc.scheduler import _Step
 from tests.scheduler.null_executor import PlanMirror
 from tests.scheduler.test_scheduler import make_scheduler, run_to_end, step
 
@@ -122,3 +123,28 @@ def test_recompute_resumes_from_surviving_blocks_and_counts_cached_tokens_once()
     resumed = [n for p in plans for n in p.new_reqs if n.req_id == "b"][1:]
     assert resumed and all(n.num_computed_tokens % BS == 0 for n in resumed)
     assert b.num_cached_tokens == 0  # usage counts the first admission only
+
+
+def test_a_request_owed_prompt_logprobs_reads_no_cache_until_its_first_token():
+    """Prompt logprobs need every prompt position computed: while they are owed the request
+    reads no cached block; after its first token it stops asking, so a recompute preemption
+    re-sends it without them and reads the cache again."""
+    sched = make_scheduler(num_blocks=64, block_size=BS, preemption_mode="recompute")
+    mirror = PlanMirror(block_size=BS)
+    sched.add_request(req("first", SYSTEM + [1, 2], 0))
+    run_to_end(sched, mirror)
+    asking = Request(req_id="asking", prompt_token_ids=SYSTEM + [3, 4],
+                     sampling=SamplingSpec(0.0, prompt_logprobs=2), max_tokens=5, arrival=1)
+    sched.add_request(asking)
+    plan = step(sched, mirror)
+    [new] = plan.new_reqs
+    assert new.num_computed_tokens == 0 and new.sampling.prompt_logprobs == 2
+    assert asking.num_cached_tokens == 0
+    assert asking.output_token_ids and asking.sampling.prompt_logprobs == -1
+    # Preempted by recompute now, it comes back without asking and with the cached prefix.
+    sched._preempt(asking, _Step(budget=0))  # what running short of blocks does
+    assert asking.status is RequestStatus.WAITING
+    plan = step(sched, mirror)
+    assert plan.preempted_req_ids == ["asking"]
+    [again] = plan.new_reqs
+    assert again.sampling.prompt_logprobs == -1 and again.num_computed_tokens >= len(SYSTEM)
