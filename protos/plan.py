@@ -47,70 +47,23 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import ClassVar, NamedTuple
 
+from protos.wire import (
+    _bool,
+    _float,
+    _floats,
+    _int,
+    _list,
+    _nat,
+    _nats,
+    _only,
+    _pairs,
+    _str,
+    _strs,
+)
+
 PROTOCOL_VERSION = 8
 
 
-# ---- strict field readers: exact types (bool is not an int here), or TypeError -------------
-
-def _int(v: object) -> int:
-    if type(v) is not int:
-        raise TypeError(f"expected an int, got {type(v).__name__}")
-    return v
-
-
-def _nat(v: object) -> int:
-    if type(v) is not int or v < 0:
-        raise TypeError(f"expected an int >= 0, got {v!r:.40}")
-    return v
-
-
-def _float(v: object) -> float:
-    if type(v) is float or type(v) is int:
-        return float(v)
-    raise TypeError(f"expected a number, got {type(v).__name__}")
-
-
-def _bool(v: object) -> bool:
-    if type(v) is not bool:
-        raise TypeError(f"expected a bool, got {type(v).__name__}")
-    return v
-
-
-def _str(v: object) -> str:
-    if type(v) is not str:
-        raise TypeError(f"expected a string, got {type(v).__name__}")
-    return v
-
-
-def _list(v: object, n: int | None = None) -> list:
-    if type(v) is not list:
-        raise TypeError(f"expected a list, got {type(v).__name__}")
-    if n is not None and len(v) != n:
-        raise ValueError(f"expected {n} fields, got {len(v)}")
-    return v
-
-
-def _nats(v: object) -> list[int]:
-    """A list of ints >= 0 (token ids, block ids), returned as is (msgpack made it)."""
-    if type(v) is not list:
-        raise TypeError(f"expected a list of ints, got {type(v).__name__}")
-    for x in v:
-        if type(x) is not int or x < 0:
-            raise TypeError(f"expected ints >= 0 in a list, got {x!r:.40}")
-    return v
-
-
-def _strs(v: object) -> list[str]:
-    if type(v) is not list or not {*map(type, v)} <= {str}:
-        raise TypeError("expected a list of strings")
-    return v
-
-
-def _pairs(v: object) -> list[tuple[int, int]]:
-    return [(_nat(a), _nat(b)) for a, b in (_list(p, 2) for p in _list(v))]
-
-
-# What StructuredSpec.kind may be (the public SamplingParams.structured_output oneof).
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 
 
@@ -242,7 +195,6 @@ class NewRequest:
                    _nat(w[4]), _nat(w[5]), num_prompt_tokens)
 
 
-@dataclass(frozen=True, init=False)
 class CachedRequest(NamedTuple):
     """A request the executor holds, scheduled again. A NamedTuple (immutable, like the
     dataclasses here): a plan holds one per running request, and on the wire a plan carries
@@ -265,11 +217,6 @@ def _cached_to_wire(cached_reqs: list[CachedRequest]) -> list:
     """Columns: [req_ids, new_block_ids lists, num_computed, num_scheduled, new_token_ids
     lists]; msgpack packs zip's tuples as arrays."""
     return list(zip(*cached_reqs, strict=True)) if cached_reqs else [[]] * _NUM_CACHED_COLUMNS
-
-
-def _only(values: list, cls: type) -> bool:
-    """Every item's type is exactly `cls` (bool is not int), checked without a Python loop."""
-    return {*map(type, values)} <= {cls}
 
 
 def _cached_from_wire(w: object) -> list[CachedRequest]:
@@ -416,12 +363,6 @@ class PromptLogprobs(NamedTuple):
     ranks: list[int]  # [m] 1 + the number of tokens strictly more likely
     top_ids: list[list[int]]  # [m][k] the k most likely tokens at each position, best first
     top_logprobs: list[list[float]]  # [m][k] their logprobs
-
-
-def _floats(v: object) -> list[float]:
-    if type(v) is not list or not {*map(type, v)} <= {float, int}:
-        raise TypeError("expected a list of numbers")
-    return [float(x) for x in v]
 
 
 def _prompt_logprobs_from_wire(w: object) -> list[PromptLogprobs]:
