@@ -187,3 +187,29 @@ async def test_structured_output_on_the_real_model(server):
     assert re.fullmatch(email, mail.text), mail.text
     assert answer.text in ("yes", "no")
     assert free.finish_reason in ("stop", "length") and free.text
+
+
+JOBS = ["teacher", "painter", "chess player", "baker", "doctor", "student", "pilot", "farmer",
+        "poet", "nurse"]
+CITIES = ["Lyon", "Tokyo", "Oslo", "Naples", "Cairo"]
+
+
+async def test_fifty_json_schema_requests_all_validate(server):
+    """50 concurrent chat requests under one JSON schema (half greedy, half seeded): every
+    answer ends on EOS, parses and validates with `jsonschema`."""
+    import json
+
+    import jsonschema
+
+    people = [f"a {job} from {city}" for job in JOBS for city in CITIES]
+    assert len(people) == 50
+    async with AsyncFolioClient(server.address, timeout=900) as client:
+        answers = await asyncio.gather(*(client.generate_text(
+            messages=[{"role": "user",
+                       "content": f"Describe {who} as JSON with name, age, city and hobbies."}],
+            json_schema=json.dumps(PERSON_SCHEMA), max_tokens=120,
+            **(dict(temperature=0.0) if i % 2 == 0 else dict(seed=100 + i)))
+            for i, who in enumerate(people)))
+    for done in answers:
+        assert (done.finish_reason, done.matched_stop) == ("stop", 2), done.text
+        jsonschema.validate(json.loads(done.text), PERSON_SCHEMA)
