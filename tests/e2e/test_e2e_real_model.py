@@ -213,3 +213,43 @@ async def test_fifty_json_schema_requests_all_validate(server):
     for done in answers:
         assert (done.finish_reason, done.matched_stop) == ("stop", 2), done.text
         jsonschema.validate(json.loads(done.text), PERSON_SCHEMA)
+
+
+async def test_processors_match_transformers_on_the_real_model(server, hf):
+    """Greedy with repetition_penalty, logit_bias and min_tokens, token-exact against HF
+    `generate` with its own processors (repetition_penalty, sequence_bias, min_new_tokens);
+    each request twice, the second reading its prompt from the prefix cache."""
+    import torch
+
+    model, tokenizer = hf
+    eos = tokenizer.eos_token_id
+    # A preamble of more than one KV block, so the second run of a prompt finds it cached.
+    preamble = ("Here is a short passage written for a quiz about places, colours and old "
+                "stories, with one sentence to complete at the end. ")
+    cases = [(RAW_PROMPTS[0], 1.3, {" Paris": -8.0}, 0), (RAW_PROMPTS[2], 1.5, {}, 0),
+             (RAW_PROMPTS[3], 0.8, {" red": 4.0}, 20)]
+    changed = 0
+    async with AsyncFolioClient(server.address, timeout=600) as client:
+        for prompt, penalty, bias_words, min_tokens in cases:
+            prompt = preamble + prompt
+            ids = await client.tokenize(prompt)
+            bias = {tokenizer(w, add_special_tokens=False)["input_ids"][0]: b
+                    for w, b in bias_words.items()}
+            kwargs = dict(max_tokens=32, temperature=0.0, repetition_penalty=penalty,
+                          logit_bias=bias, min_tokens=min_tokens or None)
+            first = await client.generate_text(prompt, **kwargs)
+            again = await client.generate_text(prompt, **kwargs)  # prefix-cache hit
+            with torch.inference_mode():
+                input_ids = torch.tensor([ids])
+                out = model.generate(
+                    input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                    max_new_tokens=32, min_new_tokens=min_tokens, repetition_penalty=penalty,
+                    sequence_bias={(t,): b for t, b in bias.items()} or None,
+                    eos_token_id=eos, pad_token_id=eos)
+            want = out[0, len(ids):].tolist()
+            assert first.token_ids == want, (prompt, first.text, tokenizer.decode(want))
+            assert again.token_ids == want, prompt
+            assert again.usage["cached_tokens"] >= 16, again.usage
+            plain = await client.generate_text(prompt, max_tokens=32, temperature=0.0)
+            changed += plain.token_ids != want
+    assert changed >= 2  # the processors did change the greedy answers
