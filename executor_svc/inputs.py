@@ -26,6 +26,7 @@ of each. Steps where no row asks add nothing.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -196,10 +197,10 @@ def _processor_segments(p: ProcessorInputs) -> list[tuple[str, torch.dtype, int]
 
 
 def _processing(d: dict[str, torch.Tensor], p: ProcessorInputs) -> LogitsProcessing:
-    fields = {name: d[name] for name in (
-        "ban_rows", "ban_ids", "restricted_rows", "allowed_rows", "allowed_ids", "bias_rows",
-        "bias_ids", "bias_values", "penalty_rows", "penalty_num_prompt", "penalty_num_tokens",
-        "repetition", "presence", "frequency")}
-    return LogitsProcessing(
-        **fields, penalty_history=d["penalty_history"].view(p.penalty_history.shape),
-        min_p=d["min_p"] if p.min_p is not None else None)
+    """The device mirror of `p`: every field under its own name, the 2-D history reshaped and
+    min_p left out when no row uses it."""
+    fields = {f.name: d.get(f.name) for f in dataclasses.fields(LogitsProcessing)}
+    fields["penalty_history"] = fields["penalty_history"].view(p.penalty_history.shape)
+    if p.min_p is None:
+        fields["min_p"] = None
+    return LogitsProcessing(**fields)
