@@ -229,18 +229,20 @@ def test_sigterm_stops_the_server_within_2s_mid_stream(folio_server, folio_execu
                 client.wait_ready(timeout=180)
                 executor = executor_pid(server.proc.pid) if spawn_executor else None
                 errors: list[grpc.RpcError] = []
+                streaming = threading.Event()
 
                 def consume() -> None:
                     try:
                         for _ in client.generate(token_ids=[5, 6, 7], max_tokens=100_000,
                                                  ignore_eos=True, temperature=0.0):
-                            pass
+                            streaming.set()
                     except grpc.RpcError as e:
                         errors.append(e)
 
                 reader = threading.Thread(target=consume, daemon=True)
                 reader.start()
-                time.sleep(1.0)  # streaming now
+                # At the first token: the rest of the context (~500 steps) is still to come.
+                assert streaming.wait(timeout=60), "no token streamed"
                 start = time.monotonic()
                 server.proc.send_signal(signal.SIGTERM)
                 server.proc.wait(timeout=10)
