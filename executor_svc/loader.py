@@ -211,6 +211,9 @@ def prepare_for_device(model: nn.Module, device: torch.device, dtype: torch.dtyp
         num_layers = use_linear_method(model, method)
     log.info("cpu linear layers prepared", method=type(method).__name__, layers=num_layers,
              dtype=str(dtype), native_bf16=kernels.cpu.has_native_bf16())
+    # Built (or loaded from its cache) now, before the first step rather than inside it.
+    log.info("cpu fused kernels", enabled=kernels.cpu.fused_kernels() is not None,
+             isa=kernels.cpu_ext.capability())
     if dtype != torch.float32 and not kernels.cpu.has_native_bf16():
         log.warning("this CPU has no native bf16/fp16 matmuls (AVX512-BF16, AMX): 16-bit "
                     "weights halve memory but compute in fp32 and run slower than "

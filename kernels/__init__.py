@@ -19,13 +19,13 @@ from types import ModuleType
 
 import torch
 
-from kernels import cpu, twins
+from kernels import cpu, cpu_ext, twins
 
 _BACKEND = os.environ.get("FOLIO_KERNELS", "auto")
 if _BACKEND not in ("auto", "torch", "triton"):
     raise ValueError(f"FOLIO_KERNELS must be auto, torch or triton, not {_BACKEND!r}")
 
-__all__ = ["cpu", "cpu_backend_active", "paged_attention", "rms_norm", "rotary", "silu_and_mul",
+__all__ = ["cpu", "cpu_backend_active", "cpu_ext", "paged_attention", "rms_norm", "rotary", "silu_and_mul",
            "store_kv", "twins"]
 
 

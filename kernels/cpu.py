@@ -3,17 +3,21 @@
 Same signatures and cache layout as the twins (kernels/twins.py), which stay the oracle. What
 differs is how the work is batched, never what is computed:
 
-- paged_attention: decode rows (one query token per sequence) of the whole batch in one pass
-  (a lone decode sequence goes through SDPA on its unpadded keys instead):
-  every decode sequence's blocks are gathered at once into ``[num_decode, max_ctx, ...]``,
-  padded positions are masked (-inf score, zeroed value so poison there cannot leak), then one
-  batched matmul/softmax/matmul per KV head. Prefill rows go through torch's fused SDPA per
+- paged_attention: decode rows (one query token per sequence) of the whole batch in one call
+  of the fused kernel (kernels/csrc/cpu_ops.cpp, via kernels/cpu_ext.py), which reads each
+  sequence's keys and values straight from its blocks. Where that extension is unavailable,
+  torch ops: every decode sequence's blocks gathered at once into ``[num_decode, max_ctx,
+  ...]``, padded positions masked (-inf score, zeroed value so poison there cannot leak), one
+  batched matmul/softmax/matmul per KV head; or, for a lone sequence or lengths far apart,
+  SDPA sequence by sequence on unpadded keys. Prefill rows go through torch's fused SDPA per
   sequence (the flash CPU kernel), on the new keys directly when there is no cached prefix.
-  The per-step bookkeeping (which rows decode, the gather index, the mask) is an
-  `AttentionPlan`, built once per step and shared by every layer.
-- rms_norm: torch's fused rms_norm, bitwise equal to the twin in fp32 (checked in tests).
-- rotary: q and k rotated in one pass when k directly follows q in memory (the fused qkv
-  projection's layout), without the twin's concatenation temporary.
+  The per-step bookkeeping (which rows decode, their block tables or gather index and mask) is
+  an `AttentionPlan`, built once per step and shared by every layer.
+- rms_norm, silu_and_mul: the fused kernels for 16-bit dtypes (silu_and_mul bitwise equal to
+  the twin, rms_norm within one rounding: its mean sums in another order); in fp32 torch's own
+  ops, whose reduction order the twin and transformers share, so fp32 stays bitwise.
+- rotary: the fused kernel (bitwise equal to the twin in every dtype); without it, q and k
+  rotated in one pass of torch ops when k directly follows q in memory (the fused qkv layout).
 - store_kv: one index_copy_ per cache into its flat slot view.
 
 fp32 stays fp32 throughout, so fp32 greedy decoding stays token-exact against transformers.
@@ -29,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels import cpu_ext
 
 
 @functools.cache
@@ -51,6 +57,10 @@ class AttentionPlan:
     Decode part (sequences scheduled with exactly one token), in batch order::
 
         decode_rows      token rows of the decode sequences: a slice when they are contiguous
+        decode_fused     attend with the fused kernel; then only the two fields below are set
+                         of the decode part's tensors (the rest are empty)
+        decode_tables    [num_decode, max_blocks] int32: their block tables
+        decode_seq_lens  [num_decode] int32: their lengths
         decode_block_ids [num_decode * max_blocks] int64: their block tables, flattened
         decode_padding   [num_decode, 1, max_blocks * block_size] bool: position >= seq_len
         decode_padding_v the same, shaped [num_decode, max_blocks * block_size, 1, 1] for values
@@ -72,6 +82,9 @@ class AttentionPlan:
     decode_max_len: int = 0
     decode_lens: tuple[int, ...] = ()
     decode_per_seq: bool = False
+    decode_fused: bool = False
+    decode_tables: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
 
 
 # The padded batch computes max_len scores per decode sequence; one by one, each sequence costs
@@ -87,6 +100,11 @@ def per_sequence_decode(lens: tuple[int, ...]) -> bool:
     """Whether a step's decode sequences (of these lengths) attend one by one: a lone one
     (no padding, no mask: SDPA's fused kernel), or lengths far apart."""
     return len(lens) == 1 or max(lens) - sum(lens) / len(lens) > PER_SEQ_SLACK
+
+
+def fused_kernels():
+    """torch.ops.folio_cpu when the fused CPU kernels are built and enabled, else None."""
+    return cpu_ext.load()
 
 
 def plan_attention(block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
@@ -114,12 +132,22 @@ def plan_attention(block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     else:
         decode_rows = torch.tensor(rows, dtype=torch.long)
     max_len = max(lens[i] for i in decode_seqs)
+    decode_lens = tuple(lens[i] for i in decode_seqs)
+    if fused_kernels() is not None:
+        empty = torch.empty(0)
+        if num_decode == len(lens):  # every sequence decodes: the batch's own tensors
+            tables, dec_lens = block_tables, seq_lens
+        else:
+            seq_idx = torch.tensor(decode_seqs, dtype=torch.long)
+            tables, dec_lens = block_tables[seq_idx], seq_lens[seq_idx]
+        return AttentionPlan(num_decode, decode_rows, empty.long(), empty, empty.bool(),
+                             prefills, max_len, decode_lens, decode_fused=True,
+                             decode_tables=tables.int(), decode_seq_lens=dec_lens.int())
     max_blocks = -(-max_len // block_size)
     seq_idx = torch.tensor(decode_seqs, dtype=torch.long)
     block_ids = block_tables[seq_idx, :max_blocks].long().flatten()
     positions = torch.arange(max_blocks * block_size)  # [max_ctx]
     padding = positions[None, :] >= seq_lens[seq_idx, None]  # [num_decode, max_ctx]
-    decode_lens = tuple(lens[i] for i in decode_seqs)
     return AttentionPlan(num_decode, decode_rows, block_ids, padding[:, None, :],
                          padding[:, :, None, None], prefills, max_len, decode_lens,
                          per_sequence_decode(decode_lens))
@@ -139,7 +167,17 @@ def paged_attention_planned(
     optional: with them a prefill without cached prefix skips the gather from the cache."""
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype)
-    if plan.num_decode:
+    if plan.decode_fused:
+        ops = fused_kernels()
+        if isinstance(plan.decode_rows, slice):  # written in place, through a strided view
+            ops.decode_attention(out[plan.decode_rows], q[plan.decode_rows], k_cache, v_cache,
+                                 plan.decode_tables, plan.decode_seq_lens, scale)
+        else:
+            dec_out = torch.empty((plan.num_decode, *q.shape[1:]), dtype=q.dtype)
+            ops.decode_attention(dec_out, q[plan.decode_rows], k_cache, v_cache,
+                                 plan.decode_tables, plan.decode_seq_lens, scale)
+            out[plan.decode_rows] = dec_out
+    elif plan.num_decode:
         out[plan.decode_rows] = _decode(q[plan.decode_rows], k_cache, v_cache, plan, scale)
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     cdt = compute_dtype(q.dtype)
@@ -264,6 +302,15 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # [num_tokens, hidden]
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ops = fused_kernels()
+    if ops is not None and x.dtype != torch.float32 and weight.dtype == x.dtype:
+        hidden = x.shape[-1]
+        rows = x.reshape(-1, hidden)  # a view where the layout allows, else a copy
+        res = residual.reshape(-1, hidden) if residual is not None else None
+        outs = ops.rms_norm(rows, weight.contiguous(), eps, res)
+        if residual is None:
+            return outs[0].view(x.shape)
+        return outs[0].view(x.shape), outs[1].view(x.shape)
     if residual is not None:
         x = x + residual  # the residual stream, summed in the model dtype as transformers does
     out = torch.rms_norm(x, weight.shape, weight, eps)
@@ -276,6 +323,12 @@ def rotary(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
     cos_sin_cache: torch.Tensor,  # [max_position, head_dim]: cos | sin halves
 ) -> None:
+    ops = fused_kernels()
+    if (ops is not None and cos_sin_cache.dtype == torch.float32 and q.dtype == k.dtype
+            and positions.dtype == torch.long and positions.is_contiguous()
+            and q.stride(-1) == k.stride(-1) == cos_sin_cache.stride(-1) == 1):
+        ops.rotary(positions, q, k, cos_sin_cache)
+        return
     half = cos_sin_cache.shape[1] // 2
     cos_sin = cos_sin_cache.index_select(0, positions).to(q.dtype)  # [num_tokens, head_dim]
     cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]  # [num_tokens, 1, half]
@@ -302,6 +355,10 @@ def _rotary_operands(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ..
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * intermediate]
+    ops = fused_kernels()
+    if ops is not None and x.dtype != torch.float32:
+        out = ops.silu_and_mul(x.reshape(-1, x.shape[-1]))
+        return out.view(*x.shape[:-1], x.shape[-1] // 2)
     intermediate = x.shape[-1] // 2
     out = F.silu(x[..., :intermediate])  # [num_tokens, intermediate]
     return out.mul_(x[..., intermediate:])

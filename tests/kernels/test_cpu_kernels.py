@@ -3,7 +3,8 @@
 Paged batches use shuffled physical blocks, ragged lengths crossing block boundaries and NaN in
 every cache slot that must not be read (conftest.make_paged_batch). fp32 is held to a tight
 tolerance (the batched decode sums the same products in a padded matmul) and the elementwise ops
-to bitwise equality; bf16 to the twins' fp32 math within bf16 rounding.
+to bitwise equality; bf16 to the twins' fp32 math within bf16 rounding. The fused C++ kernels
+the backend calls are checked on their own in test_cpu_ext.py; here every decode path runs.
 """
 
 import pytest
@@ -26,11 +27,17 @@ BATCHES = {
 }
 
 
-@pytest.fixture(params=["batched", "per_sequence"])
+@pytest.fixture(params=["fused", "batched", "per_sequence"])
 def decode_path(request, monkeypatch):
-    """Both decode attention paths, whatever `cpu.per_sequence_decode` would choose."""
-    forced = request.param == "per_sequence"
-    monkeypatch.setattr(cpu, "per_sequence_decode", lambda lens: forced)
+    """Every decode attention path, whatever the plan would choose: the fused kernel (where
+    it builds) and both torch paths the CPU backend falls back to without it."""
+    if request.param == "fused":
+        if cpu.fused_kernels() is None:
+            pytest.skip("the fused CPU kernels did not build here")
+    else:
+        monkeypatch.setattr(cpu, "fused_kernels", lambda: None)
+        forced = request.param == "per_sequence"
+        monkeypatch.setattr(cpu, "per_sequence_decode", lambda lens: forced)
     return request.param
 
 

@@ -1,0 +1,190 @@
+"""The fused CPU kernels (kernels/csrc/cpu_ops.cpp) against the torch twins, the oracle.
+
+rotary must be the twin's bitwise in every dtype, silu_and_mul in 16-bit dtypes (same rounding
+points, the same exp); rms_norm within one rounding of the dtype (its mean sums in another order, so the
+backend keeps torch's own op for fp32, which stays bitwise with transformers). Decode attention reads only each sequence's own positions: every other cache
+slot holds NaN, so a stray read shows. Where the extension cannot be built (no compiler) these
+tests skip, and test_cpu_kernels.py still runs the torch fallbacks.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels import cpu, cpu_ext, twins
+from tests.kernels.conftest import make_paged_batch
+
+ops = cpu_ext.load()
+pytestmark = pytest.mark.skipif(ops is None, reason="the fused CPU kernels did not build here")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _strided_rows(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, cols] as a view with a row stride wider than cols, like a slice of a fused row."""
+    return torch.randn(rows, cols + 24).to(dtype)[:, 8:8 + cols]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("rows, hidden", [(1, 64), (13, 896), (7, 100), (33, 8)])
+def test_rms_norm(dtype, with_residual, rows, hidden):
+    x, weight = _strided_rows(rows, hidden, dtype), torch.randn(hidden).to(dtype)
+    residual = torch.randn(rows, hidden).to(dtype) if with_residual else None
+    got = ops.rms_norm(x, weight, 1e-6, residual)
+    expected = twins.rms_norm(x, weight, 1e-6, residual)
+    expected = expected if with_residual else (expected,)
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype == dtype and g.shape == e.shape
+        # Sums in another order than torch's mean: at most one rounding of the dtype apart.
+        torch.testing.assert_close(g, e)
+    if with_residual:
+        assert torch.equal(got[1], expected[1]), "the residual sum is exact in every dtype"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, inter", [(1, 64), (16, 4864), (5, 37)])
+def test_silu_and_mul(dtype, rows, inter):
+    x = _strided_rows(rows, 2 * inter, dtype) * 4  # reach silu's saturated tails too
+    got, expected = ops.silu_and_mul(x), twins.silu_and_mul(x)
+    if dtype == torch.float32:  # torch's scalar tail loop: the last ulp may differ there
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    else:
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_rotary_in_place_on_fused_qkv_views(dtype, head_dim):
+    num_tokens, num_heads, num_kv_heads = 9, 6, 2
+    cache = torch.randn(500, head_dim)
+    positions = torch.randint(0, 500, (num_tokens,))
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
+                         num_kv_heads * head_dim], dim=-1)
+    q, k = q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim)
+    q_t, k_t, v_before = q.clone(), k.clone(), v.clone()
+    ops.rotary(positions, q, k, cache)
+    twins.rotary(positions, q_t, k_t, cache)
+    assert torch.equal(q, q_t) and torch.equal(k, k_t)
+    assert torch.equal(v, v_before), "v must not be touched"
+
+
+def test_rotary_rejects_a_position_outside_the_cache():
+    q, k = torch.randn(2, 2, 8), torch.randn(2, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.rotary(torch.tensor([0, 10]), q, k, torch.randn(10, 8))
+
+
+def _decode_case(lens, group, num_kv_heads, head_dim, block_size, dtype, seed):
+    batch = make_paged_batch([(n, 1) for n in lens], group * num_kv_heads, num_kv_heads,
+                             head_dim, block_size, dtype, torch.device("cpu"), seed=seed)
+    expected = twins.paged_attention(*batch.args())
+    return batch, expected
+
+
+def _decode(batch, out=None):
+    out = torch.full_like(batch.q, float("nan")) if out is None else out
+    ops.decode_attention(out, batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
+                         batch.seq_lens, batch.scale)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(lens=st.lists(st.integers(1, 200), min_size=1, max_size=12),
+       group=st.sampled_from([1, 2, 7]), num_kv_heads=st.sampled_from([1, 2]),
+       head_dim=st.sampled_from([64, 128, 40, 8]), block_size=st.sampled_from([1, 4, 16]),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_decode_attention_matches_the_twin(lens, group, num_kv_heads, head_dim, block_size,
+                                           dtype, seed):
+    batch, expected = _decode_case(lens, group, num_kv_heads, head_dim, block_size, dtype, seed)
+    got = _decode(batch)
+    assert not got.isnan().any(), "a slot past a sequence's length was read"
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def test_decode_attention_writes_through_strided_views():
+    """q as a slice of the fused qkv rows and out as rows of a wider buffer: no copies."""
+    batch, expected = _decode_case([30, 7, 64], 7, 2, 64, 16, torch.bfloat16, seed=3)
+    num_seqs, num_heads, head_dim = batch.q.shape
+    qkv = torch.randn(num_seqs, (num_heads + 4) * head_dim).to(torch.bfloat16)
+    q = qkv[:, :num_heads * head_dim].view(num_seqs, num_heads, head_dim)
+    q.copy_(batch.q)
+    wide = torch.full((num_seqs + 2, num_heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    ops.decode_attention(wide[1:-1], q, batch.k_cache, batch.v_cache, batch.block_tables,
+                         batch.seq_lens, batch.scale)
+    torch.testing.assert_close(wide[1:-1].float(), expected.float(), atol=2e-2, rtol=2e-2)
+    assert wide[0].isnan().all() and wide[-1].isnan().all(), "rows outside the view written"
+
+
+def test_decode_attention_is_batch_and_thread_invariant():
+    """A sequence's output is computed from its own rows only: alone or in a batch, on one
+    thread or two, the bits are the same (what seeded sampling's batch invariance needs)."""
+    batch, _ = _decode_case([90, 5, 300, 17], 7, 2, 64, 16, torch.bfloat16, seed=5)
+    together = _decode(batch)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = _decode(batch)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, one_thread)
+    for i in range(len(batch.seq_lens)):
+        alone = torch.empty_like(batch.q[i:i + 1])
+        ops.decode_attention(alone, batch.q[i:i + 1], batch.k_cache, batch.v_cache,
+                             batch.block_tables[i:i + 1], batch.seq_lens[i:i + 1], batch.scale)
+        assert torch.equal(alone, together[i:i + 1])
+
+
+@pytest.mark.parametrize("bad", ["seq_len", "block_id"])
+def test_decode_attention_refuses_out_of_range_metadata(bad):
+    batch, _ = _decode_case([20, 20], 2, 2, 64, 16, torch.float32, seed=1)
+    tables, lens = batch.block_tables.clone(), batch.seq_lens.clone()
+    if bad == "seq_len":
+        lens[1] = tables.shape[1] * 16 + 1
+    else:
+        tables[0, 0] = batch.k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="outside|out of range"):
+        ops.decode_attention(torch.empty_like(batch.q), batch.q, batch.k_cache, batch.v_cache,
+                             tables, lens, batch.scale)
+
+
+def test_backend_uses_the_fused_kernels():
+    """The CPU backend's plan picks the fused decode kernel and carries int32 tables."""
+    batch = make_paged_batch([(40, 1), (9, 9), (17, 1)], 4, 2, 64, 16, torch.float32,
+                             torch.device("cpu"))
+    plan = cpu.plan_attention(batch.block_tables, batch.seq_lens, batch.query_start_loc, 16)
+    assert plan.decode_fused and plan.num_decode == 2
+    assert plan.decode_tables.dtype == torch.int32 and plan.decode_tables.shape[0] == 2
+    assert plan.decode_seq_lens.tolist() == [40, 17]
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **env})
+
+
+def test_env_switches_the_extension_off_and_a_failed_build_falls_back():
+    code = ("from kernels import cpu_ext, cpu, twins; import torch;"
+            "print(cpu_ext.load() is None);"
+            "x = torch.randn(3, 64).bfloat16(); w = torch.ones(64).bfloat16();"
+            "print(torch.equal(cpu.silu_and_mul(x), twins.silu_and_mul(x)))")
+    off = _python(code, FOLIO_CPU_EXT="0")
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.split() == ["True", "True"]
+    # No compiler: auto logs why and runs the torch path; 1 refuses to start.
+    broken = {"CXX": "/nonexistent/c++", "FOLIO_CACHE_DIR": os.path.join(ROOT, ".pytest_cache",
+                                                                         "no-compiler")}
+    auto = _python(code, FOLIO_CPU_EXT="auto", **broken)
+    assert auto.returncode == 0, auto.stderr
+    assert auto.stdout.splitlines()[-2:] == ["True", "True"]
+    assert "cpu kernels unavailable" in auto.stdout + auto.stderr
+    required = _python(code, FOLIO_CPU_EXT="1", **broken)
+    assert required.returncode != 0 and "did not build" in required.stderr
