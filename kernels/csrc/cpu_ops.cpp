@@ -280,6 +280,86 @@ void rotary(const at::Tensor& positions, at::Tensor q, at::Tensor k, const at::T
 // softmax over the whole context (two passes over K: scores, then P·V); positions past
 // seq_lens[s] are never read, so stale or poisoned slots cannot leak.
 
+// Key rows of n (<= kV) consecutive tokens, each `row_stride` elements apart from `rows`,
+// transposed into tile[d * kV + lane] as fp32. Lanes >= n repeat row 0 (in bounds; their
+// scores are never stored).
+// Ask for a cache row's lines ahead of use: sequences' blocks are scattered, so the hardware
+// prefetcher loses the stream at every block boundary.
+template <typename T>
+inline void prefetch_row(const T* row, int64_t dim) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b);
+}
+
+inline at::vec::Vectorized<int32_t> lane_offsets(int64_t row_stride, int64_t n) {
+  int32_t idx[kV];
+  for (int64_t l = 0; l < kV; ++l) idx[l] = static_cast<int32_t>(l < n ? l * row_stride : 0);
+  return at::vec::Vectorized<int32_t>::loadu(idx);
+}
+
+inline void key_tile(const float* rows, int64_t row_stride, int64_t n, int64_t dim, float* tile) {
+  const auto idx = lane_offsets(row_stride, n);
+  for (int64_t d = 0; d < dim; ++d) at::vec::gather<4>(rows + d, idx).store(tile + d * kV);
+}
+
+inline void key_tile(const at::BFloat16* rows, int64_t row_stride, int64_t n, int64_t dim,
+                     float* tile) {
+  // One 32-bit gather brings dimensions d (low half) and d + 1 (high half) of every row; a
+  // bf16 is the top half of its fp32.
+  using iVec = at::vec::Vectorized<int32_t>;
+  const auto idx = lane_offsets(row_stride, n);
+  const iVec high_mask(static_cast<int32_t>(0xFFFF0000u)), shift(16);
+  int64_t d = 0;
+  for (; d + 1 < dim; d += 2) {
+    const iVec w = at::vec::cast<int32_t>(
+        at::vec::gather<2>(reinterpret_cast<const float*>(rows + d), idx));
+    at::vec::cast<float>(w << shift).store(tile + d * kV);
+    at::vec::cast<float>(w & high_mask).store(tile + (d + 1) * kV);
+  }
+  for (; d < dim; ++d)
+    for (int64_t l = 0; l < kV; ++l)
+      tile[d * kV + l] = static_cast<float>(rows[(l < n ? l : 0) * row_stride + d]);
+}
+
+inline void key_tile(const at::Half* rows, int64_t row_stride, int64_t n, int64_t dim,
+                     float* tile) {
+  for (int64_t d = 0; d < dim; ++d)
+    for (int64_t l = 0; l < kV; ++l)
+      tile[d * kV + l] = static_cast<float>(rows[(l < n ? l : 0) * row_stride + d]);
+}
+
+// acc[g] = sum_t p[g, t] * v_t over one (sequence, KV head)'s value rows, for head_dim =
+// NV * kV: two query heads at a time with their accumulators in registers.
+template <int NV, typename T>
+void weighted_rows(const T* vbase, const int32_t* row_bt, int64_t block_size, int64_t vb,
+                   int64_t vt, int64_t len, const float* probs, int64_t group, float* acc) {
+  constexpr int64_t kAhead = 8;
+  for (int64_t g = 0; g < group; g += 2) {
+    const bool two = g + 1 < group;
+    const float* p0 = probs + g * len;
+    const float* p1 = two ? p0 + len : p0;
+    fVec a0[NV], a1[NV];
+    for (int j = 0; j < NV; ++j) a0[j] = a1[j] = fVec(0.f);
+    for (int64_t t = 0; t < len; ++t) {
+      const T* vrow = vbase + row_bt[t / block_size] * vb + (t % block_size) * vt;
+      if (g == 0 && t + kAhead < len) {
+        const int64_t ta = t + kAhead;
+        prefetch_row(vbase + row_bt[ta / block_size] * vb + (ta % block_size) * vt, NV * kV);
+      }
+      const fVec w0(p0[t]), w1(p1[t]);
+      for (int j = 0; j < NV; ++j) {
+        const fVec v = load_f(vrow + j * kV);
+        a0[j] = at::vec::fmadd(w0, v, a0[j]);
+        a1[j] = at::vec::fmadd(w1, v, a1[j]);
+      }
+    }
+    for (int j = 0; j < NV; ++j) {
+      a0[j].store(acc + g * NV * kV + j * kV);
+      if (two) a1[j].store(acc + (g + 1) * NV * kV + j * kV);
+    }
+  }
+}
+
 template <typename T>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -301,7 +381,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, num_seqs * num_kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), kf(dim), scores;
+    std::vector<float> qf(group * dim), acc(group * dim), kT(dim * kV), scores;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t s = w / num_kv, h = w % num_kv;
       const int64_t len = lens[s];
@@ -316,35 +396,45 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       }
       scores.resize(group * len);
       const int32_t* row_bt = bt + s * sbt;
-      // Pass 1: scores[g, t] = scale * q_g . k_t
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t blk = row_bt[t / block_size];
+      // Pass 1: scores[g, t] = scale * q_g . k_t, kV tokens of one block at a time: their key
+      // rows gathered into a transposed fp32 tile, then one vertical FMA per dimension per head.
+      for (int64_t t0 = 0; t0 < len;) {
+        const int64_t blk = row_bt[t0 / block_size], off = t0 % block_size;
         TORCH_CHECK(blk >= 0 && blk < num_cache_blocks, "block id ", blk, " out of range");
-        const T* krow = kp + blk * kb + (t % block_size) * kt + h * kh;
-        int64_t j = 0;  // the key row widened once, shared by the group's heads
-        for (; j < vec_end; j += kV) load_f(krow + j).store(kf.data() + j);
-        for (; j < dim; ++j) kf[j] = static_cast<float>(krow[j]);
+        const int64_t n = std::min<int64_t>({kV, block_size - off, len - t0});
+        if (t0 + n < len) {  // the next tile's rows
+          const int64_t t1 = t0 + n, n1 = std::min<int64_t>({kV, block_size - t1 % block_size, len - t1});
+          const T* next = kp + row_bt[t1 / block_size] * kb + (t1 % block_size) * kt + h * kh;
+          for (int64_t l = 0; l < n1; ++l) prefetch_row(next + l * kt, dim);
+        }
+        key_tile(kp + blk * kb + off * kt + h * kh, kt, n, dim, kT.data());
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * dim;
-          fVec dot(0.f);
-          for (j = 0; j < vec_end; j += kV)
-            dot = at::vec::fmadd(fVec::loadu(qg + j), fVec::loadu(kf.data() + j), dot);
-          float dot_s = 0.f;
-          for (; j < dim; ++j) dot_s += qg[j] * kf[j];
-          scores[g * len + t] = hsum(dot) + dot_s;
+          fVec s0(0.f), s1(0.f);
+          int64_t d = 0;
+          for (; d + 1 < dim; d += 2) {
+            s0 = at::vec::fmadd(fVec(qg[d]), fVec::loadu(kT.data() + d * kV), s0);
+            s1 = at::vec::fmadd(fVec(qg[d + 1]), fVec::loadu(kT.data() + (d + 1) * kV), s1);
+          }
+          if (d < dim) s0 = at::vec::fmadd(fVec(qg[d]), fVec::loadu(kT.data() + d * kV), s0);
+          (s0 + s1).store(scores.data() + g * len + t0, n);
         }
+        t0 += n;
       }
       // Softmax per query head; probabilities stay unnormalised until the end.
       std::vector<float> inv_sum(group);
       for (int64_t g = 0; g < group; ++g) {
         float* sc = scores.data() + g * len;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) m = std::max(m, sc[t]);
+        fVec mx(-std::numeric_limits<float>::infinity());
+        int64_t t = 0;
+        for (; t + kV <= len; t += kV) mx = at::vec::maximum(mx, fVec::loadu(sc + t));
+        float m = at::vec::vec_reduce_all<float>(
+            [](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, mx);
+        for (; t < len; ++t) m = std::max(m, sc[t]);
         const fVec mv(m);
         fVec sum_v(0.f);
         float sum_s = 0.f;
-        int64_t t = 0;
-        for (; t + kV <= len; t += kV) {
+        for (t = 0; t + kV <= len; t += kV) {
           fVec e = (fVec::loadu(sc + t) - mv).exp();
           e.store(sc + t);
           sum_v = sum_v + e;
@@ -356,21 +446,34 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
         inv_sum[g] = 1.f / (hsum(sum_v) + sum_s);
       }
       // Pass 2: out_g = sum_t p[g, t] v_t / sum_t p[g, t]
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t blk = row_bt[t / block_size];
-        const T* vrow = vp + blk * vb + (t % block_size) * vt + h * vh;
-        int64_t j = 0;
-        for (; j < vec_end; j += kV) {
-          const fVec v = load_f(vrow + j);
-          for (int64_t g = 0; g < group; ++g) {
-            float* a = acc.data() + g * dim + j;
-            at::vec::fmadd(fVec(scores[g * len + t]), v, fVec::loadu(a)).store(a);
+      constexpr int64_t kAhead = 8;
+      for (int64_t t = 0; t < std::min(len, kAhead); ++t)
+        prefetch_row(vp + row_bt[t / block_size] * vb + (t % block_size) * vt + h * vh, dim);
+      const T* vbase = vp + h * vh;
+      if (dim == 4 * kV) {
+        weighted_rows<4>(vbase, row_bt, block_size, vb, vt, len, scores.data(), group, acc.data());
+      } else if (dim == 8 * kV) {
+        weighted_rows<8>(vbase, row_bt, block_size, vb, vt, len, scores.data(), group, acc.data());
+      } else {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t t = 0; t < len; ++t) {
+          const T* vrow = vbase + row_bt[t / block_size] * vb + (t % block_size) * vt;
+          if (t + kAhead < len) {
+            const int64_t ta = t + kAhead;
+            prefetch_row(vbase + row_bt[ta / block_size] * vb + (ta % block_size) * vt, dim);
           }
-        }
-        for (; j < dim; ++j) {
-          const float v = static_cast<float>(vrow[j]);
-          for (int64_t g = 0; g < group; ++g) acc[g * dim + j] += scores[g * len + t] * v;
+          int64_t j = 0;
+          for (; j < vec_end; j += kV) {
+            const fVec v = load_f(vrow + j);
+            for (int64_t g = 0; g < group; ++g) {
+              float* a = acc.data() + g * dim + j;
+              at::vec::fmadd(fVec(scores[g * len + t]), v, fVec::loadu(a)).store(a);
+            }
+          }
+          for (; j < dim; ++j) {
+            const float v = static_cast<float>(vrow[j]);
+            for (int64_t g = 0; g < group; ++g) acc[g * dim + j] += scores[g * len + t] * v;
+          }
         }
       }
       for (int64_t g = 0; g < group; ++g) {
