@@ -280,52 +280,12 @@ void rotary(const at::Tensor& positions, at::Tensor q, at::Tensor k, const at::T
 // softmax over the whole context (two passes over K: scores, then P·V); positions past
 // seq_lens[s] are never read, so stale or poisoned slots cannot leak.
 
-// Key rows of n (<= kV) consecutive tokens, each `row_stride` elements apart from `rows`,
-// transposed into tile[d * kV + lane] as fp32. Lanes >= n repeat row 0 (in bounds; their
-// scores are never stored).
 // Ask for a cache row's lines ahead of use: sequences' blocks are scattered, so the hardware
 // prefetcher loses the stream at every block boundary.
 template <typename T>
 inline void prefetch_row(const T* row, int64_t dim) {
   const char* p = reinterpret_cast<const char*>(row);
   for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b);
-}
-
-inline at::vec::Vectorized<int32_t> lane_offsets(int64_t row_stride, int64_t n) {
-  int32_t idx[kV];
-  for (int64_t l = 0; l < kV; ++l) idx[l] = static_cast<int32_t>(l < n ? l * row_stride : 0);
-  return at::vec::Vectorized<int32_t>::loadu(idx);
-}
-
-inline void key_tile(const float* rows, int64_t row_stride, int64_t n, int64_t dim, float* tile) {
-  const auto idx = lane_offsets(row_stride, n);
-  for (int64_t d = 0; d < dim; ++d) at::vec::gather<4>(rows + d, idx).store(tile + d * kV);
-}
-
-inline void key_tile(const at::BFloat16* rows, int64_t row_stride, int64_t n, int64_t dim,
-                     float* tile) {
-  // One 32-bit gather brings dimensions d (low half) and d + 1 (high half) of every row; a
-  // bf16 is the top half of its fp32.
-  using iVec = at::vec::Vectorized<int32_t>;
-  const auto idx = lane_offsets(row_stride, n);
-  const iVec high_mask(static_cast<int32_t>(0xFFFF0000u)), shift(16);
-  int64_t d = 0;
-  for (; d + 1 < dim; d += 2) {
-    const iVec w = at::vec::cast<int32_t>(
-        at::vec::gather<2>(reinterpret_cast<const float*>(rows + d), idx));
-    at::vec::cast<float>(w << shift).store(tile + d * kV);
-    at::vec::cast<float>(w & high_mask).store(tile + (d + 1) * kV);
-  }
-  for (; d < dim; ++d)
-    for (int64_t l = 0; l < kV; ++l)
-      tile[d * kV + l] = static_cast<float>(rows[(l < n ? l : 0) * row_stride + d]);
-}
-
-inline void key_tile(const at::Half* rows, int64_t row_stride, int64_t n, int64_t dim,
-                     float* tile) {
-  for (int64_t d = 0; d < dim; ++d)
-    for (int64_t l = 0; l < kV; ++l)
-      tile[d * kV + l] = static_cast<float>(rows[(l < n ? l : 0) * row_stride + d]);
 }
 
 // acc[g] = sum_t p[g, t] * v_t over one (sequence, KV head)'s value rows, for head_dim =
@@ -381,7 +341,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, num_seqs * num_kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), kT(dim * kV), scores;
+    std::vector<float> qf(group * dim), acc(group * dim), kf(dim), scores;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t s = w / num_kv, h = w % num_kv;
       const int64_t len = lens[s];
@@ -396,8 +356,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       }
       scores.resize(group * len);
       const int32_t* row_bt = bt + s * sbt;
-      // Pass 1: scores[g, t] = scale * q_g . k_t, kV tokens of one block at a time: their key
-      // rows gathered into a transposed fp32 tile, then one vertical FMA per dimension per head.
+      // Pass 1: scores[g, t] = scale * q_g . k_t, up to kV tokens of one block at a time (the
+      // next ones prefetched meanwhile); each key row widened once and shared by the group.
       for (int64_t t0 = 0; t0 < len;) {
         const int64_t blk = row_bt[t0 / block_size], off = t0 % block_size;
         TORCH_CHECK(blk >= 0 && blk < num_cache_blocks, "block id ", blk, " out of range");
@@ -407,17 +367,26 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
           const T* next = kp + row_bt[t1 / block_size] * kb + (t1 % block_size) * kt + h * kh;
           for (int64_t l = 0; l < n1; ++l) prefetch_row(next + l * kt, dim);
         }
-        key_tile(kp + blk * kb + off * kt + h * kh, kt, n, dim, kT.data());
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * dim;
-          fVec s0(0.f), s1(0.f);
-          int64_t d = 0;
-          for (; d + 1 < dim; d += 2) {
-            s0 = at::vec::fmadd(fVec(qg[d]), fVec::loadu(kT.data() + d * kV), s0);
-            s1 = at::vec::fmadd(fVec(qg[d + 1]), fVec::loadu(kT.data() + (d + 1) * kV), s1);
+        const T* rows = kp + blk * kb + off * kt + h * kh;
+        for (int64_t l = 0; l < n; ++l) {
+          const T* krow = rows + l * kt;
+          int64_t j = 0;
+          for (; j < vec_end; j += kV) load_f(krow + j).store(kf.data() + j);
+          for (; j < dim; ++j) kf[j] = static_cast<float>(krow[j]);
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * dim;
+            fVec s0(0.f), s1(0.f);  // two chains: half the FMA latency per dot
+            j = 0;
+            for (; j + 2 * kV <= vec_end; j += 2 * kV) {
+              s0 = at::vec::fmadd(fVec::loadu(qg + j), fVec::loadu(kf.data() + j), s0);
+              s1 = at::vec::fmadd(fVec::loadu(qg + j + kV), fVec::loadu(kf.data() + j + kV), s1);
+            }
+            for (; j < vec_end; j += kV)
+              s0 = at::vec::fmadd(fVec::loadu(qg + j), fVec::loadu(kf.data() + j), s0);
+            float tail = 0.f;
+            for (; j < dim; ++j) tail += qg[j] * kf[j];
+            scores[g * len + t0 + l] = hsum(s0 + s1) + tail;
           }
-          if (d < dim) s0 = at::vec::fmadd(fVec(qg[d]), fVec::loadu(kT.data() + d * kV), s0);
-          (s0 + s1).store(scores.data() + g * len + t0, n);
         }
         t0 += n;
       }
