@@ -4,7 +4,7 @@ Same signatures and cache layout as the twins (kernels/twins.py), which stay the
 differs is how the work is batched, never what is computed:
 
 - paged_attention: decode rows (one query token per sequence) of the whole batch in one call
-  of the fused kernel (kernels/csrc/cpu_ops.cpp, via kernels/cpu_ext.py), which reads each
+  of the fused kernel (kernels/csrc/decode_attention.cpp, via kernels/cpu_ext.py), which reads each
   sequence's keys and values straight from its blocks. Where that extension is unavailable,
   torch ops: every decode sequence's blocks gathered at once into ``[num_decode, max_ctx,
   ...]``, padded positions masked (-inf score, zeroed value so poison there cannot leak), one

@@ -1,4 +1,4 @@
-"""The fused CPU kernels of kernels/csrc/cpu_ops.cpp: built on first use, loaded as torch.ops.
+"""The fused CPU kernels of kernels/csrc/: built on first use, loaded as torch.ops.
 
     from kernels import cpu_ext
     ops = cpu_ext.load()  # torch.ops.folio_cpu, or None where it cannot be built
@@ -6,7 +6,7 @@
 The extension is compiled with torch.utils.cpp_extension (gcc or clang, and ninja: the `ninja`
 package is a dependency) for the vector ISA torch itself picked on this machine (AVX512, AVX2
 or none), into ``$FOLIO_CACHE_DIR/cpu-ext`` (default ``~/.cache/folio``); the directory name
-carries a hash of the source, the flags and the torch version, so a changed source or another
+carries a hash of the sources, the flags and the torch version, so a changed source or another
 machine's ISA builds anew and a cached build loads in milliseconds. `make install` builds it
 once (`python -m kernels.cpu_ext`), so the first server start does not.
 
@@ -30,7 +30,8 @@ import torch
 
 log = structlog.get_logger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cpp"))  # ops.cpp registers the ops the others define
 MODE = os.environ.get("FOLIO_CPU_EXT", "auto")
 if MODE not in ("auto", "0", "1"):
     raise ValueError(f"FOLIO_CPU_EXT must be auto, 0 or 1, not {MODE!r}")
@@ -64,7 +65,9 @@ def build_dir() -> Path:
 
 def _name(flags: list[str]) -> str:
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for path in sorted(CSRC.iterdir()):  # the .cpp sources and their header
+        key.update(path.name.encode())
+        key.update(path.read_bytes())
     key.update(" ".join(flags).encode())
     key.update(torch.__version__.encode())
     key.update(sys.version.encode())
@@ -92,7 +95,7 @@ def build(verbose: bool = False) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     _ninja_on_path()
     started = time.monotonic()
-    cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
+    cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=flags,
                        extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
                        verbose=verbose)
     seconds = time.monotonic() - started

@@ -1,0 +1,25 @@
+// Fused CPU kernels for the executor's hot loop, registered as torch.ops.folio_cpu.*.
+//
+// Built on first use by kernels/cpu_ext.py (torch.utils.cpp_extension, no pybind) with the
+// vector ISA of the machine it runs on (CPU_CAPABILITY = AVX512, AVX2 or DEFAULT), and checked
+// against the torch twins in tests/kernels/test_cpu_ext.py. The kernels: elementwise.cpp,
+// decode_attention.cpp; shared helpers and invariants: vec.h.
+
+#include <torch/library.h>
+
+#include "vec.h"
+
+TORCH_LIBRARY(folio_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> Tensor[]");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin) -> ()");
+  m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(folio_cpu, CPU, m) {
+  m.impl("rms_norm", &folio_cpu::rms_norm);
+  m.impl("silu_and_mul", &folio_cpu::silu_and_mul);
+  m.impl("rotary", &folio_cpu::rotary);
+  m.impl("decode_attention", &folio_cpu::decode_attention);
+}

@@ -1,0 +1,96 @@
+// Shared by the fused CPU kernels (kernels/csrc/*.cpp): fp32 vectors of the build's ISA and
+// the loads, stores and roundings that keep 16-bit results on the twins' rounding points.
+//
+// Invariants shared by every kernel:
+// - Math in fp32; inputs of 16-bit dtypes are widened on load and rounded (to nearest even)
+//   only where the twin rounds, so a bf16 result matches the twin's rounding points.
+// - The innermost dimension of every tensor argument is contiguous (checked); outer strides
+//   are passed through, so strided views (q inside the fused qkv output) need no copy.
+// - Work is split with at::parallel_for over torch's intra-op threads, with grains sized so
+//   small batches stay on one thread rather than paying a fork/join.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+namespace folio_cpu {
+
+using at::vec::Vectorized;
+using fVec = Vectorized<float>;
+constexpr int64_t kV = fVec::size();
+
+// Elements one parallel chunk should hold before a second thread is worth waking.
+constexpr int64_t kGrainElems = 1 << 14;
+
+template <typename T>
+inline fVec load_f(const T* p) {  // kV elements, widened to fp32
+  if constexpr (std::is_same_v<T, float>) {
+    return fVec::loadu(p);
+  } else {
+    fVec out;
+    at::vec::load_to_float<T>(p, out);
+    return out;
+  }
+}
+
+template <typename T>
+inline void store_f(T* p, const fVec& v) {  // kV elements, rounded to T
+  if constexpr (std::is_same_v<T, float>) {
+    v.store(p);
+  } else {
+    at::vec::convert_from_float<T>(v, v).store(p, kV);
+  }
+}
+
+template <typename T>
+inline fVec round_f(const fVec& v) {  // v rounded to T and widened back
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v)));
+  }
+}
+
+template <typename T>
+inline float round_s(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+inline float hsum(const fVec& v) {
+  return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, v);
+}
+
+inline int64_t grain_rows(int64_t row_elems) {
+  return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(row_elems, 1));
+}
+
+// float, bfloat16 and float16: the dtypes the executor runs.
+#define FOLIO_DISPATCH(TYPE, NAME, ...)                                           \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)         \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)                  \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+inline void check_inner_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.stride(-1) == 1, name, " must have a contiguous last dimension");
+}
+
+// The ops, as torch.ops.folio_cpu registers them (ops.cpp).
+std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                 const std::optional<at::Tensor>& residual);
+at::Tensor silu_and_mul(const at::Tensor& x);
+void rotary(const at::Tensor& positions, at::Tensor q, at::Tensor k, const at::Tensor& cos_sin);
+void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& block_tables,
+                      const at::Tensor& seq_lens, double scale);
+
+}  // namespace folio_cpu
