@@ -1,4 +1,4 @@
-"""The fused CPU kernels (kernels/csrc/cpu_ops.cpp) against the torch twins, the oracle.
+"""The fused CPU kernels (kernels/csrc/) against the torch twins, the oracle.
 
 rotary must be the twin's bitwise in every dtype, silu_and_mul in 16-bit dtypes (same rounding
 points, the same exp); rms_norm within one rounding of the dtype (its mean sums in another order, so the
