@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
                      help="each prompt token's logprob and rank plus K alternatives (0..20; "
                           "in --json)")
+    gen.add_argument("--logprobs-mode", choices=["raw", "processed"], default="raw",
+                     help="--logprobs of the model's distribution (raw) or of the one each "
+                          "token was drawn from, after penalties, temperature, top-k/p "
+                          "(processed)")
     gen.add_argument("--request-id", default="")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (token_ids, text, finish_reason, "
@@ -201,7 +205,8 @@ def generate_kwargs(args: argparse.Namespace) -> dict:
                   logit_bias=_logit_bias(args.logit_bias),
                   allowed_token_ids=_ids(args.allowed_token_ids, "--allowed-token-ids"),
                   bad_words=args.bad_words,
-                  logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
+                  logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
+                  logprobs_mode=args.logprobs_mode)
     kwargs.update(structured_kwargs(args))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.token_ids is not None:

@@ -22,6 +22,9 @@ FINISH_REASON_NAMES = {
 
 Messages = Sequence[tuple[str, str]] | Sequence[dict]  # [(role, content)] or [{"role", "content"}]
 
+# raw: the model's distribution; processed: the one each token was drawn from (vLLM's names
+# without the _logprobs suffix).
+LOGPROBS_MODES = {"raw": pb.LOGPROBS_MODE_RAW, "processed": pb.LOGPROBS_MODE_PROCESSED}
 EARLY_STOPPING = {
     "heuristic": pb.EARLY_STOPPING_HEURISTIC,  # HF early_stopping=False
     "true": pb.EARLY_STOPPING_TRUE,
@@ -138,7 +141,11 @@ def sampling_params(
     choice: Iterable[str] | None = None,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    logprobs_mode: str = "raw",
 ) -> pb.SamplingParams:
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode is one of {sorted(LOGPROBS_MODES)}, "
+                         f"got {logprobs_mode!r}")
     if early_stopping not in EARLY_STOPPING:
         raise ValueError(f"early_stopping is one of {sorted(EARLY_STOPPING)}, "
                          f"got {early_stopping!r}")
@@ -148,7 +155,8 @@ def sampling_params(
                                include_stop_str_in_output=include_stop_str_in_output,
                                logit_bias=dict(logit_bias or {}),
                                allowed_token_ids=list(allowed_token_ids),
-                               bad_words=list(bad_words))
+                               bad_words=list(bad_words),
+                               logprobs_mode=LOGPROBS_MODES[logprobs_mode])
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                         ("seed", seed), ("max_tokens", max_tokens), ("n", n),
                         ("beam_width", beam_width), ("length_penalty", length_penalty),

@@ -11,7 +11,7 @@ over either and no rebuild from lists::
               block_table[r, :num_blocks[r]]         the request's blocks, then zeros
               num_computed[r]                        tokens whose KV is in those blocks
               temperature, top_p, top_k, seed, has_seed, num_logprobs, append_sampled,
-              sampled_logprob, prompt_logprobs [r]
+              sampled_logprob, prompt_logprobs, processed_logprobs [r]
               processors: min_tokens, penalties, min_p, logit bias, allowed ids, bad words
                           (processor_rows.ProcessorRows, gathered only for rows that use them)
 
@@ -48,7 +48,8 @@ from protos.plan import SamplingSpec
 INITIAL_CAPACITY = 32
 _ROW_ARRAYS = ("token_ids", "block_table", "num_tokens", "num_prompt", "num_blocks",
                "num_computed", "temperature", "top_p", "top_k", "seed", "has_seed",
-               "num_logprobs", "append_sampled", "sampled_logprob", "prompt_logprobs")
+               "num_logprobs", "append_sampled", "sampled_logprob", "prompt_logprobs",
+               "processed_logprobs")
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class InputBatch(Mapping[str, RequestState]):
         self.append_sampled = np.zeros(capacity, bool)
         self.sampled_logprob = np.zeros(capacity, bool)
         self.prompt_logprobs = np.full(capacity, -1, np.int64)  # -1 = off
+        self.processed_logprobs = np.zeros(capacity, bool)
         self.processors = ProcessorRows(capacity)
 
     def _grow(self) -> None:
@@ -135,6 +137,7 @@ class InputBatch(Mapping[str, RequestState]):
         self.append_sampled[row] = sampling.append_sampled
         self.sampled_logprob[row] = sampling.sampled_logprob
         self.prompt_logprobs[row] = sampling.prompt_logprobs
+        self.processed_logprobs[row] = sampling.processed_logprobs
         self.processors.add(row, sampling)
         return row
 

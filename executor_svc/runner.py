@@ -35,7 +35,7 @@ from torch import nn
 from executor_svc.input_batch import InputBatch, RequestState
 from executor_svc.inputs import PromptPositions, StepInputs, build_step_inputs
 from executor_svc.kv_cache import KVCache
-from executor_svc.sampler import sample, token_logprobs, top_logprobs
+from executor_svc.sampler import sample, sample_with_distribution, token_logprobs, top_logprobs
 from executor_svc.structured import StructuredRows, apply_bitmask
 from executor_svc.swap import SwapPool
 from protos.plan import CachedRequest, NewRequest, PromptLogprobs, SamplingSpec, StepPlan
@@ -326,7 +326,16 @@ class ModelRunner:
                 masked = masked.clone() if num_lp or num_slp else masked
                 apply_bitmask(masked, torch.from_numpy(idx).to(self.device),
                               torch.from_numpy(bitmask).to(self.device))
-        sampled_ids = sample(masked, inputs.sampling)  # [num_logits]
+        # Logprobs come from the raw logits, or for PROCESSED rows from what they were drawn from.
+        processed_rows = self.input_batch.processed_logprobs[inputs.sample_rows] if (
+            num_lp or num_slp) else None
+        lp_logits = logits[:num_rows]  # [num_logits, vocab]
+        if processed_rows is not None and processed_rows.any():
+            sampled_ids, drawn = sample_with_distribution(masked, inputs.sampling)
+            flags = torch.from_numpy(processed_rows).to(self.device)
+            lp_logits = torch.where(flags[:, None], drawn, lp_logits)
+        else:
+            sampled_ids = sample(masked, inputs.sampling)  # [num_logits]
         if not (num_lp or num_slp or inputs.prompt_lp is not None):
             return _Sampled(sampled_ids.tolist())  # the common step: nothing else crosses
         # One transfer for everything: token ids (< 2**53), ranks and fp32 logprobs are exact
@@ -334,11 +343,11 @@ class ModelRunner:
         parts = [sampled_ids.double()]
         k = int(inputs.num_logprobs.max()) if num_lp else 0
         if num_lp:
-            top_ids, top_lps = top_logprobs(logits[:num_rows], inputs.logprob_rows, k)
+            top_ids, top_lps = top_logprobs(lp_logits, inputs.logprob_rows, k)
             parts += [top_ids.flatten().double(), top_lps.flatten().double()]  # [num_lp * k]
         if num_slp:
             rows = inputs.sampled_lp_rows  # [num_slp]
-            own, ranks, _ = token_logprobs(logits.index_select(0, rows), sampled_ids[rows])
+            own, ranks, _ = token_logprobs(lp_logits.index_select(0, rows), sampled_ids[rows])
             parts += [own.double(), ranks.double()]
         pl = inputs.prompt_lp
         pl_k = int(pl.num_top.max()) if pl is not None else 0

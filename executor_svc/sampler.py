@@ -5,11 +5,13 @@ One row of logits per request that samples this step, and one batched computatio
 them: the only Python branches test flags the host computed from the plan (all greedy, any
 filter, any processor, how many rows are seeded), never a row's values. The order is vLLM v1's:
 
-    raw logits ──► (top logprobs are read here: the raw model distribution)
+    raw logits ──► (logprobs are read here by default: the raw model distribution)
       └► allowed_token_ids + bad words ─► min_tokens ─► logit_bias ─► penalties
            (logits_processors.apply_processors; skipped when no row uses any)
       └► greedy rows: argmax
       └► other rows: / temperature ─► min_p ─► top-k / top-p ─► exponential-race draw
+      (`sample_with_distribution` also returns what each row was drawn from: the processed
+       logits for greedy rows, the filtered scaled ones for the others; PROCESSED logprobs)
 
 Greedy rows (temperature 0) take the exact argmax of the processed logits. The other rows draw
 with the exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)`` per vocab entry picks
@@ -153,13 +155,28 @@ def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor,
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits [num_rows, vocab] float32 -> token ids [num_rows] int64 (on the logits' device)."""
+    return _draw(logits, batch, processed=False)[0]
+
+
+def sample_with_distribution(logits: torch.Tensor, batch: SamplingBatch
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample`'s ids (the same draws) and the distribution each row was drawn from, as
+    [num_rows, vocab] float32 logits: after the processors, then for non-greedy rows after
+    temperature, min_p, top-k and top-p, the tokens those remove at -inf."""
+    ids, processed = _draw(logits, batch, processed=True)
+    assert processed is not None
+    return ids, processed
+
+
+def _draw(logits: torch.Tensor, batch: SamplingBatch,
+          processed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     assert logits.shape[0] == batch.num_rows, "one logits row per sampling request"
     processing = batch.processing
     if processing is not None:
         logits = apply_processors(logits, processing)  # a copy: the caller's stay raw
     greedy_ids = logits.argmax(dim=-1)  # [num_rows]
     if batch.all_greedy:
-        return greedy_ids
+        return greedy_ids, (logits if processed else None)
     num_rows, vocab = logits.shape
     is_greedy = batch.temperature < GREEDY_EPS
     temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
@@ -168,18 +185,26 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         scaled = apply_min_p(scaled, processing.min_p)
     noise = _exponential_noise(batch, vocab, logits.device)  # [num_rows, vocab]
     sampled_ids = (scaled.softmax(dim=-1) / noise).argmax(dim=-1)  # [num_rows]
+    drawn_from = scaled
     if batch.any_filter:
         # Work in sorted order; a stable sort keeps ties in index order, like argmax. Each
         # token keeps its own noise there. Rows without a filter keep the draw above: the
         # sorted path's sums round differently, and a row's draw must not depend on whether
         # another row in the batch needed this path.
         sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)
-        probs = _filter_sorted(sorted_logits, batch.top_k, batch.top_p).softmax(dim=-1)
+        kept = _filter_sorted(sorted_logits, batch.top_k, batch.top_p)  # [num_rows, vocab]
+        probs = kept.softmax(dim=-1)
         choice = (probs / noise.gather(1, sorted_ids)).argmax(dim=-1, keepdim=True)
         filtered_ids = sorted_ids.gather(1, choice).squeeze(1)  # [num_rows]
         has_filter = (batch.top_k > 0) | (batch.top_p < 1.0)
         sampled_ids = torch.where(has_filter, filtered_ids, sampled_ids)
-    return torch.where(is_greedy, greedy_ids, sampled_ids)  # [num_rows]
+        if processed:  # back to vocab order
+            unsorted = torch.empty_like(kept).scatter_(1, sorted_ids, kept)
+            drawn_from = torch.where(has_filter[:, None], unsorted, scaled)
+    ids = torch.where(is_greedy, greedy_ids, sampled_ids)  # [num_rows]
+    if not processed:
+        return ids, None
+    return ids, torch.where(is_greedy[:, None], logits, drawn_from)
 
 
 def top_logprobs(logits: torch.Tensor, rows: torch.Tensor,
@@ -187,8 +212,8 @@ def top_logprobs(logits: torch.Tensor, rows: torch.Tensor,
     """The k most likely tokens of the given logits rows, best first, with their logprobs.
 
     logits [num_rows, vocab]; rows [num_lp_rows] int64 -> (token ids [num_lp_rows, k] int64,
-    logprobs [num_lp_rows, k] float32). Logprobs are log_softmax of the raw logits in fp32,
-    before temperature, top-k or top-p: the scores beam search ranks by.
+    logprobs [num_lp_rows, k] float32): log_softmax in fp32 of the rows given, the raw logits
+    (the scores beam search ranks by) or, for PROCESSED logprobs, what the rows were drawn from.
     """
     logprobs = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
     values, token_ids = logprobs.topk(k, dim=-1, largest=True, sorted=True)

@@ -61,7 +61,7 @@ from protos.wire import (
     _strs,
 )
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
@@ -103,8 +103,8 @@ class SamplingSpec:
     top_k: int = 0  # 0 = off
     seed: int | None = None  # None = the executor's global generator
     # Return the top `num_logprobs` (token id, logprob) of each sampled row in StepResult.logprobs;
-    # logprobs are log_softmax of the model's raw logits in fp32 (before every processor,
-    # temperature, top-k and top-p).
+    # logprobs are log_softmax in fp32 of the model's raw logits (before every processor,
+    # temperature, top-k and top-p), or of the processed ones with processed_logprobs.
     num_logprobs: int = 0
     # False: the executor does not append what it samples; the scheduler chooses the next token
     # itself (beam search) and sends it in CachedRequest.new_token_ids.
@@ -132,6 +132,10 @@ class SamplingSpec:
     # StepResult.prompt_logprobs. -1 = off. The scheduler sets it only while the prompt's
     # logprobs are still owed to the client, so the positions are prompt positions.
     prompt_logprobs: int = -1
+    # num_logprobs and sampled_logprob report the distribution the row was sampled from: after
+    # the processors (and the grammar's mask), then for temperature > 0 after temperature,
+    # min_p, top-k and top-p (tokens they remove at -inf). Prompt logprobs stay raw.
+    processed_logprobs: bool = False
 
     def to_wire(self) -> list:
         return [self.temperature, self.top_p, self.top_k, self.seed, self.num_logprobs,
@@ -140,11 +144,11 @@ class SamplingSpec:
                 self.min_p, [[t, b] for t, b in self.logit_bias], list(self.allowed_token_ids),
                 [list(w) for w in self.bad_words],
                 None if self.structured is None else self.structured.to_wire(),
-                self.sampled_logprob, self.prompt_logprobs]
+                self.sampled_logprob, self.prompt_logprobs, self.processed_logprobs]
 
     @classmethod
     def from_wire(cls, w: list) -> SamplingSpec:
-        _list(w, 18)
+        _list(w, 19)
         seed = w[3]
         if seed is not None and type(seed) is not int:
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
@@ -160,7 +164,7 @@ class SamplingSpec:
         return cls(_float(w[0]), _float(w[1]), _nat(w[2]), seed, _nat(w[4]), _bool(w[5]),
                    _nat(w[6]), tuple(_nats(w[7])), _float(w[8]), _float(w[9]), _float(w[10]),
                    _float(w[11]), logit_bias, tuple(_nats(w[13])), bad_words, structured,
-                   _bool(w[16]), w[17])
+                   _bool(w[16]), w[17], _bool(w[18]))
 
 
 @dataclass(frozen=True)

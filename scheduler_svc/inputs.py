@@ -136,11 +136,10 @@ def logprob_fields(p: pb.SamplingParams) -> dict:
     if p.HasField("prompt_logprobs"):
         fields.update(prompt_logprobs=p.prompt_logprobs)
     if p.logprobs_mode == pb.LOGPROBS_MODE_PROCESSED:
-        raise InvalidRequest("logprobs_mode PROCESSED is not supported yet; use RAW (0): "
-                             "log_softmax of the model's logits before the penalties, temperature, "
-                             "top-k and top-p")
-    if p.logprobs_mode != pb.LOGPROBS_MODE_RAW:
-        raise InvalidRequest(f"unknown logprobs_mode value {p.logprobs_mode}; use RAW (0)")
+        fields.update(processed_logprobs=True)
+    elif p.logprobs_mode != pb.LOGPROBS_MODE_RAW:
+        raise InvalidRequest(f"unknown logprobs_mode value {p.logprobs_mode}; use RAW (0) or "
+                             "PROCESSED (1)")
     if fields and p.HasField("beam_width") and p.beam_width > 1:
         raise InvalidRequest("logprobs and prompt_logprobs are not supported with beam search "
                              "(beam_width > 1); leave them unset or use beam_width 1")

@@ -12,6 +12,7 @@ import pytest
 
 from client.cli import build_parser, generate_kwargs, main
 from client.messages import sampling_params
+from protos.folio.v1 import generator_pb2 as pb
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,6 +61,10 @@ def test_text_flags_map_to_client_arguments():
     kwargs = generate_kwargs(parse("Hi", "--logprobs", "3", "--prompt-logprobs", "0"))
     assert (kwargs["logprobs"], kwargs["prompt_logprobs"]) == (3, 0)
     assert generate_kwargs(parse("Hi"))["logprobs"] is None  # unset: none asked for
+    assert generate_kwargs(parse("Hi"))["logprobs_mode"] == "raw"
+    processed = generate_kwargs(parse("Hi", "--logprobs", "1", "--logprobs-mode", "processed"))
+    assert sampling_params(**{k: processed[k] for k in ("logprobs", "logprobs_mode")}
+                           ).logprobs_mode == pb.LOGPROBS_MODE_PROCESSED
     assert generate_kwargs(parse("Hi", "--max-tokens", "0"))["max_tokens"] is None
 
 

@@ -66,7 +66,8 @@ MESSAGES = [
                    [1], 0, 1),
     ]),
     StepPlan(step_id=19, new_reqs=[NewRequest(
-        "p", [5, 6, 7], SamplingSpec(num_logprobs=2, sampled_logprob=True, prompt_logprobs=0),
+        "p", [5, 6, 7], SamplingSpec(num_logprobs=2, sampled_logprob=True, prompt_logprobs=0,
+                                processed_logprobs=True),
         [2], 0, 3)]),
     StepResult(17, [("r1", [42]), ("r0", [7, 8])], 0.0123,
                [("b0", [3, 1], [-0.25, -1.5])]),

@@ -163,7 +163,7 @@ FIELDS = {
                           st.sampled_from(INVALID_STRUCTURED)),
     "logprobs": (st.none() | st.integers(0, 20), st.integers(0, UINT32)),
     "prompt_logprobs": (st.none() | st.integers(0, 20), st.integers(0, UINT32)),
-    "logprobs_mode": (st.just(0), st.integers(-(2**31), 2**31 - 1)),
+    "logprobs_mode": (st.sampled_from([0, 1]), st.integers(-(2**31), 2**31 - 1)),
     "request_id": (st.just("") | st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7e,
                                                       exclude_characters="/"), max_size=256),
                    st.text(max_size=20) | st.text(min_size=250, max_size=300)),
@@ -265,7 +265,7 @@ def broken_rule(msg: pb.GenerateRequest, m: Model) -> str | None:
          "structured output with min_tokens"),
         (has("logprobs") and p.logprobs > 20, "logprobs"),
         (has("prompt_logprobs") and p.prompt_logprobs > 20, "prompt_logprobs"),
-        (p.logprobs_mode != 0, "logprobs_mode (only RAW so far)"),
+        (p.logprobs_mode not in (0, 1), "logprobs_mode (RAW or PROCESSED)"),
         (width > 1 and (has("logprobs") or has("prompt_logprobs")), "logprobs with beams"),
         (len(msg.request_id) > 256 or not msg.request_id.isprintable()
          or "/" in msg.request_id, "request_id"),

@@ -11,6 +11,7 @@ with the prompt's logprobs on one message only.
 from __future__ import annotations
 
 import asyncio
+import math
 
 import grpc
 import pytest
@@ -70,10 +71,15 @@ def assert_entry(entry: dict, row: torch.Tensor, token_id: int, k: int) -> None:
 def assert_close_entries(got: list[dict], want: list[dict]) -> None:
     """The same tokens, ranks and alternatives; values equal up to the float noise of a
     different batch composition or chunking (the model's matmuls and attention see other
-    shapes): the tolerance the HF comparisons use."""
+    shapes): the tolerance the HF comparisons use. Ranks deeper than the alternatives any
+    request may ask for (20) may move by one place: among a vocabulary's tail, neighbouring
+    logprobs lie closer together than that noise."""
     def ids(entries):
-        return [(e["token_id"], e["rank"], [a["token_id"] for a in e["top_logprobs"]])
-                for e in entries]
+        return [(e["token_id"], e["rank"] if e["rank"] <= 20 else None,
+                 [a["token_id"] for a in e["top_logprobs"]]) for e in entries]
+
+    for g, w in zip(got, want, strict=True):
+        assert abs(g["rank"] - w["rank"]) <= (0 if min(g["rank"], w["rank"]) <= 20 else 1)
 
     def values(entries):
         return [v for e in entries for v in (e["logprob"], *(a["logprob"] for a in
@@ -214,15 +220,85 @@ async def test_bad_logprob_requests_are_invalid_argument(server, sampling, messa
     assert message in e.value.details()
 
 
-async def test_processed_logprobs_mode_is_refused(server):
+def hf_processed_log_softmax(hf_model, token_ids: list[int], num_prompt: int,
+                            processors) -> torch.Tensor:
+    """[len(token_ids) - num_prompt, vocab]: row i is HF's processors applied to the logits of
+    output token i, teacher-forced on `token_ids`, then log_softmax."""
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([token_ids])).logits[0].float()
+        rows = []
+        for pos in range(num_prompt - 1, len(token_ids) - 1):
+            scores = processors(torch.tensor([token_ids[:pos + 1]]), logits[pos:pos + 1].clone())
+            rows.append(torch.log_softmax(scores[0], dim=-1))
+    return torch.stack(rows)
+
+
+async def test_processed_logprobs_equal_hf_processors_and_warpers(server, hf_model):
+    """PROCESSED: the distribution each token was drawn from. Greedy with a repetition
+    penalty: HF's RepetitionPenaltyLogitsProcessor; sampled with temperature and top-k: HF's
+    processor then TemperatureLogitsWarper and TopKLogitsWarper (removed tokens at -inf)."""
+    from transformers import (
+        LogitsProcessorList,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+    )
+
+    prompt = random_prompts(hf_model.config.vocab_size, (21,), seed=17)[0]
+    cases = [
+        (dict(temperature=0.0, repetition_penalty=1.7),
+         LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.7)])),
+        (dict(temperature=0.8, top_k=5, seed=11, repetition_penalty=1.3),
+         LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3), TemperatureLogitsWarper(0.8),
+                              TopKLogitsWarper(5)])),
+    ]
+    async with AsyncFolioClient(server.address, timeout=240) as client:
+        for sampling, processors in cases:
+            c = await client.generate_text(token_ids=prompt, max_tokens=8, ignore_eos=True,
+                                           logprobs=3, logprobs_mode="processed", **sampling)
+            rows = hf_processed_log_softmax(hf_model, prompt + c.token_ids, len(prompt),
+                                            processors)
+            for i, entry in enumerate(c.logprobs):
+                row, token_id = rows[i], c.token_ids[i]
+                assert entry["token_id"] == token_id
+                assert abs(entry["logprob"] - float(row[token_id])) < 1e-4
+                assert entry["rank"] == int((row > row[token_id]).sum()) + 1
+                assert [a["token_id"] for a in entry["top_logprobs"]] == row.topk(3)[1].tolist()
+            if sampling["temperature"]:
+                # Outside the top 5 the processed distribution is empty: -inf, never drawn.
+                assert all(math.isfinite(e["logprob"]) for e in c.logprobs)
+                assert all(e["rank"] <= 5 for e in c.logprobs)
+
+
+async def test_raw_and_processed_rows_in_one_batch_each_get_their_own(server, hf_model):
+    """The same seeded request twice, in one batch: the same tokens, one reporting the raw
+    distribution and one the processed."""
+    prompt = random_prompts(hf_model.config.vocab_size, (30,), seed=19)[0]
+    sampling = dict(token_ids=prompt, max_tokens=8, ignore_eos=True, logprobs=2,
+                    temperature=1.2, top_p=0.7, seed=5)
+    async with AsyncFolioClient(server.address, timeout=240) as client:
+        raw, processed = await asyncio.gather(
+            client.generate_text(**sampling, logprobs_mode="raw"),
+            client.generate_text(**sampling, logprobs_mode="processed"))
+    assert raw.token_ids == processed.token_ids
+    rows = hf_log_softmax(hf_model, prompt + raw.token_ids)
+    for i, (r, p) in enumerate(zip(raw.logprobs, processed.logprobs, strict=True)):
+        assert_entry(r, rows[len(prompt) + i - 1], raw.token_ids[i], 2)
+        # Temperature keeps the order and the nucleus is a prefix of it: the same rank, a
+        # different value.
+        assert p["token_id"] == r["token_id"] and p["rank"] == r["rank"]
+        assert abs(p["logprob"] - r["logprob"]) > 1e-6
+
+
+async def test_unknown_logprobs_mode_is_invalid_argument(server):
     req = generate_request(token_ids=[5, 6, 7], max_tokens=2, logprobs=1)
-    req.sampling.logprobs_mode = 1  # LOGPROBS_MODE_PROCESSED
+    req.sampling.logprobs_mode = 7
     async with AsyncFolioClient(server.address, timeout=60) as client:
         with pytest.raises(grpc.aio.AioRpcError) as e:
             async for _ in client._stub.Generate(req):
                 pass
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "PROCESSED is not supported yet" in e.value.details()
+    assert "unknown logprobs_mode value 7" in e.value.details()
 
 
 def test_executor_crash_resends_no_logprobs_and_no_prompt_logprobs(folio_server, checkpoint,

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from executor_svc.sampler import (
     SamplingBatch,
     sample,
+    sample_with_distribution,
     seed_bits,
     seeded_bits,
     seeded_exponentials,
@@ -233,3 +234,48 @@ def test_sampling_creates_no_generator(monkeypatch):
     specs = [SamplingSpec(seed=1), SamplingSpec(seed=2, top_k=5), SamplingSpec(),
              SamplingSpec(temperature=0.0)]
     assert _sample(logits, specs).shape == (4,)
+
+
+def _drawn_from(row: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
+    """What one row is drawn from, by the definition: logits / temperature, then the top_k
+    largest (ties to the lower id), then the smallest prefix, best first, whose mass before
+    each kept token is below top_p; everything else -inf. Greedy rows: the logits."""
+    if spec.temperature == 0:
+        return row
+    scaled = row / spec.temperature
+    order = sorted(range(len(row)), key=lambda v: (-float(scaled[v]), v))
+    if spec.top_k:
+        order = order[:spec.top_k]
+    probs = torch.softmax(scaled[order], dim=0).tolist()
+    kept, mass = [], 0.0
+    for v, p in zip(order, probs, strict=True):
+        if kept and mass >= spec.top_p:
+            break
+        kept.append(v)
+        mass += p
+    out = torch.full_like(row, float("-inf"))
+    out[kept] = scaled[kept]
+    return out
+
+
+def test_the_distribution_drawn_from_is_the_filtered_scaled_row():
+    """PROCESSED logprobs' source: greedy rows keep their logits, the others are divided by
+    their temperature and lose what top-k and top-p remove; the draws are `sample`'s."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 40, generator=gen) * 3
+    specs = [SamplingSpec(temperature=0.0), SamplingSpec(temperature=0.7, seed=1),
+             SamplingSpec(temperature=1.3, top_k=6, seed=2),
+             SamplingSpec(temperature=0.9, top_p=0.6, seed=3),
+             SamplingSpec(temperature=1.0, top_k=10, top_p=0.8, seed=4)]
+    batch = SamplingBatch.from_specs(specs, [7] * len(specs), CPU)
+    ids, drawn = sample_with_distribution(logits, batch)
+    assert torch.equal(ids, sample(logits, batch))
+    for i, spec in enumerate(specs):
+        expected = _drawn_from(logits[i], spec)
+        assert torch.equal(drawn[i].isinf(), expected.isinf()), f"row {i} kept other tokens"
+        kept = ~expected.isinf()
+        torch.testing.assert_close(drawn[i][kept], expected[kept])
+        assert not drawn[i][ids[i]].isinf(), "the drawn token was removed"
+    all_greedy = SamplingBatch.from_specs([SamplingSpec(temperature=0.0)] * 2, [1, 1], CPU)
+    ids, drawn = sample_with_distribution(logits[:2], all_greedy)
+    assert torch.equal(drawn, logits[:2]) and torch.equal(ids, logits[:2].argmax(-1))
