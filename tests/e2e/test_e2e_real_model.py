@@ -253,3 +253,73 @@ async def test_processors_match_transformers_on_the_real_model(server, hf):
             plain = await client.generate_text(prompt, max_tokens=32, temperature=0.0)
             changed += plain.token_ids != want
     assert changed >= 2  # the processors did change the greedy answers
+
+
+async def test_bad_words_match_transformers_on_the_real_model(server, hf):
+    """Greedy with bad_words, token-exact against HF `generate` given the token sequences
+    Folio bans (each word as is and after a space, scheduler_svc.inputs.bad_words_token_ids);
+    the prompts end where no banned sequence's prefix could reach back into them."""
+    import torch
+
+    from scheduler_svc.inputs import bad_words_token_ids
+
+    model, tokenizer = hf
+    eos = tokenizer.eos_token_id
+    cases = [(RAW_PROMPTS[0], ("Paris", "the city of")), (RAW_PROMPTS[3], ("red", "yellow"))]
+    async with AsyncFolioClient(server.address, timeout=600) as client:
+        for prompt, words in cases:
+            ids = await client.tokenize(prompt)
+            banned = bad_words_token_ids(
+                words, lambda w: tokenizer(w, add_special_tokens=False)["input_ids"])
+            got = await client.generate_text(prompt, max_tokens=24, temperature=0.0,
+                                             bad_words=list(words))
+            with torch.inference_mode():
+                input_ids = torch.tensor([ids])
+                out = model.generate(
+                    input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                    max_new_tokens=24, bad_words_ids=[list(s) for s in banned],
+                    eos_token_id=eos, pad_token_id=eos)
+            want = out[0, len(ids):].tolist()
+            assert got.token_ids == want, (prompt, got.text, tokenizer.decode(want))
+            plain = await client.generate_text(prompt, max_tokens=24, temperature=0.0)
+            assert plain.token_ids != want  # the ban changed the answer
+
+
+async def test_min_p_processed_logprobs_match_transformers_on_the_real_model(server, hf):
+    """Sampled with temperature, top_k and min_p, reporting PROCESSED logprobs: each token's
+    distribution equals HF's TemperatureLogitsWarper, TopKLogitsWarper and MinPLogitsWarper
+    applied to HF's logits, teacher-forced on Folio's tokens; the tokens min_p removes are
+    -inf and never drawn."""
+    import math
+
+    import torch
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+    )
+
+    model, _ = hf
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(40),
+                                   MinPLogitsWarper(0.1)])
+    async with AsyncFolioClient(server.address, timeout=600) as client:
+        prompt = RAW_PROMPTS[2]
+        ids = await client.tokenize(prompt)
+        got = await client.generate_text(prompt, max_tokens=16, temperature=0.7, top_k=40,
+                                         min_p=0.1, seed=4, logprobs=3,
+                                         logprobs_mode="processed")
+    tokens = ids + got.token_ids
+    with torch.inference_mode():
+        logits = model(torch.tensor([tokens])).logits[0].float()
+    for i, entry in enumerate(got.logprobs):
+        pos = len(ids) - 1 + i
+        row = torch.log_softmax(warpers(torch.tensor([tokens[:pos + 1]]),
+                                        logits[pos:pos + 1].clone())[0], dim=-1)
+        assert entry["token_id"] == got.token_ids[i]
+        assert math.isfinite(entry["logprob"])
+        assert abs(entry["logprob"] - float(row[entry["token_id"]])) < 1e-4, i
+        assert entry["rank"] == int((row > row[entry["token_id"]]).sum()) + 1
+        kept = int(row.isfinite().sum())
+        assert [a["token_id"] for a in entry["top_logprobs"]][:kept] == \
+            row.topk(min(3, kept))[1].tolist()[:kept]
