@@ -153,6 +153,27 @@ def test_throughput_end_to_end_with_folio_and_hf(tmp_path, default_model_dir, fo
     assert stems[".png"].read_bytes().startswith(b"\x89PNG")
 
 
+def test_half_constrained_folio_next_to_plain_folio(tmp_path, folio_cache_dir):
+    """`--peers folio,folio-constrained`: every other request of the second peer runs under a
+    JSON schema or a regex that never completes, so both make every output token, and the
+    report says how fast the constrained batch ran against the plain one."""
+    num_prompts, output_len = 4, 6
+    out = tmp_path / "results"
+    cmd = [sys.executable, "-m", "client.cli", "bench", "throughput", "--model", TINY_RANDOM,
+           "--num-prompts", str(num_prompts), "--input-len", "12", "--output-len",
+           str(output_len), "--reps", "1", "--peers", "folio,folio-constrained",
+           "--out", str(out), "--name", "constrained"]
+    env = {**os.environ, "FOLIO_CACHE_DIR": str(folio_cache_dir), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+    result = json.loads(next(out.glob("*.json")).read_text())
+    assert set(result["summary"]) == {"folio", "folio-constrained"}
+    constrained = result["summary"]["folio-constrained"]
+    assert constrained["output tokens"]["median"] == num_prompts * output_len
+    assert constrained["output tok/s vs folio (%)"]["median"] > 0
+    assert "same tokens as folio (%)" not in constrained
+
+
 def test_unknown_peer_is_refused():
     proc = subprocess.run([sys.executable, "-m", "client.cli", "bench", "throughput",
                            "--peers", "folio,tgi"], cwd=ROOT, capture_output=True, text=True,

@@ -22,13 +22,14 @@ import sys
 from pathlib import Path
 
 from client.bench import models, report
-from client.bench.folio_peer import FolioPeer
+from client.bench.folio_peer import ConstrainedFolioPeer, FolioPeer
 from client.bench.load import competing_load, settle
 from client.bench.metrics import MODES, aggregate, same_tokens, summarize
 from client.bench.runner_peer import PeerUnavailable, RunnerPeer
 from client.bench.workload import DATASETS, WorkloadSpec, make_requests, warmup_requests
 
-PEERS = ("folio", "vllm", "hf", "hf-batch")
+PEERS = ("folio", "folio-constrained", "vllm", "hf", "hf-batch")
+DEFAULT_PEERS = ("folio", "vllm", "hf", "hf-batch")
 OFFLINE_PEERS = ("vllm", "hf", "hf-batch")  # no streaming server: not in serve mode
 VLLM_VENV = report.REPO_ROOT / ".venv-vllm"
 DEFAULT_MAX_MODEL_LEN = 4096  # caps the context (and so the KV sizing) of long-context configs
@@ -61,8 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve mode: Poisson arrivals per second (default inf: all at once)")
     w.add_argument("--seed", type=int, default=0)
     r = p.add_argument_group("peers and repetitions")
-    r.add_argument("--peers", default=",".join(PEERS),
-                   help=f"comma-separated, from {','.join(PEERS)} (default all)")
+    r.add_argument("--peers", default=",".join(DEFAULT_PEERS),
+                   help=f"comma-separated, from {','.join(PEERS)} (default "
+                        f"{','.join(DEFAULT_PEERS)}; folio-constrained: Folio with every "
+                        "other request under structured output)")
     r.add_argument("--reps", type=int, default=3, help="interleaved repetitions (default 3)")
     r.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the untimed warm-up run of each peer")
@@ -110,12 +113,13 @@ def usable_cpus() -> str:
 def make_peer(name: str, args, folio_model: str, model_dir: Path, max_model_len: int,
               kv_tokens: int, log_dir: Path):
     threads_env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
-    if name == "folio":
+    if name in ("folio", "folio-constrained"):
         serve_args = ["--dtype", args.dtype, "--max-model-len", str(max_model_len),
                       "--max-num-seqs", str(args.max_num_seqs),
                       "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                       "--kv-cache-memory", f"{args.kv_cache_gib}GiB", *args.serve_arg]
-        return FolioPeer(folio_model, serve_args, threads_env, log_dir)
+        cls = FolioPeer if name == "folio" else ConstrainedFolioPeer
+        return cls(folio_model, serve_args, threads_env, log_dir)
     if name == "vllm":
         spec = {"model_dir": str(model_dir), "dtype": args.dtype, "seed": args.seed,
                 "max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
@@ -208,15 +212,19 @@ def main(argv: list[str] | None = None) -> int:
         load_before = os.getloadavg()
         for rep in range(args.reps):
             requests = make_requests(spec, rep)
-            reference = None
+            reference, reference_metrics = None, {}
             for peer in peers:
                 progress.set_postfix_str(f"rep {rep + 1}/{args.reps}: {peer.name}")
                 settle()
                 with competing_load(args.competing_load):
                     run = peer.run(args.mode, requests)
                 metrics = summarize(args.mode, run)
-                reference = reference or (run if peer.name == "folio" else None)
-                if reference is not None and peer.name != "folio":
+                if peer.name == "folio":
+                    reference, reference_metrics = run, metrics
+                if peer.name == "folio-constrained" and reference is not None:
+                    metrics["output tok/s vs folio (%)"] = (
+                        100.0 * metrics["output tok/s"] / reference_metrics["output tok/s"])
+                elif reference is not None and peer.name != "folio":
                     metrics["same tokens as folio (%)"] = 100.0 * same_tokens(run, reference)
                 per_rep.setdefault(peer.name, []).append(metrics)
                 raw.setdefault(peer.name, []).append({

@@ -128,20 +128,26 @@ class FolioPeer:
             before = await client.stats()
             start = time.perf_counter()
             timings = await asyncio.gather(*(
-                self._one(client, r, start, paced) for r in requests))
+                self._one(client, r, start, paced, self.constraint(i))
+                for i, r in enumerate(requests)))
             elapsed = time.perf_counter() - start
             after = await client.stats()
         return RunResult(elapsed, list(timings), step_extras(before, after))
 
+    def constraint(self, index: int) -> dict:
+        """Structured-output arguments for the request at `index` (none: plain Folio)."""
+        return {}
+
     @staticmethod
-    async def _one(client, req: Request, start: float, paced: bool) -> RequestTiming:
+    async def _one(client, req: Request, start: float, paced: bool,
+                   constraint: dict) -> RequestTiming:
         if paced:
             await asyncio.sleep(max(start + req.arrival_s - time.perf_counter(), 0.0))
         sent = time.perf_counter()
         arrivals: list[float] = []
         output_ids: list[int] = []
         async for resp in client.generate(token_ids=req.prompt_ids, max_tokens=req.output_len,
-                                          temperature=0.0, ignore_eos=True):
+                                          temperature=0.0, ignore_eos=True, **constraint):
             if resp.token_ids:
                 arrivals.append(time.perf_counter())
                 output_ids.extend(resp.token_ids)
@@ -150,3 +156,23 @@ class FolioPeer:
         return RequestTiming(prompt_len=req.prompt_len, output_ids=output_ids,
                              ttft_s=arrivals[0] - sent, e2e_s=arrivals[-1] - sent,
                              itl_s=[b - a for a, b in pairwise(arrivals)])
+
+
+# Constraints that never complete (a JSON array of strings, a run of lowercase words), so with
+# EOS ignored every request still makes exactly its output length: the rate compares only the
+# cost of the grammar masks.
+CONSTRAINTS = (
+    {"json_schema": '{"type": "array", "items": {"type": "string"}}'},
+    {"regex": r"[a-z ,.]+"},
+)
+
+
+class ConstrainedFolioPeer(FolioPeer):
+    """Folio with every other request under structured output, alternately a JSON schema and
+    a regex: the issue's "half the requests constrained" workload, next to plain `folio` in the
+    same run (its report row `output tok/s vs folio (%)`)."""
+
+    name = "folio-constrained"
+
+    def constraint(self, index: int) -> dict:
+        return CONSTRAINTS[(index // 2) % 2] if index % 2 else {}
