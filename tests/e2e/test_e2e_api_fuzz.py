@@ -413,9 +413,10 @@ def test_fuzz_generate_requests(default_server, model, stub):
         seen["completed"] += 1
 
     check()
-    # The examples exercised both sides of the oracle, and stop strings that matched.
+    # The examples exercised both sides of the oracle, and stop strings that matched (how many
+    # match varies from run to run: unseeded draws depend on which requests share a step).
     assert seen["completed"] >= 20 and seen["refused"] >= 20, seen
-    assert seen["stopped by a string"] >= 3 and seen["with prompt logprobs"] >= 5, seen
+    assert seen["stopped by a string"] >= 2 and seen["with prompt logprobs"] >= 5, seen
     assert seen["constrained"] >= 5 and seen["refused structured"] >= 3, seen
     assert_healthy_and_unchanged(default_server, stub, greedy_before)
 
