@@ -5,7 +5,8 @@
 
 The extension is compiled with torch.utils.cpp_extension (gcc or clang, and ninja: the `ninja`
 package is a dependency) for the vector ISA torch itself picked on this machine (AVX512, AVX2
-or none), into ``$FOLIO_CACHE_DIR/cpu-ext`` (default ``~/.cache/folio``); the directory name
+or none), into ``$FOLIO_CPU_EXT_DIR`` or ``$FOLIO_CACHE_DIR/cpu-ext`` (default
+``~/.cache/folio/cpu-ext``); the directory name
 carries a hash of the sources, the flags and the torch version, so a changed source or another
 machine's ISA builds anew and a cached build loads in milliseconds. `make install` builds it
 once (`python -m kernels.cpu_ext`), so the first server start does not.
@@ -59,6 +60,9 @@ def build_flags() -> list[str]:
 
 
 def build_dir() -> Path:
+    """$FOLIO_CPU_EXT_DIR, else $FOLIO_CACHE_DIR/cpu-ext (default ~/.cache/folio/cpu-ext)."""
+    if os.environ.get("FOLIO_CPU_EXT_DIR"):
+        return Path(os.environ["FOLIO_CPU_EXT_DIR"])
     root = Path(os.environ.get("FOLIO_CACHE_DIR", Path.home() / ".cache" / "folio"))
     return root / "cpu-ext"
 

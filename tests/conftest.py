@@ -191,8 +191,15 @@ def folio_server(tmp_path_factory, folio_cache_dir):
     tiny random-weight one."""
     log_dir = tmp_path_factory.mktemp("server-logs")
 
+    from kernels.cpu_ext import build_dir
+
+    # The fused CPU kernels' builds (make install's, by default) are shared, not rebuilt in
+    # every private cache.
+    ext_dir = str(build_dir())
+
     def start(model=None, args=(), env=None, **kwargs):
-        env = {"FOLIO_CACHE_DIR": str(folio_cache_dir), **(env or {})}
+        env = {"FOLIO_CACHE_DIR": str(folio_cache_dir), "FOLIO_CPU_EXT_DIR": ext_dir,
+               **(env or {})}
         return run_server(log_dir, model=model, args=args, env=env, **kwargs)
 
     return start

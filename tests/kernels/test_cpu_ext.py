@@ -180,8 +180,8 @@ def test_env_switches_the_extension_off_and_a_failed_build_falls_back():
     assert off.returncode == 0, off.stderr
     assert off.stdout.split() == ["True", "True"]
     # No compiler: auto logs why and runs the torch path; 1 refuses to start.
-    broken = {"CXX": "/nonexistent/c++", "FOLIO_CACHE_DIR": os.path.join(ROOT, ".pytest_cache",
-                                                                         "no-compiler")}
+    broken = {"CXX": "/nonexistent/c++",
+              "FOLIO_CPU_EXT_DIR": os.path.join(ROOT, ".pytest_cache", "no-compiler")}
     auto = _python(code, FOLIO_CPU_EXT="auto", **broken)
     assert auto.returncode == 0, auto.stderr
     assert auto.stdout.splitlines()[-2:] == ["True", "True"]
