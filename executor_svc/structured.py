@@ -42,7 +42,7 @@ import numpy as np
 import structlog
 import torch
 
-from protos.plan import StructuredSpec
+from protos.sampling_spec import StructuredSpec
 from protos.structured_grammar import llguidance_grammar
 
 log = structlog.get_logger(__name__)

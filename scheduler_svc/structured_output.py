@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import llguidance
 
 from protos.folio.v1 import generator_pb2 as pb
-from protos.plan import StructuredSpec
+from protos.sampling_spec import StructuredSpec
 from protos.structured_grammar import llguidance_grammar
 from scheduler_svc.errors import InvalidRequest
 

@@ -18,13 +18,12 @@ from protos.plan import (
     NewRequest,
     PromptLogprobs,
     Reject,
-    SamplingSpec,
     Shutdown,
     StepPlan,
     StepResult,
-    StructuredSpec,
     Welcome,
 )
+from protos.sampling_spec import SamplingSpec, StructuredSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,7 +12,7 @@ import torch
 from tokenizers import Tokenizer
 
 from executor_svc.structured import GrammarCompiler, StructuredRows, apply_bitmask
-from protos.plan import StructuredSpec
+from protos.sampling_spec import StructuredSpec
 
 CHOICES = ["yes", "no", "maybe", "yesterday"]
 EOS = (1, 3)  # the tiny model's EOS ids (config.json and generation_config.json)

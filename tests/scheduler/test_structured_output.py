@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from protos.folio.v1 import generator_pb2 as pb
-from protos.plan import StructuredSpec
+from protos.sampling_spec import StructuredSpec
 from scheduler_svc.errors import InvalidRequest
 from scheduler_svc.structured_output import (
     MAX_CHOICES,
@@ -76,7 +76,7 @@ async def test_validator_refuses_with_the_library_message_and_caches():
 
 def test_validation_imports_no_torch():
     code = ("import sys, asyncio; from scheduler_svc.structured_output import *; "
-            "from protos.plan import StructuredSpec; v = StructuredValidator(frozenset({1})); "
+            "from protos.sampling_spec import StructuredSpec; v = StructuredValidator(frozenset({1})); "
             "asyncio.run(v.check(StructuredSpec('json_schema', '{\"type\": \"object\"}'))); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'transformers', 'executor_svc')))")
