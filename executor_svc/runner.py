@@ -33,9 +33,16 @@ import torch
 from torch import nn
 
 from executor_svc.input_batch import InputBatch, RequestState
-from executor_svc.inputs import PromptPositions, StepInputs, build_step_inputs
+from executor_svc.inputs import StepInputs, build_step_inputs
 from executor_svc.kv_cache import KVCache
-from executor_svc.sampler import sample, sample_with_distribution, token_logprobs, top_logprobs
+from executor_svc.sampler import (
+    prompt_logprobs_records,
+    sample,
+    sample_with_distribution,
+    split_flat,
+    token_logprobs,
+    top_logprobs,
+)
 from executor_svc.structured import StructuredRows, apply_bitmask
 from executor_svc.swap import SwapPool
 from protos.plan import CachedRequest, NewRequest, PromptLogprobs, SamplingSpec, StepPlan
@@ -356,7 +363,7 @@ class ModelRunner:
             pl_lps, pl_ids = lsm.topk(pl_k, dim=-1)  # [num_pl, pl_k]
             parts += [own.double(), ranks.double(), pl_ids.flatten().double(),
                       pl_lps.flatten().double()]
-        host = iter(_split(torch.cat(parts).tolist(), [p.numel() for p in parts]))
+        host = iter(split_flat(torch.cat(parts).tolist(), [p.numel() for p in parts]))
         out = _Sampled([int(t) for t in next(host)])
         req_ids, sample_rows = self.input_batch.req_ids, inputs.sample_rows
         if num_lp:
@@ -372,33 +379,6 @@ class ModelRunner:
                 (req_ids[int(sample_rows[row])], lp, int(rank)) for row, lp, rank
                 in zip(inputs.sampled_lp_rows_host.tolist(), own_lps, own_ranks, strict=True)]
         if pl is not None:
-            out.prompt_logprobs = _prompt_logprobs(pl, req_ids, pl_k, next(host), next(host),
+            out.prompt_logprobs = prompt_logprobs_records(pl, req_ids, pl_k, next(host), next(host),
                                                   next(host), next(host))
         return out
-
-
-def _split(values: list, sizes: list[int]) -> list[list]:
-    """values cut into consecutive pieces of the given sizes."""
-    pieces, start = [], 0
-    for size in sizes:
-        pieces.append(values[start:start + size])
-        start += size
-    return pieces
-
-
-def _prompt_logprobs(pl: PromptPositions, req_ids: list[str | None], k: int, own: list[float],
-                     ranks: list[float], top_ids: list[float], top_lps: list[float]
-                     ) -> list[PromptLogprobs]:
-    """Per prompt row: its positions' own logprobs and ranks and its top `num_top` of `k`."""
-    out, start = [], 0
-    for row, first, count, n in zip(pl.rows.tolist(), pl.starts.tolist(), pl.counts.tolist(),
-                                    pl.num_top.tolist(), strict=True):
-        end = start + count
-        req_id = req_ids[row]
-        assert req_id is not None
-        out.append(PromptLogprobs(
-            req_id, first, own[start:end], [int(r) for r in ranks[start:end]],
-            [[int(t) for t in top_ids[i * k:i * k + n]] for i in range(start, end)],
-            [top_lps[i * k:i * k + n] for i in range(start, end)]))
-        start = end
-    return out
