@@ -39,6 +39,17 @@ class PagedBatch:
                 self.query_start_loc, self.max_query_len, self.max_seq_len, self.scale)  # fmt: skip
 
 
+def fused_qkv_views(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype):
+    """(qkv, q, k, v) as the model hands them to rotary: q [num_tokens, num_heads, head_dim]
+    and k [num_tokens, num_kv_heads, head_dim] strided views into one random fused qkv row."""
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
+                         num_kv_heads * head_dim], dim=-1)
+    return (qkv, q.view(num_tokens, num_heads, head_dim),
+            k.view(num_tokens, num_kv_heads, head_dim), v)
+
+
 def make_paged_batch(
     seqs: list[tuple[int, int]],  # (seq_len including new tokens, q_len) per sequence
     num_heads: int,

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import cpu, cpu_ext, twins
-from tests.kernels.conftest import make_paged_batch
+from tests.kernels.conftest import fused_qkv_views, make_paged_batch
 
 ops = cpu_ext.load()
 pytestmark = pytest.mark.skipif(ops is None, reason="the fused CPU kernels did not build here")
@@ -65,10 +65,7 @@ def test_rotary_in_place_on_fused_qkv_views(dtype, head_dim):
     num_tokens, num_heads, num_kv_heads = 9, 6, 2
     cache = torch.randn(500, head_dim)
     positions = torch.randint(0, 500, (num_tokens,))
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
-                         num_kv_heads * head_dim], dim=-1)
-    q, k = q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim)
+    _, q, k, v = fused_qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype)
     q_t, k_t, v_before = q.clone(), k.clone(), v.clone()
     ops.rotary(positions, q, k, cache)
     twins.rotary(positions, q_t, k_t, cache)

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import cpu, twins
+from tests.kernels.conftest import fused_qkv_views
 
 FP32_TOL = 1e-5
 BF16_TOL = 3e-2
@@ -123,17 +124,19 @@ def test_rms_norm_is_the_twin_bitwise(with_residual, shape):
     assert torch.equal(out, out_t)
 
 
+@pytest.mark.parametrize("kernel", ["extension", "torch"])
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_is_the_twin_bitwise(fused, dtype):
+def test_rotary_is_the_twin_bitwise(fused, dtype, kernel, monkeypatch):
+    if kernel == "torch":  # the fallback, whether or not the extension built here
+        monkeypatch.setattr(cpu, "fused_kernels", lambda: None)
+    elif cpu.fused_kernels() is None:
+        pytest.skip("the fused CPU kernels did not build here")
     num_tokens, num_heads, num_kv_heads, head_dim = 11, 14, 2, 64
     cache = torch.randn(300, head_dim)
     positions = torch.randint(0, 300, (num_tokens,))
     # As the model hands them over: strided views of one fused qkv row (fused), or unrelated.
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
-    q, k, _ = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
-                         num_kv_heads * head_dim], dim=-1)
-    q, k = q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim)
+    qkv, q, k, _ = fused_qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype)
     if not fused:
         k = k.clone()
     assert len(cpu._rotary_operands(q, k)) == (1 if fused else 2)
