@@ -27,7 +27,7 @@ import structlog
 
 from scheduler_svc.registry import ClientRequest, Registry, SequenceOutput
 from scheduler_svc.request import RequestOutput, RequestStatus, TokenLogprobs
-from scheduler_svc.scheduler import StepOutput
+from scheduler_svc.step_results import StepOutput
 
 log = structlog.get_logger("folio.scheduler.engine")
 
