@@ -5,8 +5,10 @@ differs is how the work is batched, never what is computed:
 
 - paged_attention: decode rows (one query token per sequence) of the whole batch in one call
   of the fused kernel (kernels/csrc/decode_attention.cpp, via kernels/cpu_ext.py), which reads each
-  sequence's keys and values straight from its blocks. Where that extension is unavailable,
-  torch ops: every decode sequence's blocks gathered at once into ``[num_decode, max_ctx,
+  sequence's keys and values straight from its blocks; prefill rows (prompts, and chunks after
+  a cached prefix) likewise in one call of the fused prefill kernel (prefill_attention.cpp:
+  flash-style tiles of query positions times the KV head's group). Where that extension is
+  unavailable, torch ops: every decode sequence's blocks gathered at once into ``[num_decode, max_ctx,
   ...]``, padded positions masked (-inf score, zeroed value so poison there cannot leak), one
   batched matmul/softmax/matmul per KV head; or, for a lone sequence or lengths far apart,
   SDPA sequence by sequence on unpadded keys. Prefill rows go through torch's fused SDPA per
@@ -70,7 +72,12 @@ class AttentionPlan:
                          over the padded batch: see `per_sequence_decode`
 
     Prefill part, per sequence with more than one token: (first row, end row, seq_len, its
-    block ids, fresh) where fresh means no cached prefix: all its keys are this step's.
+    block ids, fresh) where fresh means no cached prefix: all its keys are this step's. With
+    the fused kernels, `prefill_fused` and the step's own int32 tensors below instead: the
+    kernel reads every prefill's keys from its blocks.
+
+        prefill_seq_ids  [num_prefills] int32: the prefilling sequences' batch indices
+        block_tables, query_start_loc, seq_lens: the step's, int32
     """
 
     num_decode: int
@@ -85,6 +92,11 @@ class AttentionPlan:
     decode_fused: bool = False
     decode_tables: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None
+    prefill_fused: bool = False
+    prefill_seq_ids: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    query_start_loc: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
 
 
 # The padded batch computes max_len scores per decode sequence; one by one, each sequence costs
@@ -94,6 +106,10 @@ class AttentionPlan:
 # Qwen2.5-0.5B's heads: batched 1.8x faster at 8 x 160 equal lengths, even at 8 x 600, per
 # sequence 1.5x faster at 4 sequences of 50-1500 and 5x at 32).
 PER_SEQ_SLACK = 128
+
+
+# The fused prefill kernel works on whole fp32 vectors of a head (16 lanes with AVX512).
+PREFILL_HEAD_DIM_MULTIPLE = 16
 
 
 def per_sequence_decode(lens: tuple[int, ...]) -> bool:
@@ -113,19 +129,27 @@ def plan_attention(block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
                    block_size: int) -> AttentionPlan:
     # One host read of the step's lengths; the loop is per sequence, once per step.
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    decode_seqs, prefills = [], []
+    decode_seqs, prefill_seqs, prefills = [], [], []
     for i, seq_len in enumerate(lens):
         q_start, q_end = starts[i], starts[i + 1]
         if q_end - q_start == 1:
             decode_seqs.append(i)
         elif q_end > q_start:
             num_blocks = -(-seq_len // block_size)
+            prefill_seqs.append(i)
             prefills.append((q_start, q_end, seq_len, block_tables[i, :num_blocks].long(),
                              seq_len == q_end - q_start))
+    fused = fused_kernels() is not None
+    step: dict = {}
+    if fused and prefills:
+        step = dict(prefill_fused=True,
+                    prefill_seq_ids=torch.tensor(prefill_seqs, dtype=torch.int32),
+                    block_tables=block_tables.int(), query_start_loc=query_start_loc.int(),
+                    seq_lens=seq_lens.int())
     num_decode = len(decode_seqs)
     if num_decode == 0:
         empty = torch.empty(0)
-        return AttentionPlan(0, slice(0, 0), empty.long(), empty, empty.bool(), prefills)
+        return AttentionPlan(0, slice(0, 0), empty.long(), empty, empty.bool(), prefills, **step)
     rows = [starts[i] for i in decode_seqs]
     if rows == list(range(rows[0], rows[0] + num_decode)):
         decode_rows: slice | torch.Tensor = slice(rows[0], rows[0] + num_decode)
@@ -133,7 +157,7 @@ def plan_attention(block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
         decode_rows = torch.tensor(rows, dtype=torch.long)
     max_len = max(lens[i] for i in decode_seqs)
     decode_lens = tuple(lens[i] for i in decode_seqs)
-    if fused_kernels() is not None:
+    if fused:
         empty = torch.empty(0)
         if num_decode == len(lens):  # every sequence decodes: the batch's own tensors
             tables, dec_lens = block_tables, seq_lens
@@ -142,7 +166,7 @@ def plan_attention(block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
             tables, dec_lens = block_tables[seq_idx], seq_lens[seq_idx]
         return AttentionPlan(num_decode, decode_rows, empty.long(), empty, empty.bool(),
                              prefills, max_len, decode_lens, decode_fused=True,
-                             decode_tables=tables.int(), decode_seq_lens=dec_lens.int())
+                             decode_tables=tables.int(), decode_seq_lens=dec_lens.int(), **step)
     max_blocks = -(-max_len // block_size)
     seq_idx = torch.tensor(decode_seqs, dtype=torch.long)
     block_ids = block_tables[seq_idx, :max_blocks].long().flatten()
@@ -179,6 +203,11 @@ def paged_attention_planned(
             out[plan.decode_rows] = dec_out
     elif plan.num_decode:
         out[plan.decode_rows] = _decode(q[plan.decode_rows], k_cache, v_cache, plan, scale)
+    if plan.prefill_fused and q.shape[2] % PREFILL_HEAD_DIM_MULTIPLE == 0:
+        fused_kernels().prefill_attention(out, q, k_cache, v_cache, plan.block_tables,
+                                          plan.query_start_loc, plan.seq_lens,
+                                          plan.prefill_seq_ids, scale)
+        return out
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     cdt = compute_dtype(q.dtype)
     for q_start, q_end, seq_len, block_ids, fresh in plan.prefills:

@@ -3,7 +3,7 @@
 // Built on first use by kernels/cpu_ext.py (torch.utils.cpp_extension, no pybind) with the
 // vector ISA of the machine it runs on (CPU_CAPABILITY = AVX512, AVX2 or DEFAULT), and checked
 // against the torch twins in tests/kernels/test_cpu_ext.py. The kernels: elementwise.cpp,
-// decode_attention.cpp; shared helpers and invariants: vec.h.
+// decode_attention.cpp, prefill_attention.cpp; shared helpers and invariants: vec.h.
 
 #include <torch/library.h>
 
@@ -15,6 +15,9 @@ TORCH_LIBRARY(folio_cpu, m) {
   m.def("rotary(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin) -> ()");
   m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+  m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor seq_ids, "
+        "float scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(folio_cpu, CPU, m) {
@@ -22,4 +25,5 @@ TORCH_LIBRARY_IMPL(folio_cpu, CPU, m) {
   m.impl("silu_and_mul", &folio_cpu::silu_and_mul);
   m.impl("rotary", &folio_cpu::rotary);
   m.impl("decode_attention", &folio_cpu::decode_attention);
+  m.impl("prefill_attention", &folio_cpu::prefill_attention);
 }

@@ -92,5 +92,9 @@ void rotary(const at::Tensor& positions, at::Tensor q, at::Tensor k, const at::T
 void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& block_tables,
                       const at::Tensor& seq_lens, double scale);
+void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, const at::Tensor& block_tables,
+                       const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                       const at::Tensor& seq_ids, double scale);
 
 }  // namespace folio_cpu

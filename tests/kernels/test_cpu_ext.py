@@ -153,6 +153,76 @@ def test_decode_attention_refuses_out_of_range_metadata(bad):
                              tables, lens, batch.scale)
 
 
+def _prefill(batch, seq_ids, out=None):
+    out = torch.full_like(batch.q, float("nan")) if out is None else out
+    ops.prefill_attention(out, batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
+                          batch.query_start_loc, batch.seq_lens,
+                          torch.tensor(seq_ids, dtype=torch.int32), batch.scale)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(seqs=st.lists(st.tuples(st.integers(1, 150), st.integers(0, 60)), min_size=1, max_size=6),
+       group=st.sampled_from([1, 3, 7]), num_kv_heads=st.sampled_from([1, 2]),
+       head_dim=st.sampled_from([16, 64, 128]), block_size=st.sampled_from([1, 4, 16]),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_prefill_attention_matches_the_twin(seqs, group, num_kv_heads, head_dim, block_size,
+                                            dtype, seed):
+    """Prompts and chunks after a cached prefix (q_len <= seq_len), decodes mixed in: only the
+    listed sequences' rows are written, each causally over its own blocks."""
+    seqs = [(seq_len, max(1, min(seq_len, q_len))) for seq_len, q_len in seqs]
+    batch = make_paged_batch(seqs, group * num_kv_heads, num_kv_heads, head_dim, block_size,
+                             dtype, torch.device("cpu"), seed=seed)
+    expected = twins.paged_attention(*batch.args())
+    chosen = [i for i, (_, q_len) in enumerate(seqs) if q_len > 1 or i % 2]
+    got = _prefill(batch, chosen)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    starts = batch.query_start_loc.tolist()
+    for i in range(len(seqs)):
+        rows = slice(starts[i], starts[i + 1])
+        if i in chosen:
+            assert not got[rows].isnan().any(), "a slot past a sequence's length was read"
+            torch.testing.assert_close(got[rows].float(), expected[rows].float(), atol=tol,
+                                       rtol=tol)
+        else:
+            assert got[rows].isnan().all(), "a sequence not listed was written"
+
+
+def test_prefill_attention_is_batch_and_thread_invariant():
+    seqs = [(300, 300), (40, 25), (9, 1), (130, 64)]
+    batch = make_paged_batch(seqs, 14, 2, 64, 16, torch.bfloat16, torch.device("cpu"), seed=7)
+    together = _prefill(batch, [0, 1, 2, 3])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = _prefill(batch, [0, 1, 2, 3])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, one_thread)
+    for i in range(len(seqs)):
+        alone = _prefill(batch, [i])
+        rows = slice(int(batch.query_start_loc[i]), int(batch.query_start_loc[i + 1]))
+        assert torch.equal(alone[rows], together[rows])
+
+
+@pytest.mark.parametrize("bad", ["seq_len", "block_id", "seq_id", "head_dim"])
+def test_prefill_attention_refuses_bad_metadata(bad):
+    head_dim = 40 if bad == "head_dim" else 64
+    batch = make_paged_batch([(20, 20), (30, 5)], 4, 2, head_dim, 16, torch.float32,
+                             torch.device("cpu"), seed=1)
+    tables, lens, ids = batch.block_tables.clone(), batch.seq_lens.clone(), [0, 1]
+    if bad == "seq_len":
+        lens[1] = 4  # shorter than its 5 query rows
+    elif bad == "block_id":
+        tables[0, 0] = batch.k_cache.shape[0]
+    elif bad == "seq_id":
+        ids = [2]
+    with pytest.raises(RuntimeError, match="outside|out of range|not a sequence|multiple"):
+        ops.prefill_attention(torch.empty_like(batch.q), batch.q, batch.k_cache, batch.v_cache,
+                              tables, batch.query_start_loc, lens,
+                              torch.tensor(ids, dtype=torch.int32), batch.scale)
+
+
 def test_backend_uses_the_fused_kernels():
     """The CPU backend's plan picks the fused decode kernel and carries int32 tables."""
     batch = make_paged_batch([(40, 1), (9, 9), (17, 1)], 4, 2, 64, 16, torch.float32,
@@ -161,6 +231,20 @@ def test_backend_uses_the_fused_kernels():
     assert plan.decode_fused and plan.num_decode == 2
     assert plan.decode_tables.dtype == torch.int32 and plan.decode_tables.shape[0] == 2
     assert plan.decode_seq_lens.tolist() == [40, 17]
+    assert plan.prefill_fused and plan.prefill_seq_ids.tolist() == [1]
+    assert plan.block_tables.dtype == torch.int32 and plan.query_start_loc.dtype == torch.int32
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_backend_prefill_matches_the_twin(head_dim):
+    """Through the backend: the fused prefill kernel, or torch's SDPA for a head_dim the
+    kernel does not take."""
+    batch = make_paged_batch([(40, 1), (50, 50), (70, 30)], 6, 2, head_dim, 16, torch.float32,
+                             torch.device("cpu"), seed=2)
+    plan = cpu.plan_attention(batch.block_tables, batch.seq_lens, batch.query_start_loc, 16)
+    got = cpu.paged_attention_planned(batch.q, None, None, batch.k_cache, batch.v_cache, plan,
+                                      batch.scale)
+    torch.testing.assert_close(got, twins.paged_attention(*batch.args()), atol=1e-5, rtol=1e-5)
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:
