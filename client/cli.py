@@ -297,21 +297,35 @@ def run_client(args: argparse.Namespace) -> int:
 
 def run_keygen(path: str) -> int:
     """A fresh secret, readable by its owner only; an existing file is left as it is, so
-    a container that runs this at every start keeps the pair of services in step."""
+    every service of a deployment can run this at start and all of them share one secret.
+    The secret is written to a temporary file and linked into place (link fails if the path
+    exists), so a service racing another never reads a half-written file."""
     import os
+    import tempfile
 
     from protos.channel_keys import generate_secret
 
+    if os.path.exists(path):
+        print(f"folio: {path} exists; keeping it", file=sys.stderr)
+        return 0
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                                   prefix=".keygen-")  # mode 0600
+    except OSError as e:
+        print(f"folio: cannot create {path}: {e}", file=sys.stderr)
+        return 1
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(generate_secret() + "\n")
+        os.link(tmp, path)
     except FileExistsError:
         print(f"folio: {path} exists; keeping it", file=sys.stderr)
         return 0
     except OSError as e:
         print(f"folio: cannot create {path}: {e}", file=sys.stderr)
         return 1
-    with os.fdopen(fd, "w") as f:
-        f.write(generate_secret() + "\n")
+    finally:
+        os.unlink(tmp)
     print(f"folio: wrote a new channel secret to {path}", file=sys.stderr)
     return 0
 

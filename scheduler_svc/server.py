@@ -1,4 +1,4 @@
-"""The public gRPC API (folio.v1.Generator), health checking and reflection on grpc.aio.
+"""The public gRPC API (folio.v1.Generator), health checking and reflection (v1, v1alpha).
 
 `grpc_errors` is the one place where exceptions become statuses: FolioError subclasses carry
 their code and a message for the client; anything else is INTERNAL and logged with a traceback.
@@ -24,7 +24,6 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from protos.channel import SchedulerEnd
 from protos.folio.v1 import generator_pb2 as pb
@@ -34,6 +33,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine, ExecutorCallback
 from scheduler_svc.errors import FolioError, InvalidRequest
 from scheduler_svc.prompts import PromptEncoder
+from scheduler_svc.reflection import enable_reflection
 from scheduler_svc.request import RequestStatus, TokenLogprobs
 from scheduler_svc.structured_output import StructuredValidator
 from scheduler_svc.tokenizer import Tokenizer
@@ -280,9 +280,9 @@ class SchedulerServer:
             (grpc.method_handlers_generic_handler(GENERATOR_SERVICE, handlers),))
         self.server.add_registered_method_handlers(GENERATOR_SERVICE, handlers)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (GENERATOR_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), self.server)
+        enable_reflection(
+            (GENERATOR_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
+            self.server)
         if config.tls_cert is not None:
             self.port = self.server.add_secure_port(
                 config.grpc_address, server_credentials(config.tls_cert, config.tls_key))

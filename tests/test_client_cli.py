@@ -4,6 +4,7 @@ against a real server on the default model."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -263,3 +264,21 @@ def test_keygen_writes_a_private_secret_once(tmp_path, capsys):
     assert read_secret(str(path)) == secret
     assert "exists; keeping it" in capsys.readouterr().err
     assert main(["keygen", str(tmp_path / "missing-dir" / "s")]) == 1
+
+
+def test_racing_keygens_share_one_whole_secret(tmp_path):
+    """Every service of compose.yaml runs keygen at start: racing processes must all end up
+    with one secret, and a reader that sees the file never sees it half-written."""
+    path = tmp_path / "channel.secret"
+    code = ("import sys; from client.cli import main; from protos.channel_keys import "
+            "read_secret; rc = main(['keygen', sys.argv[1]]); print(read_secret(sys.argv[1])); "
+            "sys.exit(rc)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(6)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outputs]
+    secrets_read = {out.strip() for out, _ in outputs}
+    assert secrets_read == {path.read_text().strip()} and len(secrets_read.pop()) == 64
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["channel.secret"]  # no temp left

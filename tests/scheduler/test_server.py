@@ -216,17 +216,42 @@ async def test_resent_hello_is_welcomed_again_without_a_reset(harness):
 
 
 
-async def test_reflection_lists_the_services(harness):
-    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+@pytest.mark.parametrize("version", ["v1alpha", "v1"])
+async def test_reflection_lists_and_describes_the_services(harness, version):
+    """Both reflection services answer with their own message types: v1alpha from
+    grpcio-reflection, v1 from the descriptor derived from it (scheduler_svc/reflection.py)."""
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2
 
+    from scheduler_svc.reflection import V1Request, V1Response
+
+    if version == "v1":
+        request_type, response_type = V1Request, V1Response
+    else:
+        request_type = reflection_pb2.ServerReflectionRequest
+        response_type = reflection_pb2.ServerReflectionResponse
+    method = f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo"
     async with grpc.aio.insecure_channel(f"127.0.0.1:{harness.server.port}") as channel:
-        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        call = stub.ServerReflectionInfo()
-        await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
-        response = await call.read()
+        call = channel.stream_stream(method, request_serializer=request_type.SerializeToString,
+                                     response_deserializer=response_type.FromString)()
+        await call.write(request_type(list_services=""))
+        listed = await call.read()
+        await call.write(request_type(file_containing_symbol="folio.v1.Generator"))
+        described = await call.read()
+        await call.write(request_type(
+            file_containing_symbol="grpc.reflection.v1.ServerReflection"))
+        v1_described = await call.read()
         await call.done_writing()
-    names = {s.name for s in response.list_services_response.service}
-    assert {"folio.v1.Generator", "grpc.health.v1.Health"} <= names
+    names = {s.name for s in listed.list_services_response.service}
+    assert {"folio.v1.Generator", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} <= names
+    files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+             for b in described.file_descriptor_response.file_descriptor_proto]
+    assert "Generator" in {s.name for f in files if f.package == "folio.v1" for s in f.service}
+    v1_files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+                for b in v1_described.file_descriptor_response.file_descriptor_proto]
+    assert [(f.package, [m.input_type for s in f.service for m in s.method]) for f in v1_files
+            ] == [("grpc.reflection.v1", [".grpc.reflection.v1.ServerReflectionRequest"])]
 
 
 async def test_unexpected_errors_become_internal_and_serving_continues(harness, tiny_tokenizer,
