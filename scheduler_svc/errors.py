@@ -1,6 +1,6 @@
 """The scheduler's exceptions, each tied to the gRPC status a client should see.
 
-`server.grpc_errors` is the one place that turns these into statuses; everything else raises.
+`grpc_handlers.grpc_errors` is the one place that turns these into statuses; everything else raises.
 """
 
 from __future__ import annotations
@@ -34,3 +34,9 @@ class ExecutorFailed(FolioError):
     """The executor reported an error for a step this request was in."""
 
     code = grpc.StatusCode.INTERNAL
+
+
+class NotSupported(FolioError):
+    """A field or RPC of a gateway's worker contract that Folio does not implement."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED

@@ -1,13 +1,9 @@
-"""The public gRPC API (folio.v1.Generator), health checking and reflection (v1, v1alpha).
+"""The public gRPC API on grpc.aio: folio.v1.Generator and, on the same port, the vLLM worker
+contract (`vllm_contract.py`) for gateways; health checking and reflection (v1, v1alpha).
 
-`grpc_errors` is the one place where exceptions become statuses: FolioError subclasses carry
-their code and a message for the client; anything else is INTERNAL and logged with a traceback.
-
-The Generator service is registered with our own method handlers (`generator_handlers`) whose
-request deserializer never raises: a message protobuf cannot parse (invalid UTF-8 in a string
-field, truncated bytes) arrives as `Undecodable` and is answered INVALID_ARGUMENT, where
-grpc's generated handlers would answer UNKNOWN. Requests are bounded at MAX_REQUEST_BYTES by
-gRPC itself (RESOURCE_EXHAUSTED beyond it).
+Both services take their handlers from `grpc_handlers` (statuses, lenient deserializers) and
+their request path from `generation`. Requests are bounded at MAX_REQUEST_BYTES by gRPC itself
+(RESOURCE_EXHAUSTED beyond it).
 """
 
 from __future__ import annotations
@@ -15,32 +11,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
-import inspect
-from collections.abc import Callable
+import time
 from pathlib import Path
 
 import grpc
 import structlog
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.channel import SchedulerEnd
 from protos.folio.v1 import generator_pb2 as pb
-from scheduler_svc import inputs
+from scheduler_svc import generation, inputs
 from scheduler_svc.auth import ApiKeyInterceptor, server_credentials
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine, ExecutorCallback
-from scheduler_svc.errors import FolioError, InvalidRequest
+from scheduler_svc.grpc_handlers import grpc_errors, register
 from scheduler_svc.prompts import PromptEncoder
 from scheduler_svc.reflection import enable_reflection
-from scheduler_svc.request import RequestStatus, TokenLogprobs
+from scheduler_svc.request import RequestOutput, RequestStatus, TokenLogprobs
 from scheduler_svc.structured_output import StructuredValidator
 from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.vllm_contract import VLLM_SERVICE, VllmEngineService
 
 log = structlog.get_logger("folio.scheduler.server")
 
-GENERATOR_SERVICE = pb.DESCRIPTOR.services_by_name["Generator"].full_name
+GENERATOR = pb.DESCRIPTOR.services_by_name["Generator"]
+GENERATOR_SERVICE = GENERATOR.full_name
 # Largest request message accepted. A prompt of max_model_len tokens is a few bytes per token
 # (text or token ids), so this leaves room for million-token contexts while bounding what one
 # call can make the server hold; gRPC's default is 4 MiB.
@@ -52,75 +47,11 @@ FINISH_REASONS = {
 }
 
 
-async def _abort_with(context: grpc.aio.ServicerContext, e: Exception, method: str) -> None:
-    if isinstance(e, FolioError):
-        log.info("request refused", method=method, code=e.code.name, reason=str(e))
-        await context.abort(e.code, str(e))
-    log.exception("unexpected error in a handler", method=method)
-    await context.abort(grpc.StatusCode.INTERNAL,
-                        f"internal scheduler error ({type(e).__name__}: {e}); see the server log")
-
-
 def _token_logprobs(t: TokenLogprobs) -> pb.TokenLogprobs:
     return pb.TokenLogprobs(
         token_id=t.token_id, logprob=t.logprob, rank=t.rank,
         top_logprobs=[pb.Logprob(token_id=i, logprob=v)
                       for i, v in zip(t.top_ids, t.top_logprobs, strict=True)])
-
-
-@dataclasses.dataclass(frozen=True)
-class Undecodable:
-    """A request message protobuf could not parse."""
-
-    message_type: str
-    reason: str
-
-    def error(self) -> InvalidRequest:
-        return InvalidRequest(f"could not decode the request as a {self.message_type} "
-                              f"({self.reason}); serialize it from folio/v1/generator.proto, "
-                              "with valid UTF-8 in every string field")
-
-
-def lenient_deserializer(message_cls) -> Callable[[bytes], object]:
-    def deserialize(data: bytes):
-        try:
-            return message_cls.FromString(data)
-        except DecodeError as e:
-            return Undecodable(message_cls.DESCRIPTOR.full_name, str(e))
-    return deserialize
-
-
-def grpc_errors(fn):
-    """Map exceptions from a unary or server-streaming handler to gRPC statuses; a request
-    that could not be decoded is INVALID_ARGUMENT before the handler runs."""
-    if inspect.isasyncgenfunction(fn):
-        @functools.wraps(fn)
-        async def stream_handler(self, request, context):
-            try:
-                if isinstance(request, Undecodable):
-                    raise request.error()
-                # aclosing: a client that goes away closes the inner generator right here, so
-                # its cleanup (aborting the request, freeing blocks) runs now, not at GC time.
-                async with contextlib.aclosing(fn(self, request, context)) as responses:
-                    async for response in responses:
-                        yield response
-            except grpc.aio.AbortError:
-                raise
-            except Exception as e:
-                await _abort_with(context, e, fn.__name__)
-        return stream_handler
-
-    @functools.wraps(fn)
-    async def unary_handler(self, request, context):
-        try:
-            if isinstance(request, Undecodable):
-                raise request.error()
-            return await fn(self, request, context)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as e:
-            await _abort_with(context, e, fn.__name__)
-    return unary_handler
 
 
 class GeneratorService:
@@ -143,49 +74,30 @@ class GeneratorService:
     async def Generate(self, request: pb.GenerateRequest, context):
         params = inputs.submit_params(request)  # every cheap check before tokenizing
         prompt = await self.prompts.token_ids(request, self.max_model_len())
-        bad_words = await self.prompts.bad_words(params.bad_words)
-        params = dataclasses.replace(
-            params, prompt_token_ids=prompt,
-            sampling=dataclasses.replace(params.sampling, bad_words=bad_words))
-        if (spec := params.sampling.structured) is not None:  # compiled off the event loop
-            sampling = dataclasses.replace(params.sampling,
-                                           structured=await self.structured.check(spec))
-            params = dataclasses.replace(params, sampling=sampling)
-        stream = self.engine.submit(params)
-        num_open = params.sequence.n  # sequences (n > 1, beams) whose last message is due
-        done = False
-        try:
-            while True:
-                out = await stream.queue.get()
-                if out.error is not None:
-                    done = True  # the engine already dropped the request
-                    raise out.error
-                response = pb.GenerateResponse(request_id=params.req_id,
-                                               token_ids=out.token_ids, text=out.text,
-                                               index=out.index)
-                if out.logprobs is not None:
-                    response.logprobs.extend(map(_token_logprobs, out.logprobs))
-                if out.prompt_logprobs is not None:
-                    response.prompt_logprobs.extend(map(_token_logprobs, out.prompt_logprobs))
-                if out.finish_status is not None:
-                    num_open -= 1
-                    done = num_open == 0
-                    response.finish_reason = FINISH_REASONS[out.finish_status]
-                    response.usage.prompt_tokens = out.num_prompt_tokens
-                    response.usage.completion_tokens = out.num_output_tokens
-                    response.usage.cached_tokens = out.num_cached_tokens
-                    if isinstance(out.matched_stop, str):
-                        response.matched_stop_str = out.matched_stop
-                    elif out.matched_stop is not None:
-                        response.matched_token_id = out.matched_stop
-                    yield response
-                    if done:
-                        return
-                    continue
-                yield response
-        finally:
-            if not done:  # client cancelled or went away: free the request's blocks now
-                self.engine.abort(params.req_id)
+        params = await generation.prepare(
+            dataclasses.replace(params, prompt_token_ids=prompt), self.prompts, self.structured)
+        async with contextlib.aclosing(generation.outputs(self.engine, params)) as outs:
+            async for out in outs:
+                yield self._response(params.req_id, out)
+
+    @staticmethod
+    def _response(req_id: str, out: RequestOutput) -> pb.GenerateResponse:
+        response = pb.GenerateResponse(request_id=req_id, token_ids=out.token_ids,
+                                       text=out.text, index=out.index)
+        if out.logprobs is not None:
+            response.logprobs.extend(map(_token_logprobs, out.logprobs))
+        if out.prompt_logprobs is not None:
+            response.prompt_logprobs.extend(map(_token_logprobs, out.prompt_logprobs))
+        if out.finish_status is not None:
+            response.finish_reason = FINISH_REASONS[out.finish_status]
+            response.usage.prompt_tokens = out.num_prompt_tokens
+            response.usage.completion_tokens = out.num_output_tokens
+            response.usage.cached_tokens = out.num_cached_tokens
+            if isinstance(out.matched_stop, str):
+                response.matched_stop_str = out.matched_stop
+            elif out.matched_stop is not None:
+                response.matched_token_id = out.matched_stop
+        return response
 
     @grpc_errors
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
@@ -216,26 +128,6 @@ class GeneratorService:
     @grpc_errors
     async def GetServerStats(self, request, context) -> pb.ServerStats:
         return pb.ServerStats(**self.engine.server_stats())
-
-
-def generator_handlers(service: GeneratorService) -> dict[str, grpc.RpcMethodHandler]:
-    """The method table grpc's generated `add_GeneratorServicer_to_server` would build, with
-    lenient request deserializers."""
-    def handler(kind, method, request_cls, response_cls):
-        return kind(method, request_deserializer=lenient_deserializer(request_cls),
-                    response_serializer=response_cls.SerializeToString)
-
-    unary, streaming = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
-    return {
-        "Generate": handler(streaming, service.Generate, pb.GenerateRequest,
-                            pb.GenerateResponse),
-        "Abort": handler(unary, service.Abort, pb.AbortRequest, pb.AbortResponse),
-        "Tokenize": handler(unary, service.Tokenize, pb.TokenizeRequest, pb.TokenizeResponse),
-        "GetModelInfo": handler(unary, service.GetModelInfo, pb.GetModelInfoRequest,
-                                pb.ModelInfo),
-        "GetServerStats": handler(unary, service.GetServerStats, pb.GetServerStatsRequest,
-                                  pb.ServerStats),
-    }
 
 
 def served_model_name(config: SchedulerConfig, model_dir: Path) -> str:
@@ -275,14 +167,15 @@ class SchedulerServer:
         self.structured = StructuredValidator(tokenizer.eos_token_ids)
         service = GeneratorService(self.engine, self.prompts, self.served_model_name,
                                    self.structured)
-        handlers = generator_handlers(service)
-        self.server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(GENERATOR_SERVICE, handlers),))
-        self.server.add_registered_method_handlers(GENERATOR_SERVICE, handlers)
+        register(self.server, GENERATOR, service)
+        self.vllm = VllmEngineService(self.engine, self.prompts, self.served_model_name,
+                                      self.structured, max_num_seqs=config.max_num_seqs,
+                                      start_time=time.time())
+        register(self.server, VLLM_SERVICE, self.vllm)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection(
-            (GENERATOR_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
-            self.server)
+            (GENERATOR_SERVICE, VLLM_SERVICE.full_name,
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), self.server)
         if config.tls_cert is not None:
             self.port = self.server.add_secure_port(
                 config.grpc_address, server_credentials(config.tls_cert, config.tls_key))
@@ -302,7 +195,7 @@ class SchedulerServer:
     async def _set_health(self, serving: bool) -> None:
         status = (health_pb2.HealthCheckResponse.SERVING if serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
-        for service in ("", GENERATOR_SERVICE):
+        for service in ("", GENERATOR_SERVICE, VLLM_SERVICE.full_name):
             await self.health.set(service, status)
 
     async def start(self) -> None:

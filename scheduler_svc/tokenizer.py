@@ -234,6 +234,7 @@ class Tokenizer:
 
         self.model_name = model_dir.name
         self.architecture = (config.get("architectures") or [""])[0]
+        self.model_type = str(config.get("model_type") or "")  # config.json's family name
         self.config_vocab_size = int(config.get("vocab_size") or self._tok.get_vocab_size())
         self.random_weights = (model_dir / "FOLIO_RANDOM_WEIGHTS").exists()
         self.special_tokens = {name: text for name in ("bos_token", "eos_token", "pad_token",

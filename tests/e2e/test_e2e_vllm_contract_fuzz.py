@@ -1,0 +1,192 @@
+"""Fuzzing the vLLM worker contract's Generate of a real `folio serve` (the tiny model): random
+contract requests over every SamplingParams field, valid and not.
+
+Oracle: the contract's own rules and the refusals docs/architecture.md lists (what Folio does
+not do is UNIMPLEMENTED; a value out of range is INVALID_ARGUMENT with a message), and the
+stream's shape for whatever completes (one GenerateComplete per index, chunks adding up to
+its output ids, counts that match). Nothing else may happen; afterwards the server is alive,
+healthy and idle with every KV block free.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from smg_grpc_proto import vllm_engine_pb2 as vpb
+from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
+
+from tests.e2e.e2e_util import wait_idle
+
+pytestmark = pytest.mark.timeout(600)
+
+FUZZ = settings(max_examples=120, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+INT32 = st.integers(-(2**31), 2**31 - 1)
+UINT32 = st.integers(0, 2**32 - 1)
+FLOAT = st.floats(width=32, allow_nan=True, allow_infinity=True)
+SMALL_FLOAT = st.floats(-3, 3, width=32)
+
+
+@pytest.fixture(scope="module")
+def vllm(default_server):
+    with grpc.insecure_channel(default_server.address) as channel:
+        yield vpb_grpc.VllmEngineStub(channel)
+
+
+@pytest.fixture(scope="module")
+def vocab_size(vllm) -> int:
+    return vllm.GetModelInfo(vpb.GetModelInfoRequest(), timeout=10).vocab_size
+
+
+def maybe(strategy):
+    return st.one_of(st.none(), strategy)
+
+
+def pick(draw, wild: bool, valid, anything):
+    """A value from `valid`, or (in a wild request, one time in four) from `anything`."""
+    return draw(maybe(anything if wild and draw(st.integers(0, 3)) == 0 else valid))
+
+
+@st.composite
+def sampling_params(draw, wild: bool) -> vpb.SamplingParams:
+    fields = dict(
+        temperature=pick(draw, wild, st.floats(0, 2, width=32), FLOAT),
+        top_p=pick(draw, wild, st.floats(0.25, 1, width=32), FLOAT),
+        top_k=pick(draw, wild, st.integers(0, 50), UINT32),
+        min_p=pick(draw, wild, st.floats(0, 1, width=32), FLOAT),
+        frequency_penalty=pick(draw, wild, st.floats(-2, 2, width=32), FLOAT),
+        presence_penalty=pick(draw, wild, st.floats(-2, 2, width=32), FLOAT),
+        repetition_penalty=pick(draw, wild, st.floats(0.5, 2, width=32), FLOAT),
+        max_tokens=pick(draw, wild, st.integers(1, 6), st.just(0)),
+        min_tokens=pick(draw, wild, st.integers(0, 1), st.just(100)),
+        stop=pick(draw, wild, st.lists(st.text(min_size=1, max_size=4), max_size=3),
+                  st.lists(st.text(max_size=300), max_size=3)),
+        stop_token_ids=pick(draw, wild, st.lists(st.integers(5, 2000), max_size=3),
+                            st.lists(UINT32, max_size=40)),
+        skip_special_tokens=draw(maybe(st.booleans())),
+        spaces_between_special_tokens=draw(maybe(st.booleans())),
+        ignore_eos=draw(maybe(st.booleans())),
+        n=pick(draw, wild, st.integers(0, 3), st.just(1000)),
+        logprobs=pick(draw, wild, st.integers(0, 20), st.integers(-2, 22)),
+        prompt_logprobs=pick(draw, wild, st.integers(0, 20), st.integers(-2, 22)),
+        seed=pick(draw, wild, st.integers(0, 2**31 - 1), INT32),
+        include_stop_str_in_output=draw(maybe(st.booleans())),
+        logit_bias=pick(draw, wild, st.dictionaries(st.integers(0, 2000),
+                                                    st.floats(-100, 100, width=32),
+                                                    max_size=3),
+                        st.dictionaries(st.integers(-5, 3000), FLOAT, max_size=3)),
+        truncate_prompt_tokens=pick(draw, wild, st.integers(1, 40), st.integers(-2, 0)),
+        grammar_from_first_token=draw(maybe(st.booleans())),
+    )
+    params = vpb.SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+    constraints = ["json_schema", "regex", "grammar", "json_object", "choice"]
+    match draw(st.sampled_from(["none"] * 5 + constraints + (["structural_tag"] if wild
+                                                              else []))):
+        case "json_schema":
+            params.json_schema = draw(st.sampled_from(['{"type": "integer"}', "{", "[]"]
+                                                      if wild else ['{"type": "integer"}']))
+        case "regex":
+            params.regex = draw(st.sampled_from(["[ab]{1,3}", "(", ""] if wild
+                                                else ["[ab]{1,3}"]))
+        case "grammar":
+            params.grammar = draw(st.sampled_from(['root ::= "x" | "y"', "root ::= ("] if wild
+                                                  else ['root ::= "x" | "y"']))
+        case "structural_tag":
+            params.structural_tag = "{}"
+        case "json_object":
+            params.json_object = True
+        case "choice":
+            params.choice.choices.extend(draw(st.lists(st.text(min_size=1, max_size=3),
+                                                       min_size=1, max_size=3)))
+    return params
+
+
+@st.composite
+def generate_requests(draw, vocab_size: int) -> vpb.GenerateRequest:
+    wild = draw(st.booleans())
+    request = vpb.GenerateRequest(
+        request_id=draw(st.sampled_from(["", "fuzz-a/b"] if wild else [""])),
+        sampling_params=draw(sampling_params(wild)), stream=draw(st.booleans()))
+    inputs = ["tokens", "tokens", "text"] + (["none"] if wild else [])
+    match draw(st.sampled_from(inputs)):
+        case "tokens":
+            ids = st.integers(0, vocab_size + 5 if wild else vocab_size - 1)
+            request.tokenized.input_ids.extend(draw(st.lists(ids, min_size=int(not wild),
+                                                             max_size=40)))
+        case "text":
+            request.text = draw(st.text(min_size=int(not wild), max_size=30))
+    if wild and draw(st.integers(0, 4)) == 0:
+        request.data_parallel_rank = draw(st.integers(-1, 2))
+    if wild and draw(st.integers(0, 9)) == 0:
+        request.kv_transfer_params_json = "{}"
+    return request
+
+
+def expected_refusals(request: vpb.GenerateRequest) -> set[grpc.StatusCode]:
+    """The statuses the contract's rules alone decide, one per rule the request breaks (the
+    first check to fail answers); empty when Folio's own checks decide."""
+    p = request.sampling_params
+    codes = set()
+    if request.HasField("kv_transfer_params_json") or p.WhichOneof(
+            "constraint") == "structural_tag":
+        codes.add(grpc.StatusCode.UNIMPLEMENTED)
+    if ((p.HasField("logprobs") and p.logprobs < 0)
+            or (p.HasField("prompt_logprobs") and p.prompt_logprobs < 0)
+            or (p.HasField("seed") and p.seed < 0)
+            or (p.HasField("max_tokens") and p.max_tokens == 0)
+            or (p.HasField("truncate_prompt_tokens") and p.truncate_prompt_tokens in (0, -2))
+            or (request.HasField("data_parallel_rank") and request.data_parallel_rank != 0)
+            or request.WhichOneof("input") is None):
+        codes.add(grpc.StatusCode.INVALID_ARGUMENT)
+    return codes
+
+
+def check_completed(request: vpb.GenerateRequest, responses: list) -> None:
+    p = request.sampling_params
+    n = p.n or 1
+    chunks = [r.chunk for r in responses if r.WhichOneof("response") == "chunk"]
+    completes = {r.complete.index: r.complete for r in responses
+                 if r.WhichOneof("response") == "complete"}
+    assert sorted(completes) == list(range(n))
+    assert len([r for r in responses if r.WhichOneof("response") == "complete"]) == n
+    if not request.stream:
+        assert not chunks
+    for index, done in completes.items():
+        assert done.finish_reason in ("stop", "length")
+        assert done.completion_tokens == len(done.output_ids)
+        if p.HasField("max_tokens"):
+            assert len(done.output_ids) <= p.max_tokens
+        if request.stream:
+            streamed = [t for c in chunks if c.index == index for t in c.token_ids]
+            assert streamed == list(done.output_ids)
+
+
+def test_fuzz_generate_fields(vllm, vocab_size, default_server):
+    seen: dict[str, int] = {}
+
+    @FUZZ
+    @given(request=generate_requests(vocab_size))
+    def run(request):
+        expected = expected_refusals(request)
+        try:
+            responses = list(vllm.Generate(request, timeout=60))
+        except grpc.RpcError as e:
+            seen[e.code().name] = seen.get(e.code().name, 0) + 1
+            assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT,
+                                grpc.StatusCode.UNIMPLEMENTED), (e.code(), e.details())
+            assert not expected or e.code() in expected, (expected, e.details())
+            assert len(e.details()) > 10
+            return
+        seen["OK"] = seen.get("OK", 0) + 1
+        assert not expected, f"expected {expected}, the request completed"
+        check_completed(request, responses)
+
+    run()
+    # the draws reach both sides of the rules
+    assert seen.get("OK", 0) >= 10 and seen.get("INVALID_ARGUMENT", 0) >= 10, seen
+    assert seen.get("UNIMPLEMENTED", 0) >= 3, seen
+    assert default_server.proc.poll() is None, default_server.log_tail()
+    assert vllm.HealthCheck(vpb.HealthCheckRequest(), timeout=10).healthy
+    wait_idle(default_server.address)
