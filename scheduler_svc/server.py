@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +34,8 @@ from scheduler_svc.auth import ApiKeyInterceptor, server_credentials
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine, ExecutorCallback
 from scheduler_svc.errors import FolioError, InvalidRequest
+from scheduler_svc.metrics import RequestMetrics
+from scheduler_svc.metrics_http import MetricsServer
 from scheduler_svc.prompts import PromptEncoder
 from scheduler_svc.request import RequestStatus, TokenLogprobs
 from scheduler_svc.structured_output import StructuredValidator
@@ -141,6 +144,7 @@ class GeneratorService:
 
     @grpc_errors
     async def Generate(self, request: pb.GenerateRequest, context):
+        arrival_time = time.monotonic()  # latencies count tokenization, as vLLM's do
         params = inputs.submit_params(request)  # every cheap check before tokenizing
         prompt = await self.prompts.token_ids(request, self.max_model_len())
         bad_words = await self.prompts.bad_words(params.bad_words)
@@ -152,6 +156,7 @@ class GeneratorService:
                                            structured=await self.structured.check(spec))
             params = dataclasses.replace(params, sampling=sampling)
         stream = self.engine.submit(params)
+        stream.arrival_time = arrival_time
         num_open = params.sequence.n  # sequences (n > 1, beams) whose last message is due
         done = False
         try:
@@ -262,8 +267,12 @@ class SchedulerServer:
                  shutdown_executor_on_stop: bool = False):
         self.health = health.aio.HealthServicer()
         self._on_executor_change = on_executor_change
+        self.served_model_name = served_model_name(config, tokenizer.model_dir)
+        self.metrics = RequestMetrics(self.served_model_name,
+                                      export=config.metrics_port is not None)
         self.engine = Engine(config, tokenizer, channel, on_executor_change=self._executor_change,
-                             shutdown_executor_on_stop=shutdown_executor_on_stop)
+                             shutdown_executor_on_stop=shutdown_executor_on_stop,
+                             metrics=self.metrics)
         self.prompts = PromptEncoder(tokenizer, config.max_model_len)
         interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
         # No SO_REUSEPORT: a second server on a busy port must fail, not share its traffic.
@@ -271,7 +280,6 @@ class SchedulerServer:
             interceptors=interceptors,
             options=[("grpc.so_reuseport", 0),
                      ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
-        self.served_model_name = served_model_name(config, tokenizer.model_dir)
         self.structured = StructuredValidator(tokenizer.eos_token_ids)
         service = GeneratorService(self.engine, self.prompts, self.served_model_name,
                                    self.structured)
@@ -288,10 +296,16 @@ class SchedulerServer:
                 config.grpc_address, server_credentials(config.tls_cert, config.tls_key))
         else:
             self.port = self.server.add_insecure_port(config.grpc_address)
+        # Bound now, like the gRPC port: a busy one fails start-up (OSError), not a later call.
+        self.metrics_server = (MetricsServer(self.metrics.registry, config.host,
+                                             config.metrics_port)
+                               if config.metrics_port is not None else None)
         self._front_end = dict(served_model_name=self.served_model_name,
                                tls=config.tls_cert is not None, api_key=bool(config.api_key),
                                max_request_bytes=MAX_REQUEST_BYTES,
-                               max_token_chars=self.prompts.max_token_chars)
+                               max_token_chars=self.prompts.max_token_chars,
+                               metrics_url=self.metrics_server.url
+                               if self.metrics_server is not None else None)
         self._engine_task: asyncio.Task | None = None
 
     async def _executor_change(self, connected: bool, reason: str) -> None:
@@ -308,6 +322,9 @@ class SchedulerServer:
     async def start(self) -> None:
         await self._set_health(False)  # until an executor completes the handshake
         await self.server.start()
+        if self.metrics_server is not None:
+            self.metrics.serve_stats_from(asyncio.get_running_loop(), self.engine.server_stats)
+            self.metrics_server.start()
         log.info("public API ready", **self._front_end)
         self._engine_task = asyncio.create_task(self.engine.run(), name="folio-engine")
 
@@ -324,5 +341,7 @@ class SchedulerServer:
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(self._engine_task, timeout=grace_s)
         await self.server.stop(grace_s)
+        if self.metrics_server is not None:
+            await asyncio.to_thread(self.metrics_server.stop)
         self.prompts.close()
         self.structured.close()
