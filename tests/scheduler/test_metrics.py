@@ -6,7 +6,10 @@ a real `folio serve` are in tests/e2e/test_e2e_metrics.py."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -19,6 +22,7 @@ from protos.folio.v1 import generator_pb2 as pb
 from scheduler_svc.config import SchedulerConfig, config_from_argv
 from scheduler_svc.metrics_http import MAX_CONNECTIONS
 from scheduler_svc.server import SchedulerServer
+from tests.conftest import ROOT, free_port
 from tests.metrics_scrape import (
     check_against_server_stats,
     check_labels,
@@ -184,19 +188,6 @@ async def test_bad_http_requests_do_not_stop_the_server(metrics_harness):
     assert finished_by_reason(samples)["length"] == 1
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(payload=st.one_of(
-    st.binary(max_size=2000),
-    st.builds(lambda method, path, rest: method + b" " + path + b" HTTP/1.1\r\n" + rest,
-              st.sampled_from([b"GET", b"POST", b"HEAD", b"DELETE", b"\x00"]),
-              st.binary(min_size=1, max_size=300), st.binary(max_size=500))))
-def test_http_fuzz_never_stops_the_server(metrics_port, payload):
-    raw_exchange(metrics_port, payload)
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
-        assert r.status == 200 and b"vllm:num_requests_running" in r.read()
-
-
 @pytest.fixture(scope="module")
 def metrics_port(tiny_tokenizer):
     """A server in a thread of its own (hypothesis drives the test from this one)."""
@@ -222,10 +213,27 @@ def metrics_port(tiny_tokenizer):
     thread.join(30)
 
 
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(payload=st.one_of(
+    st.binary(max_size=2000),
+    st.builds(lambda method, path, rest: method + b" " + path + b" HTTP/1.1\r\n" + rest,
+              st.sampled_from([b"GET", b"POST", b"HEAD", b"DELETE", b"\x00"]),
+              st.binary(min_size=1, max_size=300), st.binary(max_size=500))))
+def test_http_fuzz_never_stops_the_server(metrics_port, payload):
+    raw_exchange(metrics_port, payload)
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+        assert r.status == 200 and b"vllm:num_requests_running" in r.read()
+
+
 async def test_metrics_are_off_by_default(harness):
     assert harness.server.metrics_server is None
     await harness.serve()
-    await collect(harness.stub.Generate(gen_request(max_tokens=2)))  # timed, not exported
+    await collect(harness.stub.Generate(gen_request(max_tokens=2)))
+    count = harness.server.metrics.registry.get_sample_value(
+        "vllm:e2e_request_latency_seconds_count",
+        {"model_name": harness.server.served_model_name, "engine": "0"})
+    assert count == 0  # timed for the INFO line, not observed
 
 
 def test_metrics_port_flag():
@@ -233,6 +241,20 @@ def test_metrics_port_flag():
     assert config_from_argv([]).metrics_port is None
     with pytest.raises(ValueError, match="--metrics-port must be between 0 and 65535"):
         SchedulerConfig(metrics_port=70000)
+
+
+def test_a_busy_metrics_port_ends_start_up_with_a_message(tiny_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        done = subprocess.run(
+            [sys.executable, "-m", "scheduler_svc", "--model", str(tiny_model_dir), "--port",
+             "0", "--executor-address", f"tcp://127.0.0.1:{free_port()}",
+             "--metrics-port", str(taken.getsockname()[1])],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 1, done.stderr
+    assert "cannot bind the metrics port" in done.stderr
 
 
 async def test_a_busy_metrics_port_fails_at_start(tiny_tokenizer):
