@@ -64,6 +64,10 @@ async def test_metrics_of_a_real_server_match_its_stats(folio_server):
         for tail in tails:
             await generate_all(server.address, [system + tail])
         await generate_all(server.address, prompts(vocab_size, PRESSURE_LENGTHS, seed=3))
+        async with AsyncFolioClient(server.address, timeout=120) as client:
+            beams = await client.generate_choices(token_ids=system, beam_width=3, n=2,
+                                                  max_tokens=4, ignore_eos=True)
+        assert len(beams) == 2
         # Garbage on the metrics port changes nothing.
         with socket.create_connection(("127.0.0.1", metrics_port), timeout=5) as s:
             s.sendall(b"\x16\x03\x01 not http\r\n\r\n")
@@ -74,24 +78,26 @@ async def test_metrics_of_a_real_server_match_its_stats(folio_server):
         samples = await asyncio.to_thread(scrape, url)
         log_text = server.log_tail(10**7)
 
-    num_requests = len(tails) + len(PRESSURE_LENGTHS)
+    num_streamed = len(tails) + len(PRESSURE_LENGTHS)
+    num_sequences = num_streamed + len(beams)  # a beam search's results count one each
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] >= 2 * BLOCK_SIZE, stats
-    assert stats["num_finished_requests"] == num_requests
+    assert stats["num_finished_requests"] == num_sequences
     check_labels(samples, info["model_name"])
     check_against_server_stats(samples, stats)
-    assert finished_by_reason(samples) == {"stop": 0, "length": num_requests, "abort": 0,
+    assert finished_by_reason(samples) == {"stop": 0, "length": num_sequences, "abort": 0,
                                            "error": 0}
     for family in ("vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
                    "vllm:time_to_first_token_seconds"):
-        assert histogram_count(samples, family) == num_requests, family
-    # One gap per token after each request's first: the executor streams one per step.
+        assert histogram_count(samples, family) == num_sequences, family
+    # One gap per token after each streamed request's first (the executor streams one per
+    # step); a beam search sends its results whole, in one message each.
     assert histogram_count(samples, "vllm:time_per_output_token_seconds") == \
-        num_requests * (MAX_TOKENS - 1)
+        num_streamed * (MAX_TOKENS - 1)
 
     lines = finished_lines(log_text)
-    assert len(lines) == num_requests, lines
+    assert len(lines) == num_sequences, lines
     for line in lines:
         assert line["level"] == "info" and line["finish_reason"] == "length"
-        assert line["num_output_tokens"] == MAX_TOKENS
+        assert line["num_output_tokens"] in (MAX_TOKENS, 4)
         assert 0 <= line["queue_s"] <= line["ttft_s"] <= line["e2e_s"], line
         assert not {"prompt", "text", "prompt_token_ids"} & line.keys(), line

@@ -113,6 +113,24 @@ async def test_aborts_and_cancels_count_as_abort(metrics_harness):
     assert histogram_count(samples, "vllm:e2e_request_latency_seconds") == 2
 
 
+async def test_every_sequence_of_n_is_counted(metrics_harness):
+    # (Beam search needs logprobs the null executor does not compute: tests/e2e has it.)
+    h = metrics_harness
+    await h.serve()
+    num_sequences = 3
+    responses = await collect(h.stub.Generate(gen_request(
+        list(range(10, 20)), max_tokens=5, ignore_eos=True, n=num_sequences, temperature=1.0,
+        seed=1)))
+    assert len({r.index for r in responses}) == num_sequences
+    stats = await wait_idle(h)
+    samples = await fetch(h)
+    check_against_server_stats(samples, stats)
+    assert finished_by_reason(samples)["length"] == num_sequences
+    for family in ("vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                   "vllm:time_to_first_token_seconds"):
+        assert histogram_count(samples, family) == num_sequences, family
+
+
 async def test_a_finished_request_logs_its_latencies_without_its_prompt(metrics_harness):
     h = metrics_harness
     await h.serve()
