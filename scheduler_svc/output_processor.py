@@ -78,7 +78,7 @@ class OutputProcessor:
     def finish(self, client: ClientRequest, seq: SequenceOutput, status: RequestStatus) -> None:
         """End one sequence without new tokens (abort, or a resume that has no room left)."""
         if not seq.finished:
-            self._emit(client, seq, [], status, now=time.monotonic())
+            self._emit(client, seq, [], status)
 
     def abort(self, client: ClientRequest) -> None:
         now = time.monotonic()
@@ -98,10 +98,12 @@ class OutputProcessor:
     def _emit(self, client: ClientRequest, seq: SequenceOutput, new_token_ids: list[int],
               status: RequestStatus | None, matched: int | str | None = None,
               logprobs: list[TokenLogprobs] | None = None,
-              prompt_logprobs: list[TokenLogprobs] | None = None, now: float = 0.0) -> None:
+              prompt_logprobs: list[TokenLogprobs] | None = None,
+              now: float | None = None) -> None:
         """`status` ends the sequence after these ids; with FINISHED_STOPPED, `matched` is the
         stop id that is the last of them (or a beam's stop string). `logprobs`: one per id;
-        `now`: the monotonic time of the message."""
+        `now`: the monotonic time of the message (default: now)."""
+        now = time.monotonic() if now is None else now
         # A stop id's text is not shown (unless asked for): it is recorded, not decoded.
         hide_last = isinstance(matched, int) and not client.params.include_stop_str_in_output
         decoded = new_token_ids[:-1] if hide_last else new_token_ids
