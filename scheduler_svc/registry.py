@@ -28,6 +28,7 @@ leaves with its last one (every sequence finished, an abort, or an error).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -46,6 +47,9 @@ class SequenceOutput:
     finish_status: RequestStatus | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     prompt_logprobs_sent: bool = False  # index 0's first message carried them (if asked)
+    # Monotonic times of its first and latest messages with token ids (scheduler_svc.metrics).
+    first_token_at: float | None = None
+    last_token_at: float = 0.0
 
     @property
     def token_ids(self) -> list[int]:
@@ -67,6 +71,9 @@ class ClientRequest:
     queue: asyncio.Queue[RequestOutput] = field(default_factory=asyncio.Queue)
     suspended_at: float | None = None  # monotonic time the executor was lost; None = running
     num_resumes: int = 0
+    # Monotonic times: the Generate call, and the first plan that ran it (kept over resumes).
+    arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None
 
     @property
     def is_group(self) -> bool:

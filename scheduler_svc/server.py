@@ -25,6 +25,8 @@ from scheduler_svc.auth import ApiKeyInterceptor, server_credentials
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine, ExecutorCallback
 from scheduler_svc.grpc_handlers import grpc_errors, register
+from scheduler_svc.metrics import RequestMetrics
+from scheduler_svc.metrics_http import MetricsServer
 from scheduler_svc.prompts import PromptEncoder
 from scheduler_svc.reflection import enable_reflection
 from scheduler_svc.request import RequestOutput, RequestStatus, TokenLogprobs
@@ -72,11 +74,13 @@ class GeneratorService:
 
     @grpc_errors
     async def Generate(self, request: pb.GenerateRequest, context):
+        arrival_time = time.monotonic()  # latencies count tokenization, as vLLM's do
         params = inputs.submit_params(request)  # every cheap check before tokenizing
         prompt = await self.prompts.token_ids(request, self.max_model_len())
         params = await generation.prepare(
             dataclasses.replace(params, prompt_token_ids=prompt), self.prompts, self.structured)
-        async with contextlib.aclosing(generation.outputs(self.engine, params)) as outs:
+        outs = generation.outputs(self.engine, params, arrival_time)
+        async with contextlib.aclosing(outs):
             async for out in outs:
                 yield self._response(params.req_id, out)
 
@@ -154,8 +158,12 @@ class SchedulerServer:
                  shutdown_executor_on_stop: bool = False):
         self.health = health.aio.HealthServicer()
         self._on_executor_change = on_executor_change
+        self.served_model_name = served_model_name(config, tokenizer.model_dir)
+        self.metrics = RequestMetrics(self.served_model_name,
+                                      export=config.metrics_port is not None)
         self.engine = Engine(config, tokenizer, channel, on_executor_change=self._executor_change,
-                             shutdown_executor_on_stop=shutdown_executor_on_stop)
+                             shutdown_executor_on_stop=shutdown_executor_on_stop,
+                             metrics=self.metrics)
         self.prompts = PromptEncoder(tokenizer, config.max_model_len)
         interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
         # No SO_REUSEPORT: a second server on a busy port must fail, not share its traffic.
@@ -163,7 +171,6 @@ class SchedulerServer:
             interceptors=interceptors,
             options=[("grpc.so_reuseport", 0),
                      ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
-        self.served_model_name = served_model_name(config, tokenizer.model_dir)
         self.structured = StructuredValidator(tokenizer.eos_token_ids)
         service = GeneratorService(self.engine, self.prompts, self.served_model_name,
                                    self.structured)
@@ -181,10 +188,16 @@ class SchedulerServer:
                 config.grpc_address, server_credentials(config.tls_cert, config.tls_key))
         else:
             self.port = self.server.add_insecure_port(config.grpc_address)
+        # Bound now, like the gRPC port: a busy one fails start-up (OSError), not a later call.
+        self.metrics_server = (MetricsServer(self.metrics.registry, config.host,
+                                             config.metrics_port)
+                               if config.metrics_port is not None else None)
         self._front_end = dict(served_model_name=self.served_model_name,
                                tls=config.tls_cert is not None, api_key=bool(config.api_key),
                                max_request_bytes=MAX_REQUEST_BYTES,
-                               max_token_chars=self.prompts.max_token_chars)
+                               max_token_chars=self.prompts.max_token_chars,
+                               metrics_url=self.metrics_server.url
+                               if self.metrics_server is not None else None)
         self._engine_task: asyncio.Task | None = None
 
     async def _executor_change(self, connected: bool, reason: str) -> None:
@@ -201,6 +214,9 @@ class SchedulerServer:
     async def start(self) -> None:
         await self._set_health(False)  # until an executor completes the handshake
         await self.server.start()
+        if self.metrics_server is not None:
+            self.metrics.serve_stats_from(asyncio.get_running_loop(), self.engine.server_stats)
+            self.metrics_server.start()
         log.info("public API ready", **self._front_end)
         self._engine_task = asyncio.create_task(self.engine.run(), name="folio-engine")
 
@@ -217,5 +233,7 @@ class SchedulerServer:
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(self._engine_task, timeout=grace_s)
         await self.server.stop(grace_s)
+        if self.metrics_server is not None:
+            await asyncio.to_thread(self.metrics_server.stop)
         self.prompts.close()
         self.structured.close()

@@ -11,6 +11,7 @@ import structlog
 
 if TYPE_CHECKING:
     from protos.plan import StepPlan, StepResult
+    from scheduler_svc.metrics import RequestMetrics
     from scheduler_svc.scheduler import Scheduler
 
 log = structlog.get_logger("folio.scheduler.stats")
@@ -54,10 +55,13 @@ class StatsLogger:
     A step's reported idle time counts only if the executor had work queued when it finished
     the step before: the plan went out while another was in flight (overlap), or requests
     were unfinished when the previous result was applied. A server with nothing to do is not
-    an idle executor."""
+    an idle executor.
 
-    def __init__(self, interval_s: float):
+    It also feeds each applied step's token count to the Prometheus metrics (`metrics`)."""
+
+    def __init__(self, interval_s: float, metrics: RequestMetrics | None = None):
         self.interval_s = interval_s
+        self.metrics = metrics
         self._last_log = time.monotonic()
         self._num_tokens = 0  # scheduled (prefill + decode) since the last line
         self._num_sampled = 0
@@ -85,6 +89,8 @@ class StatsLogger:
         idle_s = result.idle_time_s if self._idle_counts.pop(plan.step_id, False) else 0.0
         self._work_queued = work_queued
         self._num_tokens += plan.num_scheduled_tokens
+        if self.metrics is not None:
+            self.metrics.step(plan.num_scheduled_tokens)
         self._num_sampled += len(result.sampled)
         self._num_steps += 1
         self._busy_s += result.execute_time_s

@@ -91,6 +91,7 @@ class VllmEngineService:
     @grpc_errors
     async def Generate(self, request: vpb.GenerateRequest, context):
         self.last_receive_timestamp = time.time()
+        arrival_time = time.monotonic()  # latencies count tokenization, as vLLM's do
         msg = vllm_fields.folio_request(request)
         params = inputs.submit_params(msg)  # every cheap check before tokenizing
         max_model_len = self.max_model_len()
@@ -109,7 +110,8 @@ class VllmEngineService:
         output_ids: dict[int, list[int]] = {}  # index -> all its output ids so far
         logprobs: dict[int, list] = {}  # index -> all its logprobs (stream=false)
         prompt_logprobs = None
-        async with contextlib.aclosing(generation.outputs(self.engine, params)) as outs:
+        outs = generation.outputs(self.engine, params, arrival_time)
+        async with contextlib.aclosing(outs):
             async for out in outs:
                 output_ids.setdefault(out.index, []).extend(out.token_ids)
                 if out.prompt_logprobs is not None:
