@@ -212,14 +212,14 @@ def test_usage_reports_cached_tokens(gateway):
 
 
 # Cache-aware routing, read from each replica's own /metrics. What smg's cache_aware policy
-# promises (docs/concepts/routing/cache-aware.md; model_gateway/src/policies/cache_aware.rs):
-# while the replicas' loads are balanced, a prompt whose longest prefix match in the gateway's
-# prefix tree covers more than --cache-threshold (0.3) of its tokens goes to the replica that
-# match belongs to; a prompt below it goes to the least-loaded healthy replica (its in-flight
-# requests). It promises no spread for families that arrive one after another on an idle
-# pool (the tie-break among equally loaded replicas is an implementation detail), so the
-# spread asserted is the one least-loaded routing guarantees: a new family that arrives while
-# another's request is in flight on one replica goes to the other.
+# promises (its docs/concepts/routing/cache-aware.md): while the replicas' loads are balanced,
+# a prompt whose longest prefix match in the gateway's prefix tree covers more than
+# --cache-threshold (0.3) of its tokens goes to the replica that match belongs to; a prompt
+# below it goes to a least-loaded healthy replica. So a family of prompts sent one after
+# another (an idle pool: balanced) stays where its first request went. Where a new family
+# starts is not promised, so the spread over the replicas is not asserted: smg
+# 1.13.0 sent a second family, arriving while the first's stream was in flight on one replica,
+# to that same replica in one run of three, and sequential families often share a replica.
 NUM_FAMILIES = 4
 PER_FAMILY = 3
 PREFIX_WORDS = 260  # about 370 tokens in the chat template: the suffixes are a few
@@ -258,27 +258,20 @@ def deltas(before: list[dict], after: list[dict]) -> list[dict[str, float]]:
     return [{k: a[k] - b[k] for k in a} for b, a in zip(before, after, strict=True)]
 
 
-def test_cache_aware_routing_keeps_each_family_on_one_replica(gateway, replicas,
-                                                              metrics_urls):
-    # Seeds: family 0's first request is in flight on one replica (streamed, read up to its
-    # first chunk) when family 1's first arrives, so least-loaded routing sends that one to
-    # the other replica. The client then drops family 0's stream: an abort on its replica.
-    before = routing_counts(replicas, metrics_urls)
-    stream = gateway.chat.completions.create(model=MODEL, messages=family_messages(0, 0),
-                                             max_tokens=400, stream=True,
-                                             extra_body={"ignore_eos": True})
-    next(iter(stream))
-    gateway.chat.completions.create(model=MODEL, messages=family_messages(1, 0), max_tokens=2)
-    stream.close()
-    seeded = deltas(before, routing_counts(replicas, metrics_urls))
-    assert [d["requests"] for d in seeded] == [1, 1], seeded
-    homes = {0: next(i for i, d in enumerate(seeded) if d["aborts"] == 1)}
-    homes[1] = 1 - homes[0]
+def test_cache_aware_routing_keeps_each_family_on_one_replica(replicas, metrics_urls,
+                                                              tmp_path):
+    # A gateway of its own: the families would otherwise weigh on where the shared gateway
+    # sends the later tests' requests (its prefix trees, processed counts).
+    with run_gateway(tmp_path, [r.address for r in replicas]) as url:
+        gateway = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120,
+                                max_retries=0)
+        send_families(gateway, replicas, metrics_urls)
 
+
+def send_families(gateway, replicas, metrics_urls) -> None:
     for family in range(NUM_FAMILIES):
-        first = 1 if family in homes else 0  # the seeded families' first request is sent
         before = routing_counts(replicas, metrics_urls)
-        for question in range(first, PER_FAMILY):
+        for question in range(PER_FAMILY):
             response = gateway.chat.completions.create(
                 model=MODEL, messages=family_messages(family, question), max_tokens=2)
             assert response.usage.prompt_tokens >= MIN_PREFIX_HITS + 16
@@ -286,13 +279,11 @@ def test_cache_aware_routing_keeps_each_family_on_one_replica(gateway, replicas,
         landed = [i for i, d in enumerate(counts) if d["requests"]]
         assert len(landed) == 1, (family, counts)  # the whole family on one replica
         home = landed[0]
-        assert counts[home]["requests"] == PER_FAMILY - first, (family, counts)
-        assert homes.setdefault(family, home) == home, (family, homes, counts)
+        assert counts[home]["requests"] == PER_FAMILY and counts[home]["aborts"] == 0, counts
         # Every request after the family's first found the shared prefix cached there; the
         # other replica saw none of the family's tokens.
         assert counts[home]["hits"] >= (PER_FAMILY - 1) * MIN_PREFIX_HITS, (family, counts)
         assert counts[1 - home]["queries"] == 0, (family, counts)
-    assert set(homes.values()) == {0, 1}, homes  # the families are spread over both
 
 
 def running(replicas) -> int:
