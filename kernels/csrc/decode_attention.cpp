@@ -187,22 +187,12 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& block_tables,
                       const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q, out must be [num_seqs, heads, dim]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "caches must be [num_blocks, block_size, num_kv_heads, head_dim]");
-  TORCH_CHECK(q.size(2) == k_cache.size(3), "head_dim must match the cache");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
-                  out.scalar_type() == q.scalar_type(), "q, caches and out must share a dtype");
+  check_attention_operands(out, q, k_cache, v_cache);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
                   block_tables.size(0) == q.size(0) && block_tables.stride(1) == 1,
               "block_tables must be [num_seqs, max_blocks] int32");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
                   seq_lens.numel() == q.size(0), "seq_lens must be [num_seqs] int32");
-  check_inner_contiguous(q, "q");
-  check_inner_contiguous(k_cache, "k_cache");
-  check_inner_contiguous(v_cache, "v_cache");
-  check_inner_contiguous(out, "out");
   FOLIO_DISPATCH(q.scalar_type(), "decode_attention", [&] {
     decode_attention_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
   });

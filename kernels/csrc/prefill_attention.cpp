@@ -222,14 +222,8 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
                        const at::Tensor& v_cache, const at::Tensor& block_tables,
                        const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                        const at::Tensor& seq_ids, double scale) {
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q, out must be [num_tokens, heads, dim]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "caches must be [num_blocks, block_size, num_kv_heads, head_dim]");
-  TORCH_CHECK(q.size(2) == k_cache.size(3), "head_dim must match the cache");
+  check_attention_operands(out, q, k_cache, v_cache);
   TORCH_CHECK(q.size(2) % kV == 0, "head_dim must be a multiple of ", kV);
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
-                  out.scalar_type() == q.scalar_type(), "q, caches and out must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
                   block_tables.stride(1) == 1, "block_tables must be [num_seqs, max_blocks] int32");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
@@ -239,10 +233,6 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
               "query_start_loc must be [num_seqs + 1] int32");
   TORCH_CHECK(seq_ids.scalar_type() == at::kInt && seq_ids.is_contiguous() && seq_ids.dim() == 1,
               "seq_ids must be [num_prefills] int32");
-  check_inner_contiguous(q, "q");
-  check_inner_contiguous(k_cache, "k_cache");
-  check_inner_contiguous(v_cache, "v_cache");
-  check_inner_contiguous(out, "out");
   FOLIO_DISPATCH(q.scalar_type(), "prefill_attention", [&] {
     prefill_attention_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, query_start_loc,
                                      seq_lens, seq_ids, scale);

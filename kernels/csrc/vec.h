@@ -84,6 +84,24 @@ inline void check_inner_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(-1) == 1, name, " must have a contiguous last dimension");
 }
 
+// What both attention kernels require of q, out and the paged caches: q and out [rows, heads,
+// head_dim] alike, caches [num_blocks, block_size, num_kv_heads, head_dim], one dtype, GQA
+// groups whole, innermost dimensions contiguous.
+inline void check_attention_operands(const at::Tensor& out, const at::Tensor& q,
+                                     const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q, out must be [rows, heads, dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "caches must be [num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "head_dim must match the cache");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
+                  out.scalar_type() == q.scalar_type(), "q, caches and out must share a dtype");
+  check_inner_contiguous(q, "q");
+  check_inner_contiguous(k_cache, "k_cache");
+  check_inner_contiguous(v_cache, "v_cache");
+  check_inner_contiguous(out, "out");
+}
+
 // The ops, as torch.ops.folio_cpu registers them (ops.cpp).
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                  const std::optional<at::Tensor>& residual);
