@@ -201,13 +201,19 @@ def test_abort_ends_the_stream_and_frees_its_blocks(vllm, default_server):
     assert (loads.num_running_reqs, loads.num_used_tokens, loads.token_usage) == (0, 0, 0.0)
 
 
-def test_cancelled_stream_frees_its_blocks(vllm, default_server):
+def _long_stream(vllm):
+    """A streamed request far from its end, its first chunk already read."""
     request = vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=PROMPT),
                                   sampling_params=vpb.SamplingParams(max_tokens=4000,
                                                                      ignore_eos=True),
                                   stream=True)
     stream = vllm.Generate(request, timeout=120)
     next(stream)
+    return stream
+
+
+def test_cancelled_stream_frees_its_blocks(vllm, default_server):
+    stream = _long_stream(vllm)
     stream.cancel()
     wait_idle(default_server.address)
 
@@ -229,12 +235,7 @@ def test_server_info_and_loads(vllm, folio):
 
 
 def test_loads_count_a_running_request(vllm, default_server):
-    request = vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=PROMPT),
-                                  sampling_params=vpb.SamplingParams(max_tokens=4000,
-                                                                     ignore_eos=True),
-                                  stream=True)
-    stream = vllm.Generate(request, timeout=120)
-    next(stream)
+    stream = _long_stream(vllm)
     load = vllm.GetLoads(vpb.GetLoadsRequest(), timeout=10).loads[0]
     stream.cancel()
     assert load.num_running_reqs == 1 and load.num_waiting_reqs == 0
