@@ -3,7 +3,7 @@
 // Built on first use by kernels/cpu_ext.py (torch.utils.cpp_extension, no pybind) with the
 // vector ISA of the machine it runs on (CPU_CAPABILITY = AVX512, AVX2 or DEFAULT), and checked
 // against the torch twins in tests/kernels/test_cpu_ext.py. The kernels: elementwise.cpp,
-// decode_attention.cpp, prefill_attention.cpp; shared helpers and invariants: vec.h.
+// decode_attention.cpp, prefill_attention.cpp, skinny_linear.cpp; shared helpers and invariants: vec.h.
 
 #include <torch/library.h>
 
@@ -18,6 +18,7 @@ TORCH_LIBRARY(folio_cpu, m) {
   m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor seq_ids, "
         "float scale) -> ()");
+  m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(folio_cpu, CPU, m) {
@@ -26,4 +27,5 @@ TORCH_LIBRARY_IMPL(folio_cpu, CPU, m) {
   m.impl("rotary", &folio_cpu::rotary);
   m.impl("decode_attention", &folio_cpu::decode_attention);
   m.impl("prefill_attention", &folio_cpu::prefill_attention);
+  m.impl("skinny_linear", &folio_cpu::skinny_linear);
 }

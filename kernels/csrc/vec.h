@@ -114,5 +114,7 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
                        const at::Tensor& v_cache, const at::Tensor& block_tables,
                        const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                        const at::Tensor& seq_ids, double scale);
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const std::optional<at::Tensor>& bias, int64_t out_features);
 
 }  // namespace folio_cpu

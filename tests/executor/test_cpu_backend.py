@@ -200,7 +200,7 @@ def _forward(runner, plan, oracle: bool) -> torch.Tensor:
 def test_packing_releases_the_plain_weight_once():
     layer = _layer(64, 32, torch.float32, bias=True)
     use_linear_method(layer, PackedCpuLinear())
-    assert layer.weight.numel() == 0 and layer.gemv_weight is not None
+    assert layer.weight.numel() == 0 and layer.packed_weight is not None
     with pytest.raises(ValueError, match="already released"):
         use_linear_method(layer, PackedCpuLinear())
 
