@@ -1,52 +1,124 @@
 // Decode attention straight from the paged cache: one query token per sequence, attending to
-// its first seq_lens[s] cached positions. One work item is (sequence, KV head): its group of
-// query heads shares every K/V row it loads. Scores and softmax in fp32, exact max-subtracted
-// softmax over the whole context (a pass over K for the scores, one over V); positions past
-// seq_lens[s] are never read, so stale or poisoned slots cannot leak.
+// its first seq_lens[s] cached positions.
+//
+// A work item is one chunk of kChunk positions of one sequence, all heads: it walks its blocks
+// front to back in tiles of up to 16 positions, reading each tile's K rows and then its V rows
+// whole (every KV head side by side, so the reads stream through contiguous memory), with an
+// online softmax per query head in fp32 (running max, rescaled sums). A sequence longer than
+// one chunk is split across items and its chunks' partial results merged in chunk order. The
+// chunking depends only on the sequence's own length, so a sequence's result does not depend
+// on the rest of the batch nor on the thread count. Positions past seq_lens[s] are never read,
+// so stale or poisoned slots cannot leak.
+
+#include <atomic>
 
 #include "vec.h"
 
 namespace folio_cpu {
 
-// Ask for a cache row's lines ahead of use: sequences' blocks are scattered, so the hardware
-// prefetcher loses the stream at every block boundary.
-template <typename T>
-inline void prefetch_row(const T* row, int64_t dim) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b);
+namespace {
+
+constexpr int64_t kChunk = 256;  // positions per work item
+constexpr int64_t kTile = 16;    // positions scored together
+constexpr int64_t kAhead = 2;    // tiles prefetched ahead
+
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
 }
 
-// acc[g] = sum_t p[g, t] * v_t over one (sequence, KV head)'s value rows, for head_dim =
-// NV * kV: two query heads at a time with their accumulators in registers.
+#if defined(CPU_CAPABILITY_AVX512)
+// The 16 lane-sums of v[0..15] in one vector; the accumulators come in the order `slot` gives
+// (row l in v[slot(l)]) so that lane l ends up holding row l's sum.
+constexpr int slot(int l) { return (l % 4) * 4 + l / 4; }
+
+inline __m512 reduce16(const __m512* v) {
+  __m512 u[8], w[4];
+  for (int i = 0; i < 8; ++i)  // 128-bit lanes [a0+a2, a1+a3, b0+b2, b1+b3]
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // lane j: the 4 partial sums of input 4i + j
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  const __m512 z0 = _mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));
+  const __m512 z1 = _mm512_add_ps(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3]));
+  return _mm512_add_ps(_mm512_shuffle_ps(z0, z1, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_ps(z0, z1, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+#endif
+
+// out[l] = q . k_l for the n <= 16 rows at krows (row stride kt); q is fp32, pre-scaled.
+template <typename T>
+inline void score_tile(const float* q, const T* krows, int64_t kt, int64_t n, int64_t dim,
+                       float* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (dim % kV == 0) {
+    __m512 acc[kTile];
+    for (int l = 0; l < kTile; ++l) acc[l] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < dim; j += kV) {
+      const __m512 qv = fVec::loadu(q + j);
+      for (int l = 0; l < kTile; ++l)
+        if (l < n) acc[slot(l)] = _mm512_fmadd_ps(qv, load_f(krows + l * kt + j), acc[slot(l)]);
+    }
+    _mm512_storeu_ps(out, reduce16(acc));
+    return;
+  }
+#endif
+  const int64_t vec_end = dim - dim % kV;
+  for (int64_t l = 0; l < n; ++l) {
+    const T* k = krows + l * kt;
+    fVec s(0.f);
+    int64_t j = 0;
+    for (; j < vec_end; j += kV) s = at::vec::fmadd(fVec::loadu(q + j), load_f(k + j), s);
+    float tail = 0.f;
+    for (; j < dim; ++j) tail += q[j] * static_cast<float>(k[j]);
+    out[l] = hsum(s) + tail;
+  }
+}
+
+// acc[g] += sum_l p[g][l] * v_l for the group's heads (p rows kTile apart, acc rows dim apart).
 template <int NV, typename T>
-void weighted_rows(const T* vbase, const int32_t* row_bt, int64_t block_size, int64_t vb,
-                   int64_t vt, int64_t len, const float* probs, int64_t group, float* acc) {
-  constexpr int64_t kAhead = 8;
+inline void weigh_tile(const float* p, const T* vrows, int64_t vt, int64_t n, int64_t group,
+                       float* acc) {
   for (int64_t g = 0; g < group; g += 2) {
     const bool two = g + 1 < group;
-    const float* p0 = probs + g * len;
-    const float* p1 = two ? p0 + len : p0;
+    const float* p0 = p + g * kTile;
+    const float* p1 = two ? p0 + kTile : p0;
+    float* a0p = acc + g * NV * kV;
+    float* a1p = two ? a0p + NV * kV : a0p;
     fVec a0[NV], a1[NV];
-    for (int j = 0; j < NV; ++j) a0[j] = a1[j] = fVec(0.f);
-    for (int64_t t = 0; t < len; ++t) {
-      const T* vrow = vbase + row_bt[t / block_size] * vb + (t % block_size) * vt;
-      if (g == 0 && t + kAhead < len) {
-        const int64_t ta = t + kAhead;
-        prefetch_row(vbase + row_bt[ta / block_size] * vb + (ta % block_size) * vt, NV * kV);
-      }
-      const fVec w0(p0[t]), w1(p1[t]);
+    for (int j = 0; j < NV; ++j) {
+      a0[j] = fVec::loadu(a0p + j * kV);
+      a1[j] = fVec::loadu(a1p + j * kV);
+    }
+    for (int64_t l = 0; l < n; ++l) {
+      const T* v = vrows + l * vt;
+      const fVec w0(p0[l]), w1(p1[l]);
       for (int j = 0; j < NV; ++j) {
-        const fVec v = load_f(vrow + j * kV);
-        a0[j] = at::vec::fmadd(w0, v, a0[j]);
-        a1[j] = at::vec::fmadd(w1, v, a1[j]);
+        const fVec x = load_f(v + j * kV);
+        a0[j] = at::vec::fmadd(w0, x, a0[j]);
+        a1[j] = at::vec::fmadd(w1, x, a1[j]);
       }
     }
     for (int j = 0; j < NV; ++j) {
-      a0[j].store(acc + g * NV * kV + j * kV);
-      if (two) a1[j].store(acc + (g + 1) * NV * kV + j * kV);
+      a0[j].store(a0p + j * kV);
+      if (two) a1[j].store(a1p + j * kV);
     }
   }
 }
+
+template <typename T>
+inline void weigh_tile_any(const float* p, const T* vrows, int64_t vt, int64_t n, int64_t group,
+                           int64_t dim, float* acc) {
+  if (dim == 4 * kV) return weigh_tile<4>(p, vrows, vt, n, group, acc);
+  if (dim == 8 * kV) return weigh_tile<8>(p, vrows, vt, n, group, acc);
+  for (int64_t l = 0; l < n; ++l)
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t j = 0; j < dim; ++j)
+        acc[g * dim + j] += p[g * kTile + l] * static_cast<float>(vrows[l * vt + j]);
+}
+
+}  // namespace
 
 template <typename T>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
@@ -60,7 +132,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
   const int64_t sq0 = q.stride(0), sq1 = q.stride(1), so0 = out.stride(0), so1 = out.stride(1);
   const int64_t num_cache_blocks = k_cache.size(0);
-  const int64_t vec_end = dim - dim % kV;
+  const int64_t row_bytes = num_kv * dim * static_cast<int64_t>(sizeof(T));  // one position, all heads
   const T* qp = q.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
@@ -68,117 +140,127 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, num_seqs * num_kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), kf(dim), scores;
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t s = w / num_kv, h = w % num_kv;
-      const int64_t len = lens[s];
-      TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "seq_lens[", s, "] = ", len,
-                  " is outside [1, ", max_blocks * block_size, "]");
-      for (int64_t g = 0; g < group; ++g) {
-        const T* qrow = qp + s * sq0 + (h * group + g) * sq1;
-        float* qg = qf.data() + g * dim;
-        int64_t j = 0;
-        for (; j < vec_end; j += kV) (load_f(qrow + j) * fVec(fscale)).store(qg + j);
-        for (; j < dim; ++j) qg[j] = static_cast<float>(qrow[j]) * fscale;
+
+  // Work items (sequence, first position), longest sequences first; `first[s]` is the index
+  // of sequence s's first chunk in the partials, or -1 when it has one chunk.
+  std::vector<std::pair<int64_t, int64_t>> items;
+  std::vector<int64_t> first(num_seqs, -1);
+  int64_t num_partials = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t len = lens[s];
+    TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "seq_lens[", s, "] = ", len,
+                " is outside [1, ", max_blocks * block_size, "]");
+    if (len > kChunk) {
+      first[s] = num_partials;
+      num_partials += (len + kChunk - 1) / kChunk;
+    }
+    for (int64_t t0 = 0; t0 < len; t0 += kChunk) items.emplace_back(s, t0);
+  }
+  std::stable_sort(items.begin(), items.end(), [&](const auto& a, const auto& b) {
+    return std::min<int64_t>(kChunk, lens[a.first] - a.second) >
+           std::min<int64_t>(kChunk, lens[b.first] - b.second);
+  });
+  // Per chunk of a split sequence: acc [num_heads, dim], then max and sum [num_heads] each.
+  const int64_t partial_size = num_heads * (dim + 2);
+  std::vector<float> partials(num_partials * partial_size);
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1,
+                   [&](int64_t, int64_t) {
+    std::vector<float> qf(num_heads * dim), acc(num_heads * dim), m(num_heads), l(num_heads);
+    std::vector<float> p(num_heads * kTile);
+    for (int64_t i = next++; i < num_items; i = next++) {
+      const auto [s, c0] = items[i];
+      const int64_t c1 = std::min<int64_t>(c0 + kChunk, lens[s]);
+      for (int64_t hd = 0; hd < num_heads; ++hd) {
+        const T* qrow = qp + s * sq0 + hd * sq1;
+        for (int64_t j = 0; j < dim; ++j) qf[hd * dim + j] = static_cast<float>(qrow[j]) * fscale;
       }
-      scores.resize(group * len);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
       const int32_t* row_bt = bt + s * sbt;
-      // Pass 1: scores[g, t] = scale * q_g . k_t, up to kV tokens of one block at a time (the
-      // next ones prefetched meanwhile); each key row widened once and shared by the group.
-      for (int64_t t0 = 0; t0 < len;) {
-        const int64_t blk = row_bt[t0 / block_size], off = t0 % block_size;
+      int64_t ahead = c0;  // positions prefetched so far
+      for (int64_t t = c0; t < c1;) {
+        const int64_t blk = row_bt[t / block_size], off = t % block_size;
         TORCH_CHECK(blk >= 0 && blk < num_cache_blocks, "block id ", blk, " out of range");
-        const int64_t n = std::min<int64_t>({kV, block_size - off, len - t0});
-        if (t0 + n < len) {  // the next tile's rows
-          const int64_t t1 = t0 + n, n1 = std::min<int64_t>({kV, block_size - t1 % block_size, len - t1});
-          const T* next = kp + row_bt[t1 / block_size] * kb + (t1 % block_size) * kt + h * kh;
-          for (int64_t l = 0; l < n1; ++l) prefetch_row(next + l * kt, dim);
-        }
-        const T* rows = kp + blk * kb + off * kt + h * kh;
-        for (int64_t l = 0; l < n; ++l) {
-          const T* krow = rows + l * kt;
-          int64_t j = 0;
-          for (; j < vec_end; j += kV) load_f(krow + j).store(kf.data() + j);
-          for (; j < dim; ++j) kf[j] = static_cast<float>(krow[j]);
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = qf.data() + g * dim;
-            fVec s0(0.f), s1(0.f);  // two chains: half the FMA latency per dot
-            j = 0;
-            for (; j + 2 * kV <= vec_end; j += 2 * kV) {
-              s0 = at::vec::fmadd(fVec::loadu(qg + j), fVec::loadu(kf.data() + j), s0);
-              s1 = at::vec::fmadd(fVec::loadu(qg + j + kV), fVec::loadu(kf.data() + j + kV), s1);
-            }
-            for (; j < vec_end; j += kV)
-              s0 = at::vec::fmadd(fVec::loadu(qg + j), fVec::loadu(kf.data() + j), s0);
-            float tail = 0.f;
-            for (; j < dim; ++j) tail += qg[j] * kf[j];
-            scores[g * len + t0 + l] = hsum(s0 + s1) + tail;
+        const int64_t n = std::min<int64_t>({kTile, block_size - off, c1 - t});
+        // Rows up to kAhead tiles past this one, K and V, asked for while this tile computes.
+        for (const int64_t want = std::min<int64_t>(c1, t + n + kAhead * kTile); ahead < want; ++ahead) {
+          const int64_t b1 = row_bt[ahead / block_size], o1 = ahead % block_size;
+          if (b1 >= 0 && b1 < num_cache_blocks) {
+            prefetch_bytes(kp + b1 * kb + o1 * kt, row_bytes);
+            prefetch_bytes(vp + b1 * vb + o1 * vt, row_bytes);
           }
         }
-        t0 += n;
-      }
-      // Softmax per query head; probabilities stay unnormalised until the end.
-      std::vector<float> inv_sum(group);
-      for (int64_t g = 0; g < group; ++g) {
-        float* sc = scores.data() + g * len;
-        fVec mx(-std::numeric_limits<float>::infinity());
-        int64_t t = 0;
-        for (; t + kV <= len; t += kV) mx = at::vec::maximum(mx, fVec::loadu(sc + t));
-        float m = at::vec::vec_reduce_all<float>(
-            [](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, mx);
-        for (; t < len; ++t) m = std::max(m, sc[t]);
-        const fVec mv(m);
-        fVec sum_v(0.f);
-        float sum_s = 0.f;
-        for (t = 0; t + kV <= len; t += kV) {
-          fVec e = (fVec::loadu(sc + t) - mv).exp();
-          e.store(sc + t);
-          sum_v = sum_v + e;
+        const T* krows = kp + blk * kb + off * kt;
+        for (int64_t hd = 0; hd < num_heads; ++hd)
+          score_tile(qf.data() + hd * dim, krows + (hd / group) * kh, kt, n, dim,
+                     p.data() + hd * kTile);
+        for (int64_t hd = 0; hd < num_heads; ++hd) {  // online softmax, per query head
+          float* ph = p.data() + hd * kTile;
+          std::fill(ph + n, ph + kTile, -std::numeric_limits<float>::infinity());
+          fVec mx = fVec::loadu(ph);
+          for (int64_t c = kV; c < kTile; c += kV) mx = at::vec::maximum(mx, fVec::loadu(ph + c));
+          const float tile_max = at::vec::vec_reduce_all<float>(
+              [](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, mx);
+          const float m_new = std::max(m[hd], tile_max);
+          const float alpha = std::exp(m[hd] - m_new);
+          const fVec mv(m_new);
+          fVec sum(0.f);
+          for (int64_t c = 0; c < kTile; c += kV) {
+            const fVec e = (fVec::loadu(ph + c) - mv).exp();
+            e.store(ph + c);
+            sum = sum + e;
+          }
+          l[hd] = l[hd] * alpha + hsum(sum);
+          m[hd] = m_new;
+          if (alpha != 1.f) {
+            float* a = acc.data() + hd * dim;
+            for (int64_t j = 0; j < dim; ++j) a[j] *= alpha;
+          }
         }
-        for (; t < len; ++t) {
-          sc[t] = std::exp(sc[t] - m);
-          sum_s += sc[t];
-        }
-        inv_sum[g] = 1.f / (hsum(sum_v) + sum_s);
+        const T* vrows = vp + blk * vb + off * vt;
+        for (int64_t h = 0; h < num_kv; ++h)
+          weigh_tile_any(p.data() + h * group * kTile, vrows + h * vh, vt, n, group, dim,
+                         acc.data() + h * group * dim);
+        t += n;
       }
-      // Pass 2: out_g = sum_t p[g, t] v_t / sum_t p[g, t]
-      constexpr int64_t kAhead = 8;
-      for (int64_t t = 0; t < std::min(len, kAhead); ++t)
-        prefetch_row(vp + row_bt[t / block_size] * vb + (t % block_size) * vt + h * vh, dim);
-      const T* vbase = vp + h * vh;
-      if (dim == 4 * kV) {
-        weighted_rows<4>(vbase, row_bt, block_size, vb, vt, len, scores.data(), group, acc.data());
-      } else if (dim == 8 * kV) {
-        weighted_rows<8>(vbase, row_bt, block_size, vb, vt, len, scores.data(), group, acc.data());
+      if (first[s] < 0) {
+        for (int64_t hd = 0; hd < num_heads; ++hd) {
+          T* orow = op + s * so0 + hd * so1;
+          const float inv = 1.f / l[hd];
+          for (int64_t j = 0; j < dim; ++j) orow[j] = static_cast<T>(acc[hd * dim + j] * inv);
+        }
       } else {
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t t = 0; t < len; ++t) {
-          const T* vrow = vbase + row_bt[t / block_size] * vb + (t % block_size) * vt;
-          if (t + kAhead < len) {
-            const int64_t ta = t + kAhead;
-            prefetch_row(vbase + row_bt[ta / block_size] * vb + (ta % block_size) * vt, dim);
-          }
-          int64_t j = 0;
-          for (; j < vec_end; j += kV) {
-            const fVec v = load_f(vrow + j);
-            for (int64_t g = 0; g < group; ++g) {
-              float* a = acc.data() + g * dim + j;
-              at::vec::fmadd(fVec(scores[g * len + t]), v, fVec::loadu(a)).store(a);
-            }
-          }
-          for (; j < dim; ++j) {
-            const float v = static_cast<float>(vrow[j]);
-            for (int64_t g = 0; g < group; ++g) acc[g * dim + j] += scores[g * len + t] * v;
-          }
-        }
+        float* part = partials.data() + (first[s] + c0 / kChunk) * partial_size;
+        std::copy(acc.begin(), acc.end(), part);
+        std::copy(m.begin(), m.end(), part + num_heads * dim);
+        std::copy(l.begin(), l.end(), part + num_heads * (dim + 1));
       }
-      for (int64_t g = 0; g < group; ++g) {
-        T* orow = op + s * so0 + (h * group + g) * so1;
-        const float* a = acc.data() + g * dim;
-        int64_t j = 0;
-        for (; j < vec_end; j += kV) store_f(orow + j, fVec::loadu(a + j) * fVec(inv_sum[g]));
-        for (; j < dim; ++j) orow[j] = static_cast<T>(a[j] * inv_sum[g]);
+    }
+  });
+  if (num_partials == 0) return;
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(dim);
+    for (int64_t s = begin; s < end; ++s) {
+      if (first[s] < 0) continue;
+      const int64_t chunks = (lens[s] + kChunk - 1) / kChunk;
+      const float* base = partials.data() + first[s] * partial_size;
+      for (int64_t hd = 0; hd < num_heads; ++hd) {
+        float m_all = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < chunks; ++c)
+          m_all = std::max(m_all, base[c * partial_size + num_heads * dim + hd]);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        float l_all = 0.f;
+        for (int64_t c = 0; c < chunks; ++c) {  // in chunk order
+          const float* part = base + c * partial_size;
+          const float w = std::exp(part[num_heads * dim + hd] - m_all);
+          l_all += w * part[num_heads * (dim + 1) + hd];
+          for (int64_t j = 0; j < dim; ++j) acc[j] += w * part[hd * dim + j];
+        }
+        T* orow = op + s * so0 + hd * so1;
+        for (int64_t j = 0; j < dim; ++j) orow[j] = static_cast<T>(acc[j] / l_all);
       }
     }
   });
