@@ -8,19 +8,22 @@ a method that keeps packed integer blocks and multiplies them.
 
 CPU methods, chosen by measurement (bench/cpu_step.py; docs/benchmarks.md has the tables):
 
-- fp32: oneDNN on weights pre-packed in its blocked layouts: `PackedCpuLinear` keeps one
-  layout made for a single row (decode at batch 1, 1.5x MKL's gemv: 17 vs 11 GB/s of weights
-  streamed on the 2-core machine) and one made for many rows (1.2-2.7x ``F.linear`` from 2 to
-  256 rows, equal from 512). The plain weight is then released, so the linear weights take
-  twice their size (both packed forms); a tied LM head keeps it (the embedding looks rows up
-  in it). The packed products differ from ``F.linear`` by float rounding only (about 1e-6
-  relative); greedy decoding stays token-exact against transformers (tests/e2e).
+- fp32: two pre-packed forms of each weight (`PackedCpuLinear`): 16-feature slabs for the
+  fused skinny kernel (kernels/csrc/skinny_linear.cpp), which takes decode batches up to 64
+  rows (1.43x oneDNN at one row, 1.07x at 32: it streams the weights at ~44 GB/s on the 2-core
+  machine), and oneDNN's blocked layout for more rows (1.2-2.7x ``F.linear`` from 2 to 256
+  rows, equal from 512). The plain weight is then released, so the linear weights take twice
+  their size; a tied LM head keeps it (the embedding looks rows up in it). Both products
+  differ from ``F.linear`` by float rounding only (about 1e-6 relative); greedy decoding stays
+  token-exact against transformers (tests/e2e). Without the fused kernels, oneDNN's layout
+  for one row replaces the slabs (one-row steps only).
 - bf16 on a CPU without native bf16 matmuls (no AVX512-BF16/AMX): torch's emulated bf16 gemm
   is 3x slower than fp32 from 16 rows up; `UpcastCpuLinear` keeps the bf16 weight (half the
   memory and bandwidth) and multiplies in fp32 one cache-sized slice of rows at a time. One
   row stays a bf16 gemv, which is memory bound and faster than fp32.
-- bf16 with native support (AVX512-BF16, AMX): `PackedCpuLinear` as for fp32 (oneDNN's bf16
-  and AMX kernels on the same two packed layouts). Against ``F.linear`` on a 2-core Xeon with
+- bf16 with native support (AVX512-BF16, AMX): `PackedCpuLinear` as for fp32, the skinny
+  kernel up to 4 rows and oneDNN's bf16 and AMX kernels above (their native dot products beat
+  the kernel's fp32 FMAs from 8 rows). Against ``F.linear`` on a 2-core Xeon with
   AMX (Qwen2.5-0.5B's shapes; best of 15 interleaved runs): 1.4-2.4x faster at one row (the
   LM head 35 vs 50 ms), 1.4x at 16-128 rows, 2.3x at 512.
 """
