@@ -22,8 +22,8 @@ CPU methods, chosen by measurement (bench/cpu_step.py; docs/benchmarks.md has th
   memory and bandwidth) and multiplies in fp32 one cache-sized slice of rows at a time. One
   row stays a bf16 gemv, which is memory bound and faster than fp32.
 - bf16 with native support (AVX512-BF16, AMX): `PackedCpuLinear` as for fp32, the skinny
-  kernel up to 4 rows and oneDNN's bf16 and AMX kernels above (their native dot products beat
-  the kernel's fp32 FMAs from 8 rows). Against ``F.linear`` on a 2-core Xeon with
+  kernel up to 2 rows and oneDNN's bf16 and AMX kernels above (their native dot products beat
+  the kernel's fp32 FMAs from 4 rows). Against ``F.linear`` on a 2-core Xeon with
   AMX (Qwen2.5-0.5B's shapes; best of 15 interleaved runs): 1.4-2.4x faster at one row (the
   LM head 35 vs 50 ms), 1.4x at 16-128 rows, 2.3x at 512.
 """
@@ -124,11 +124,12 @@ class PackedCpuLinear:
         return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
 
 
-# Rows up to which the skinny kernel beats oneDNN's packed layouts, all of SmolLM2's linears
-# streamed once per step (weights cold), 2 threads, AMD EPYC with AVX512-BF16: fp32 1.43x at 1
-# row, 1.10x at 8, 1.07x at 32, 1.02x at 64, 0.98x at 128; bf16 1.10x at 1, 1.03x at 4,
-# 0.96x at 8 (oneDNN's bf16 dot products double the arithmetic the kernel's fp32 FMAs do).
-SKINNY_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 4}
+# Rows up to which the skinny kernel beats oneDNN's packed layouts, every linear of a model
+# streamed once per step (weights cold), 2 threads, AMD EPYC with AVX512-BF16. SmolLM2's: fp32
+# 1.43x at 1 row, 1.10x at 8, 1.07x at 32, 1.02x at 64, 0.98x at 128; bf16 1.10x at 1, 1.03x at
+# 4, 0.96x at 8. Qwen2.5-0.5B's, bf16: 1.16x at 1, 0.99x at 2, 0.95x at 4 (oneDNN's bf16 dot
+# products do twice the arithmetic per instruction of the kernel's fp32 FMAs).
+SKINNY_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 2}
 
 
 def pack_skinny_weight(weight: torch.Tensor) -> torch.Tensor:
