@@ -7,7 +7,10 @@
 // keeps rows x features accumulators in registers, an outer product per k: broadcast x[m, k],
 // multiply by the 16-wide weight vector, accumulate in fp32. Rows beyond a chunk re-read the
 // tile's slabs from cache rather than memory. 16-bit weights are widened on load; the sum over
-// k runs in order, in fp32, rounded to the output dtype once.
+// k runs in order, in fp32, rounded to the output dtype once; tiles are claimed from a shared
+// counter, so the result does not depend on which thread computes which tile.
+
+#include <atomic>
 
 #include "vec.h"
 
@@ -68,9 +71,13 @@ void skinny_linear_impl(const at::Tensor& xf, const at::Tensor& packed, const T*
   const T* wp = packed.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t so = out.stride(0);
-  at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+  // Tiles are claimed from a shared counter: a thread the OS preempts (the scheduler process
+  // shares these cores) holds up one tile, not a fixed share of them.
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tiles), 1,
+                   [&](int64_t, int64_t) {
     alignas(64) float acc[kRowChunk * kTileVecs * kV];
-    for (int64_t t = begin; t < end; ++t) {
+    for (int64_t t = next++; t < num_tiles; t = next++) {
       const int64_t block0 = t * kTileBlocks;
       const int64_t blocks = std::min<int64_t>(kTileBlocks, num_blocks - block0);
       for (int64_t r0 = 0; r0 < M; r0 += kRowChunk) {
