@@ -1,8 +1,8 @@
 // Linear layers on a few rows (decode batches): y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]).
 //
-// The weight is packed once (kernels/cpu.py pack_skinny_weight) as [ceil(N / 16), K, 16]: for
-// each block of 16 output features, one slab holding, for every k, the 16 features' weights
-// side by side (zero past N). A work tile is a few consecutive blocks; it streams their slabs
+// The weight is packed once (pack_skinny_weight, executor_svc/models/linear.py) as
+// [ceil(N / 16), K, 16]: for each block of 16 output features, one slab holding, for every k,
+// the 16 features' weights side by side (zero past N). A work tile is a few consecutive blocks; it streams their slabs
 // front to back (memory bound: each weight element is read once per call, by one thread) and
 // keeps rows x features accumulators in registers, an outer product per k: broadcast x[m, k],
 // multiply by the 16-wide weight vector, accumulate in fp32. Rows beyond a chunk re-read the
