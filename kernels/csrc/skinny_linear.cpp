@@ -2,13 +2,14 @@
 //
 // The weight is packed once (pack_skinny_weight, executor_svc/models/linear.py) as
 // [ceil(N / 16), K, 16]: for each block of 16 output features, one slab holding, for every k,
-// the 16 features' weights side by side (zero past N). A work tile is a few consecutive blocks; it streams their slabs
-// front to back (memory bound: each weight element is read once per call, by one thread) and
-// keeps rows x features accumulators in registers, an outer product per k: broadcast x[m, k],
-// multiply by the 16-wide weight vector, accumulate in fp32. Rows beyond a chunk re-read the
-// tile's slabs from cache rather than memory. 16-bit weights are widened on load; the sum over
-// k runs in order, in fp32, rounded to the output dtype once; tiles are claimed from a shared
-// counter, so the result does not depend on which thread computes which tile.
+// the 16 features' weights side by side (zero past N). A work tile is a few consecutive
+// blocks; it streams their slabs front to back (memory bound: each weight element is read once
+// per call, by one thread) and keeps rows x features accumulators in registers, an outer
+// product per k: broadcast x[m, k], multiply by the 16-wide weight vector, accumulate in fp32.
+// Rows beyond a chunk re-read the tile's slabs from cache rather than memory. 16-bit weights
+// are widened on load; the sum over k runs in order, in fp32, rounded to the output dtype
+// once; tiles are claimed from a shared counter, so the result does not depend on which
+// thread computes which tile.
 
 #include <atomic>
 
