@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from kernels import twins
-
 from tests.kernels.conftest import DEVICE
 
 TOL64 = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
