@@ -1,8 +1,8 @@
 """paged_attention: causal attention of a varlen query batch over the paged KV cache (Triton).
 
 One kernel covers decode, prefill and chunked prefill. A program owns one tile of query rows of
-one sequence and one KV head; the rows are (token, q head) pairs, so every q head sharing the KV
-head reads each K/V tile once (GQA packing):
+one sequence, one KV head and one split of the keys; the rows are (token, q head) pairs, so every
+q head sharing the KV head reads each K/V tile once (GQA packing):
 
     rows of a tile, GROUP_PAD = 4:   row r -> token r // 4, head kv_head * group + r % 4
     r:  0  1  2  3 | 4  5  6  7 | ...
@@ -12,9 +12,18 @@ Query token j of a sequence sits at position seq_len - q_len + j and sees keys 0
 full attention to the cached prefix, causal over the new tokens. Key tiles that every query of
 the tile sees run without the mask; only the tail tiles pay for it.
 
-Split-KV: when (query tiles x KV heads) cannot fill the GPU (few sequences, long context), the key
-range is cut into num_splits chunks; each program writes a normalized partial output and its
-log-sum-exp (base 2), and a second kernel merges them.
+Query tiles: a launch is a flattened grid of query blocks of BLOCK_Q tokens over all sequences.
+Sequence i's blocks start at query_start_loc[i] // BLOCK_Q + i, so num_tokens // BLOCK_Q +
+num_seqs blocks cover any batch and a program finds its sequence by binary search. Sequences
+with at most SHORT_Q query tokens (decodes) run in the launch of 16-row tiles; longer ones
+(prefill chunks) in a second launch of wide tiles, so a mixed step never demotes its decodes.
+
+Split-KV on the device: a launch has a fixed upper bound `max_splits` (from the grid's shape
+only); each tile cuts its key range into min(max_splits, ceil(keys / min_split_len)) splits of
+whole key tiles, computed from the sequence's length in the kernel. Every split writes a
+normalized partial output and its log-sum-exp (base 2) to fp32 scratch, an unused split only
+lse = -inf; kernels/attention_reduce.py merges them. Nothing depends on host ints that change
+with the contents of the batch, so a captured launch stays exact when lengths change.
 """
 
 import functools
@@ -26,7 +35,27 @@ import triton.language as tl
 
 from kernels.attention_reduce import merge_splits
 
-_MIN_SPLIT_LEN = 256  # shorter splits cost more in the merge than they win in parallelism
+MIN_SPLIT_LEN = 256  # shorter splits cost more in the merge than they win in parallelism
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _kv_offsets(block_ids, start, stride_cache_b, stride_cache_s, head_off,
+                BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """[BLOCK_N] cache offsets of keys start.. from the tile's block ids (one per KV block)."""
+    SUB: tl.constexpr = BLOCK_N if BLOCK_N < KV_BLOCK_SIZE else KV_BLOCK_SIZE
+    in_block = (start % KV_BLOCK_SIZE) + tl.arange(0, SUB)  # [SUB] rows inside each block
+    off = block_ids.to(tl.int64)[:, None] * stride_cache_b + (in_block * stride_cache_s)[None, :]
+    return tl.reshape(off, [BLOCK_N]) + head_off
+
+
+@triton.jit
+def _block_ids(block_table_ptr, start, hi,
+               BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """The physical ids of the KV blocks under key tile start..start+BLOCK_N (0 past hi)."""
+    PER_TILE: tl.constexpr = BLOCK_N // KV_BLOCK_SIZE if BLOCK_N > KV_BLOCK_SIZE else 1
+    idx = start // KV_BLOCK_SIZE + tl.arange(0, PER_TILE)
+    return tl.load(block_table_ptr + idx, mask=idx * KV_BLOCK_SIZE < hi, other=0)
 
 
 @triton.jit
@@ -34,23 +63,31 @@ def _attend(
     acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, head_off,
     stride_cache_b, stride_cache_s, lo, hi, scale_log2e,
     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    KV_BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
-    for start in range(lo, hi, BLOCK_N):
+    # The next tile's block ids are loaded one iteration ahead (a loop-carried value), so the
+    # K/V loads of an iteration depend on no load of the same iteration and the pipeliner can
+    # keep NUM_STAGES - 1 tiles of K and V in flight.
+    block_ids = _block_ids(block_table_ptr, lo, hi, BLOCK_N, KV_BLOCK_SIZE)
+    for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+        kv_off = _kv_offsets(block_ids, start, stride_cache_b, stride_cache_s, head_off,
+                             BLOCK_N, KV_BLOCK_SIZE)  # fmt: skip
+        block_ids = _block_ids(block_table_ptr, start + BLOCK_N, hi, BLOCK_N, KV_BLOCK_SIZE)
         kv_pos = start + offs_n  # [BLOCK_N]
         kv_valid = kv_pos < hi
-        # Gather through the block table: each key's physical block, then its row in it.
-        block_ids = tl.load(block_table_ptr + kv_pos // KV_BLOCK_SIZE, mask=kv_valid, other=0)
-        kv_off = block_ids.to(tl.int64) * stride_cache_b + (kv_pos % KV_BLOCK_SIZE) * stride_cache_s
-        kv_off += head_off
         k = tl.load(
             k_cache_ptr + kv_off[None, :] + offs_d[:, None],
             mask=kv_valid[None, :] & d_mask[:, None],
             other=0.0,
         )  # [HEAD_DIM_PAD, BLOCK_N]
+        v = tl.load(
+            v_cache_ptr + kv_off[:, None] + offs_d[None, :],
+            mask=kv_valid[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_N, HEAD_DIM_PAD]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
         if MASKED:
             visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
@@ -61,36 +98,60 @@ def _attend(
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + kv_off[:, None] + offs_d[None, :],
-            mask=kv_valid[:, None] & d_mask[None, :],
-            other=0.0,
-        )  # [BLOCK_N, HEAD_DIM_PAD]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
+def _find_sequence(query_start_loc_ptr, block, num_seqs, BLOCK_Q: tl.constexpr):
+    """The last sequence i whose first query block query_start_loc[i] // BLOCK_Q + i <= block."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+# Per-step values are never specialized on (==1, %16), so launches never recompile per step.
+PER_STEP_ARGS = ["stride_bt", "stride_lse_t", "stride_lse_h", "stride_p_t", "stride_p_h",
+                 "stride_p_s", "num_seqs", "max_splits", "min_split_len"]  # fmt: skip
+
+
+@triton.jit(do_not_specialize=PER_STEP_ARGS)
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    out_ptr, lse_ptr,
+    out_ptr, partial_ptr, lse_ptr,
     stride_q_t, stride_q_h, stride_cache_b, stride_cache_s, stride_cache_h, stride_bt,
-    stride_out_t, stride_out_h, stride_out_s, stride_lse_t, stride_lse_h,
-    num_splits, split_len, scale_log2e,
+    stride_out_t, stride_out_h, stride_p_t, stride_p_h, stride_p_s, stride_lse_t, stride_lse_h,
+    num_seqs, max_splits, min_split_len, scale_log2e,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    KV_BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr, SHORT_Q: tl.constexpr, LONG: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    # Heaviest tiles (last queries, longest causal range) first: the GPU starts blocks in
-    # launch order, so the long ones do not trail at the end of the grid.
-    q_tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2) // num_splits
-    split = tl.program_id(2) % num_splits
+    block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    # This launch's sequences: the short ones (decodes, one tile each: block = sequence) or the
+    # long ones (the flattened grid of query blocks), never both.
+    if LONG:
+        seq = _find_sequence(query_start_loc_ptr, block, num_seqs, BLOCK_Q)
+    else:
+        seq = block
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if q_tile * BLOCK_Q >= q_len:
+    if LONG:
+        q_tile = block - (q_start // BLOCK_Q + seq)
+        skip = (q_len <= SHORT_Q) | (q_tile * BLOCK_Q >= q_len)
+    else:
+        q_tile = 0
+        skip = (q_len > SHORT_Q) | (q_len == 0)
+    if skip:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     first_pos = seq_len - q_len + q_tile * BLOCK_Q  # position of the tile's first query
@@ -103,18 +164,26 @@ def _paged_attention_kernel(
     q_pos = seq_len - q_len + tok  # [BLOCK_M]
     token_ids = (q_start + tok).to(tl.int64)
     io_mask = row_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+
+    # Keys this tile needs: up to its last query; this split's share of them, whole key tiles.
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
+    lo = 0
+    hi = kv_end
+    if SPLIT:
+        num_splits = tl.minimum(tl.maximum(tl.cdiv(kv_end, min_split_len), 1), max_splits)
+        split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * split_len
+        hi = tl.minimum(kv_end, lo + split_len)
+        lse_off = token_ids * stride_lse_t + head * stride_lse_h + split
+        if lo >= hi:  # an unused split weighs nothing in the merge
+            tl.store(lse_ptr + lse_off, tl.full([BLOCK_M], float("-inf"), tl.float32),
+                     mask=row_valid)  # fmt: skip
+            return
     q = tl.load(
         q_ptr + token_ids[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
         mask=io_mask,
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM_PAD]
-
-    # Keys this tile needs: up to its last query; this split's share of them.
-    kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
-    lo = split * split_len
-    hi = tl.minimum(kv_end, lo + split_len)
-    if split == num_splits - 1:
-        hi = kv_end  # the last split takes any remainder, whatever max_seq_len claimed
     # Whole key tiles below the first query's position are visible to every row: no mask.
     mid = tl.minimum((hi // BLOCK_N) * BLOCK_N, ((first_pos + 1) // BLOCK_N) * BLOCK_N)
     mid = tl.maximum(mid, lo)
@@ -127,24 +196,25 @@ def _paged_attention_kernel(
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, head_off,
         stride_cache_b, stride_cache_s, lo, mid, scale_log2e,
-        False, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, DOT_PRECISION,
+        False, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, head_off,
         stride_cache_b, stride_cache_s, mid, hi, scale_log2e,
-        True, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, DOT_PRECISION,
+        True, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, DOT_PRECISION, NUM_STAGES,
     )  # fmt: skip
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    out_off = token_ids[:, None] * stride_out_t + head[:, None] * stride_out_h + offs_d[None, :]
     if SPLIT:
-        tl.store(out_ptr + out_off + split * stride_out_s, o, mask=io_mask)
+        p_off = token_ids[:, None] * stride_p_t + head[:, None] * stride_p_h + offs_d[None, :]
+        tl.store(partial_ptr + p_off + split * stride_p_s, o, mask=io_mask)
         # Rows with no visible key in this split weigh nothing in the merge.
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(tl.maximum(l_i, 1e-30)))
-        lse_off = token_ids * stride_lse_t + head * stride_lse_h + split
         tl.store(lse_ptr + lse_off, lse, mask=row_valid)
     else:
-        tl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+        out_off = token_ids[:, None] * stride_out_t + head[:, None] * stride_out_h
+        tl.store(out_ptr + out_off + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=io_mask)  # fmt: skip
 
 
 @functools.cache
@@ -154,34 +224,57 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _pick_num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
+def pick_max_splits(num_programs: int, device: torch.device) -> int:
+    """The split bound of a launch of num_programs tiles: from the grid's shape alone."""
     target = 4 * _num_sms(device)  # a few resident programs per SM to hide memory latency
-    if num_programs >= target or max_seq_len < 2 * _MIN_SPLIT_LEN:
-        return 1
-    return max(1, min(triton.cdiv(target, num_programs), max_seq_len // _MIN_SPLIT_LEN, 64))
+    return 1 if num_programs >= target else min(triton.cdiv(target, num_programs), MAX_SPLITS)
 
 
 def launch_config(
-    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, long: bool
 ) -> dict:
-    """Tile sizes and launch options (shared with the sm_90 compile test)."""
+    """Tile sizes and launch options of the short (decode) or long (prefill) launch; shared
+    with the sm_90 compile test."""
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     fp32 = dtype == torch.float32
-    # 16 rows is tl.dot's floor: decode-like batches pad to it; prefill tiles take 128 rows.
-    # fp32 is a correctness path on GPUs (exact dots run on FMA units, not tensor cores): small
-    # tiles over 8 warps keep its register spills small.
-    max_rows = 32 if fp32 else 128
-    rows = group_pad * triton.next_power_of_2(max(max_query_len, 1))
-    block_m = max(16, min(max_rows, rows), group_pad)
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    # 16 rows is tl.dot's floor: decode tiles pad to it (or to the group). Prefill tiles take
+    # 128 rows (64 past head_dim 128, for registers). fp32 is a correctness path on GPUs (exact
+    # dots run on FMA units, not tensor cores): small tiles keep its register spills small.
+    rows = (32 if fp32 else 128 if head_dim_pad <= 128 else 64) if long else 16
+    block_m = max(rows, group_pad)
     return dict(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m,
-        BLOCK_N=32 if fp32 else 64,  # fp32 key tiles take twice the shared memory
-        BLOCK_Q=block_m // group_pad, HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_N=32 if fp32 or head_dim_pad > 128 else 64,  # K+V tiles x stages in shared memory
+        BLOCK_Q=block_m // group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         DOT_PRECISION="ieee" if fp32 else "tf32",  # fp32 stays exact; ignored for 16-bit
-        num_warps=8 if block_m >= 128 or fp32 else 4, num_stages=2 if fp32 else 3,
+        NUM_STAGES=3,  # two K/V tiles in flight while the third is computed on
+        num_warps=8 if long or fp32 else 4,  # fp32: 8 warps keep its spills small
     )  # fmt: skip
+
+
+def plan_launches(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                  num_tokens: int, num_seqs: int, max_query_len: int) -> list[tuple[dict, int]]:
+    """(config, query blocks) per launch: the short launch (one block per sequence, sequences
+    of at most its BLOCK_Q query tokens) always; the long one (the flattened grid of wide
+    query blocks) when some sequence may have more."""
+    short = launch_config(dtype, num_heads, num_kv_heads, head_dim, long=False)
+    launches = [(short, num_seqs)]
+    if max_query_len > short["BLOCK_Q"]:
+        long = launch_config(dtype, num_heads, num_kv_heads, head_dim, long=True)
+        launches.append((long, num_tokens // long["BLOCK_Q"] + num_seqs))
+    return launches
+
+
+def alloc_scratch(num_tokens: int, num_heads: int, head_dim: int, max_splits: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV scratch (partial outputs, lse) for up to num_tokens rows and max_splits splits;
+    a caller that captures graphs allocates it once and passes it to every launch."""
+    partial = torch.empty((num_tokens, num_heads, max_splits, head_dim), dtype=torch.float32,
+                          device=device)  # fmt: skip
+    lse = torch.empty((num_tokens, num_heads, max_splits), dtype=torch.float32, device=device)
+    return partial, lse
 
 
 def paged_attention(
@@ -191,12 +284,14 @@ def paged_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32, including this step's tokens
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
-    max_query_len: int,  # sizes the grid: must be >= every query length
-    max_seq_len: int,  # only a hint for the split heuristic
+    max_query_len: int,  # must be >= every query length: whether a long launch is needed
+    max_seq_len: int,  # unused: splits follow the lengths on the device (kept for the twins' signature)
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     *,
-    num_splits: int | None = None,  # None = heuristic; tests force the split path with it
+    num_splits: int | None = None,  # split bound; None = from the grid's shape (tests force it)
+    min_split_len: int = MIN_SPLIT_LEN,  # keys per split at least (tests shrink it)
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None,  # from alloc_scratch, else allocated
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -204,6 +299,7 @@ def paged_attention(
     assert num_heads % num_kv_heads == 0, "GQA needs num_heads % num_kv_heads == 0"
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
     assert k_cache.shape[3] == head_dim and k_cache.dtype == q.dtype, "cache/q head_dim or dtype"
+    assert block_size & (block_size - 1) == 0, "KV block size must be a power of two"
     assert q.stride(-1) == k_cache.stride(-1) == block_tables.stride(-1) == 1
     assert seq_lens.shape == (num_seqs,) and query_start_loc.shape == (num_seqs + 1,)
     if out is None:
@@ -212,33 +308,32 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
 
-    config = launch_config(q.dtype, num_heads, num_kv_heads, head_dim, max_query_len)
-    block_n = config["BLOCK_N"]
-    num_q_tiles = triton.cdiv(max(max_query_len, 1), config["BLOCK_Q"])
+    launches = plan_launches(q.dtype, num_heads, num_kv_heads, head_dim, num_tokens, num_seqs,
+                             max_query_len)  # fmt: skip
+    short = launches[0][0]
     if num_splits is None:
-        num_splits = _pick_num_splits(num_q_tiles * num_seqs * num_kv_heads, max_seq_len, q.device)
-    split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
-
-    if num_splits > 1:
-        target = torch.empty(
-            (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
-        )
-        lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
-        out_strides = (target.stride(0), target.stride(1), target.stride(2))
-        lse_strides = (lse.stride(0), lse.stride(1))
+        num_splits = pick_max_splits(sum(n for _, n in launches) * num_kv_heads, q.device)
+    split = num_splits > 1
+    if split:
+        partial, lse = scratch or alloc_scratch(num_tokens, num_heads, head_dim, num_splits,
+                                                q.device)  # fmt: skip
+        assert partial.shape[0] >= num_tokens and partial.shape[2] >= num_splits
+        assert partial.shape[1:4:2] == (num_heads, head_dim) and partial.dtype == torch.float32
+        partial, lse = partial[:num_tokens, :, :num_splits], lse[:num_tokens, :, :num_splits]
     else:
-        target, lse = out, out  # lse is unused without splits
-        out_strides = (out.stride(0), out.stride(1), 0)
-        lse_strides = (0, 0)
-
-    grid = (num_q_tiles, num_seqs, num_kv_heads * num_splits)
-    _paged_attention_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, target, lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), *out_strides, *lse_strides,
-        num_splits, split_len, scale * math.log2(math.e),
-        KV_BLOCK_SIZE=block_size, SPLIT=num_splits > 1, **config,
-    )  # fmt: skip
-    if num_splits > 1:
-        merge_splits(target, lse, out)
+        partial, lse = out, out  # unused without splits
+    for i, (config, num_blocks) in enumerate(launches):
+        config = dict(config)
+        num_warps = config.pop("num_warps")
+        _paged_attention_kernel[(num_blocks, num_kv_heads, num_splits)](
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial, lse,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1),
+            *(partial.stride()[:3] if split else (0, 0, 0)), *(lse.stride()[:2] if split else (0, 0)),
+            num_seqs, num_splits, min_split_len, scale * math.log2(math.e),
+            KV_BLOCK_SIZE=block_size, SHORT_Q=short["BLOCK_Q"], LONG=i == 1,
+            SPLIT=split, num_warps=num_warps, num_stages=config["NUM_STAGES"], **config,
+        )  # fmt: skip
+    if split:
+        merge_splits(partial, lse, out)
     return out

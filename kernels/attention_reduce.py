@@ -2,8 +2,9 @@
 
 Each split s of a query row left a normalized partial output o_s and lse_s = log2(sum of its
 exp2 scores). The merged row is sum_s w_s * o_s with w_s = exp2(lse_s - max lse) / sum of those
-weights; empty splits carry lse = -inf and weigh nothing. Split 0 always holds key 0, which
-every query sees, so the max is finite for every real query.
+weights; empty splits carry lse = -inf and weigh nothing and their partial outputs are never read (an
+unused split writes only its lse). Split 0 always holds key 0, which every query sees, so the
+max is finite for every real query.
 """
 
 import torch
@@ -11,7 +12,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Per-step values are never specialized on, so the merge never recompiles per step.
+@triton.jit(do_not_specialize=["stride_p_t", "stride_p_h", "stride_p_s", "stride_lse_t",
+                               "stride_lse_h", "num_splits"])
 def _merge_splits_kernel(
     partial_ptr, lse_ptr, out_ptr,
     stride_p_t, stride_p_h, stride_p_s, stride_lse_t, stride_lse_h, stride_out_t, stride_out_h,
@@ -33,7 +36,7 @@ def _merge_splits_kernel(
     weights = tl.math.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
     total = tl.sum(weights, 0)
     weights = weights / tl.where(total == 0.0, 1.0, total)
-    mask = s_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    mask = (lse > float("-inf"))[:, None] & (offs_d[None, :] < HEAD_DIM)
     partial_off = token * stride_p_t + head * stride_p_h
     partial_off += offs_s[:, None] * stride_p_s + offs_d[None, :]  # [SPLITS_PAD, HEAD_DIM_PAD]
     partial = tl.load(partial_ptr + partial_off, mask=mask, other=0.0)
@@ -43,8 +46,8 @@ def _merge_splits_kernel(
 
 
 def merge_splits(
-    partial: torch.Tensor,  # [num_tokens, num_heads, num_splits, head_dim] fp32
-    lse: torch.Tensor,  # [num_tokens, num_heads, num_splits] fp32, base 2
+    partial: torch.Tensor,  # [num_tokens, num_heads, num_splits, head_dim] fp32 (strided view)
+    lse: torch.Tensor,  # [num_tokens, num_heads, num_splits] fp32, base 2 (strided view)
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
 ) -> None:
     num_tokens, num_heads, num_splits, head_dim = partial.shape

@@ -4,10 +4,17 @@ The interpreter does not check what the GPU compiler rejects (tl.dot operands un
 or shared-memory limits), so the kernels are lowered to PTX and assembled with the ptxas that
 ships in the triton wheel. Runs in a child process: the kernels must be decorated without
 TRITON_INTERPRET. Pointer and stride arguments carry the 16-divisibility hints a real launch
-would add, so the compiled code is the pipelined code a GPU would run.
+would add (never the per-step ones the kernels exclude with do_not_specialize), so the compiled
+code is the code a GPU would run.
+
+The attention kernel's properties are asserted on that code: in every key loop the K and V
+tiles sit in shared buffers of >= 2 stages and the loop waits with >= 2 async copy groups still
+in flight (the next tile's K and V load while this one is computed on); registers and spills,
+from ptxas -v (what Triton's own launch would report), stay within bounds.
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,11 +22,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-NOT_ALIGNED = {"stride_bt", "stride_lse_t", "stride_lse_h", "num_splits", "scale_log2e", "eps"}
-
-
-def _compile(fn, pointers: dict[str, str], constexprs: dict, floats=(), **options) -> int:
-    """Lower fn for sm_90; returns the shared memory it needs."""
+def _compile(fn, pointers: dict[str, str], constexprs: dict, floats=(), **options):
+    """Lower fn for sm_90; returns the compiled kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -31,39 +35,82 @@ def _compile(fn, pointers: dict[str, str], constexprs: dict, floats=(), **option
     attrs = {
         (fn.arg_names.index(name),): [["tt.divisibility", 16]]
         for name, ty in signature.items()
-        if name not in NOT_ALIGNED and (ty.startswith("*") or ty == "i32")
+        if (ty.startswith("*") or ty == "i32")
+        and not fn.params[fn.arg_names.index(name)].do_not_specialize
     }
     consts = {(fn.arg_names.index(name),): value for name, value in constexprs.items()}
     source = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     assert kernel.asm["cubin"], "no cubin"
-    return kernel.metadata.shared
+    return kernel
 
 
-def _attention(dtype: str, head_dim: int, group: int, max_query_len: int, split: bool) -> int:
+def _registers_and_spills(kernel) -> tuple[int, int]:
+    """ptxas -v on the kernel's PTX with the flags Triton uses: (registers, spill bytes)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptx = kernel.asm["ptx"]
+    arch = re.search(r"^\.target\s+(sm_\w+)", ptx, re.M).group(1)
+    done = subprocess.run([get_ptxas(90).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={arch}",
+                           "-", "-o", os.devnull], input=ptx, capture_output=True, text=True,
+                          check=True)  # fmt: skip
+    regs = int(re.search(r"Used (\d+) registers", done.stderr).group(1))
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", done.stderr))
+    return regs, spills
+
+
+def _check_pipelined(ttgir: str, config: tuple) -> None:
+    """Every key loop keeps >= 2 async copy groups (the next K and V tiles) in flight."""
+    loops = ttgir.split("scf.for ")[1:]
+    assert len(loops) == 2, f"{config}: expected the unmasked and the masked key loop"
+    for body in loops:
+        body = body.split("scf.yield")[0]  # the loop body (it holds no nested region)
+        waits = [int(n) for n in re.findall(r"ttg\.async_wait[^\n]*\{num = (\d+)", body)]
+        copies = body.count("ttg.async_copy_global_to_local")
+        assert waits and min(waits) >= 2, f"{config}: the loop waits for every load: {waits}"
+        assert copies >= 2, f"{config}: K and V are not loaded asynchronously in the loop"
+    # K [HEAD_DIM_PAD, BLOCK_N] and V [BLOCK_N, HEAD_DIM_PAD] tiles in >= 2-stage buffers.
+    stages = [int(n) for n in re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x", ttgir)]
+    assert len(stages) >= 4 and min(stages) >= 2, f"{config}: K/V buffers of stages {stages}"
+
+
+def _attention(dtype: str, head_dim: int, group: int, long: bool, split: bool,
+               block_size: int = 16) -> int:
     import torch
 
     from kernels import attention
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    config = attention.launch_config(torch_dtype, 2 * group, 2, head_dim, max_query_len)
-    options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
-    pointers = {name: "*" + dtype for name in ("q_ptr", "k_cache_ptr", "v_cache_ptr")}
+    config = attention.launch_config(torch_dtype, 2 * group, 2, head_dim, long)
+    short_q = attention.launch_config(torch_dtype, 2 * group, 2, head_dim, False)["BLOCK_Q"]
+    options = {"num_warps": config.pop("num_warps"), "num_stages": config["NUM_STAGES"]}
+    pointers = {name: "*" + dtype for name in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
     for name in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"):
         pointers[name] = "*i32"
-    pointers.update(out_ptr="*fp32" if split else "*" + dtype, lse_ptr="*fp32")
-    constexprs = dict(config, KV_BLOCK_SIZE=16, SPLIT=split)
-    return _compile(
+    pointers.update(partial_ptr="*fp32", lse_ptr="*fp32")
+    constexprs = dict(config, KV_BLOCK_SIZE=block_size, SHORT_Q=short_q, LONG=long, SPLIT=split)
+    kernel = _compile(
         attention._paged_attention_kernel, pointers, constexprs, floats=["scale_log2e"], **options
     )
+    case = (dtype, head_dim, group, long, split, block_size)
+    _check_pipelined(kernel.asm["ttgir"], case)
+    regs, spills = _registers_and_spills(kernel)
+    # Decode tiles: <= 168 registers keeps 3 CTAs of 4 warps resident per SM; 16-bit never spills.
+    assert regs <= (255 if long else 168), f"{case}: {regs} registers"
+    assert dtype == "fp32" or spills == 0, f"{case}: {spills} bytes of spills"
+    print(case, f"{regs} registers, {spills} bytes spilled, {kernel.metadata.shared} B shared")
+    return kernel.metadata.shared
 
 
 def main() -> None:
     from kernels import activation, attention_reduce, kv_cache, norm, rope
 
-    # The launcher's configurations: decode with splits, 8B prefill, GQA-7 head_dim 64, fp32.
-    for config in [("bf16", 128, 4, 1, True), ("bf16", 128, 4, 2048, False),
-                   ("fp16", 64, 7, 512, False), ("bf16", 80, 1, 1, True), ("fp32", 128, 8, 100, False)]:  # fmt: skip
+    # The launcher's configurations: 8B decode (split and not), 8B prefill, GQA-7 head_dim 64
+    # (decode with 128-position blocks: one block id per tile), head_dim 80, fp32.
+    for config in [("bf16", 128, 4, False, True), ("bf16", 128, 4, False, False),
+                   ("bf16", 128, 4, True, False), ("fp16", 64, 7, False, True, 128),
+                   ("fp16", 64, 7, True, False), ("bf16", 80, 1, False, True, 32),
+                   ("fp32", 128, 8, True, False)]:  # fmt: skip
         shared = _attention(*config)
         assert shared <= 227 * 1024, f"{config} needs {shared} bytes of shared memory"
     dt = "*bf16"
@@ -77,6 +124,9 @@ def main() -> None:
              {"positions_ptr": "*i64", "q_ptr": dt, "k_ptr": dt, "cos_sin_ptr": "*fp32"},
              dict(BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64))  # fmt: skip
     _compile(activation._silu_and_mul_kernel, {"x_ptr": dt, "out_ptr": dt}, dict(BLOCK=1024))
+    from kernels import attention
+
+    assert set(attention.PER_STEP_ARGS) <= set(attention._paged_attention_kernel.arg_names)
     _compile(attention_reduce._merge_splits_kernel,
              {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": dt},
              dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_PAD=64))  # fmt: skip

@@ -125,3 +125,36 @@ def test_layers_8b_shapes(triton_ops, dtype):
     triton_ops.rotary(positions, q, k, cos_sin_cache)
     torch.testing.assert_close(q.float(), q_ref, atol=tol, rtol=tol)
     torch.testing.assert_close(k.float(), k_ref, atol=tol, rtol=tol)
+
+
+def _variants(jit_fn) -> int:
+    return sum(len(caches[0]) for caches in jit_fn.device_caches.values())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_steps_never_recompile(triton_ops, paged_batch, dtype):
+    # Steps of a fixed decode batch shape (what a captured graph replays) with lengths, block
+    # table widths and split counts changing: after the first step nothing compiles again, and
+    # every step stays exact with one preallocated scratch.
+    from kernels import attention, attention_reduce
+
+    partial, lse = attention.alloc_scratch(8, 32, 128, 64, CUDA)
+    counts = []
+    for step in range(12):
+        lengths = _random_lengths(8, 1, 1 << (8 + step % 7), step)
+        batch = paged_batch([(n, 1) for n in lengths], 32, 8, 128, 16, dtype, device=CUDA,
+                            seed=step)  # fmt: skip
+        out = _check(triton_ops, batch, num_splits=16, scratch=(partial, lse))
+        assert out.isfinite().all()
+        counts.append(_variants(attention._paged_attention_kernel)
+                      + _variants(attention_reduce._merge_splits_kernel))  # fmt: skip
+    assert len(set(counts)) == 1, f"compiled variants per step: {counts}"
+
+
+def test_mixed_step_with_splits_and_scratch(triton_ops, paged_batch):
+    from kernels import attention
+
+    seqs = [(9000, 1), (4096, 2048), (777, 777)] + [(n, 1) for n in _random_lengths(5, 1, 8192, 4)]
+    batch = paged_batch(seqs, 32, 8, 128, 16, torch.bfloat16, device=CUDA)
+    scratch = attention.alloc_scratch(batch.q.shape[0], 32, 128, 8, CUDA)
+    _check(triton_ops, batch, num_splits=8, scratch=scratch)
