@@ -22,7 +22,6 @@ from executor_svc.model_config import ModelConfig
 log = structlog.get_logger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB when --kv-cache-memory is not given on the CPU
-CUDA_FREE_FRACTION = 0.9  # share of free GPU memory (after weights) given to the cache
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -32,16 +31,18 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
 
 
 def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
-                   num_kv_blocks: int | None, kv_cache_memory: int | None) -> int:
-    """How many blocks to allocate: the explicit count, else what the memory budget holds."""
+                   num_kv_blocks: int | None, kv_cache_memory: int | None,
+                   profiled_budget: int | None = None) -> int:
+    """How many blocks to allocate: the explicit count, else what the memory budget holds:
+    --kv-cache-memory, else on CUDA what the profiling step left (memory.py), else 1 GiB."""
     if num_kv_blocks is not None:
         return num_kv_blocks
     per_block = bytes_per_block(cfg, block_size, dtype)
     if kv_cache_memory is not None:
         budget = kv_cache_memory
     elif device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int(free * CUDA_FREE_FRACTION)
+        assert profiled_budget is not None, "CUDA sizing needs the profiling step's budget"
+        budget = profiled_budget
     else:
         budget = CPU_DEFAULT_KV_BYTES
     num_blocks = budget // per_block
