@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import structlog
 import torch
 
@@ -22,6 +23,16 @@ from executor_svc.model_config import ModelConfig
 log = structlog.get_logger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB when --kv-cache-memory is not given on the CPU
+
+
+def to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on `device` without blocking the host: through pinned memory with a
+    non_blocking copy on CUDA (torch's pinned allocator keeps the buffer until the copy is
+    done), the array's own memory on the CPU."""
+    t = torch.from_numpy(np.ascontiguousarray(host))
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -82,7 +93,7 @@ class KVCache:
         if not pairs:
             return
         device = self.k_caches[0].device
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
+        src = to_device(np.array([s for s, _ in pairs], np.int64), device)
+        dst = to_device(np.array([d for _, d in pairs], np.int64), device)
         for cache in (*self.k_caches, *self.v_caches):
-            cache[dst] = cache[src]
+            cache.index_copy_(0, dst, cache.index_select(0, src))
