@@ -98,6 +98,10 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
                                 cfg.kv_cache_memory, profiled)
     kv_cache = KVCache.allocate(model_cfg, num_blocks, cfg.block_size, dtype, device)
     model.bind_kv_cache(kv_cache.per_layer())
+    if device.type == "cuda":  # every attention variant compiled before the first request
+        from executor_svc.warmup import warm_attention  # imports triton: CUDA only
+
+        warm_attention(*kv_cache.per_layer()[0], model_cfg.num_heads, cfg.max_num_batched_tokens)
     num_swap_blocks = num_swap_blocks_for(cfg.swap_space,
                                           bytes_per_block(model_cfg, cfg.block_size, dtype))
     swap_pool = SwapPool.allocate(kv_cache, num_swap_blocks) if num_swap_blocks else None

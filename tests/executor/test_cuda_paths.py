@@ -124,3 +124,13 @@ def test_a_step_syncs_the_host_once(tmp_path):
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
+
+
+def test_warm_up_compiles_every_attention_variant():
+    from executor_svc.warmup import warm_attention
+
+    k = torch.zeros((4, 16, 8, 128), dtype=torch.bfloat16, device=CUDA)
+    num = warm_attention(k, k.clone(), num_heads=32, max_num_batched_tokens=2048,
+                         show_progress=False)
+    assert num >= 2
+    torch.cuda.synchronize()
