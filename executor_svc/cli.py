@@ -42,8 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV blocks to allocate; overrides --kv-cache-memory")
     p.add_argument("--kv-cache-memory", default=None,
-                   help="KV cache budget, e.g. 512MiB or 2GiB (default: 90%% of free GPU "
-                        "memory after the weights on CUDA, 1GiB on the CPU)")
+                   help="KV cache budget, e.g. 512MiB or 2GiB (default: on CUDA, what "
+                        "--gpu-memory-utilization leaves after the weights, a profiling step's "
+                        "peak and the CUDA graph reserve; 1GiB on the CPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's total memory this executor may use (default "
+                        "%(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="the scheduler's --max-num-seqs: rows of the profiling step's sampler")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="the scheduler's --max-num-batched-tokens: the profiling step's tokens")
     p.add_argument("--swap-space", type=float, default=0.0,
                    help="GiB of host memory for swapped-out KV blocks, e.g. 4 (default 0: "
                         "no swap pool; the scheduler preempts by recompute only)")
@@ -77,6 +85,9 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=parse_memory(args.kv_cache_memory) if args.kv_cache_memory else None,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         swap_space=args.swap_space,
         dtype=args.dtype,
         device=args.device,

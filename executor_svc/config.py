@@ -39,6 +39,9 @@ class ExecutorConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides memory-based sizing
     kv_cache_memory: int | None = None  # bytes; None = the device's default
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the device this executor may use
+    max_num_seqs: int = 256  # the scheduler's limits: the profiling step's shape (memory.py)
+    max_num_batched_tokens: int = 2048
     swap_space: float = 0.0  # GiB of host memory for the CPU KV swap pool; 0 = no swapping
     dtype: str = "auto"
     device: str = "auto"
@@ -64,6 +67,11 @@ class ExecutorConfig:
             raise ValueError(f"--num-kv-blocks must be at least 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("--kv-cache-memory must be a positive size such as 512MiB")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("--max-num-seqs and --max-num-batched-tokens must be at least 1")
         if not 0 <= self.swap_space < 1 << 20:  # also refuses NaN and inf
             raise ValueError(f"--swap-space must be >= 0 GiB (and finite), got {self.swap_space}")
         if self.dtype not in DTYPES:

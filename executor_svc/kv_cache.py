@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import structlog
 import torch
 
@@ -22,7 +23,16 @@ from executor_svc.model_config import ModelConfig
 log = structlog.get_logger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB when --kv-cache-memory is not given on the CPU
-CUDA_FREE_FRACTION = 0.9  # share of free GPU memory (after weights) given to the cache
+
+
+def to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on `device` without blocking the host: through pinned memory with a
+    non_blocking copy on CUDA (torch's pinned allocator keeps the buffer until the copy is
+    done), the array's own memory on the CPU."""
+    t = torch.from_numpy(np.ascontiguousarray(host))
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -32,16 +42,18 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
 
 
 def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
-                   num_kv_blocks: int | None, kv_cache_memory: int | None) -> int:
-    """How many blocks to allocate: the explicit count, else what the memory budget holds."""
+                   num_kv_blocks: int | None, kv_cache_memory: int | None,
+                   profiled_budget: int | None = None) -> int:
+    """How many blocks to allocate: the explicit count, else what the memory budget holds:
+    --kv-cache-memory, else on CUDA what the profiling step left (memory.py), else 1 GiB."""
     if num_kv_blocks is not None:
         return num_kv_blocks
     per_block = bytes_per_block(cfg, block_size, dtype)
     if kv_cache_memory is not None:
         budget = kv_cache_memory
     elif device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int(free * CUDA_FREE_FRACTION)
+        assert profiled_budget is not None, "CUDA sizing needs the profiling step's budget"
+        budget = profiled_budget
     else:
         budget = CPU_DEFAULT_KV_BYTES
     num_blocks = budget // per_block
@@ -81,7 +93,7 @@ class KVCache:
         if not pairs:
             return
         device = self.k_caches[0].device
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
+        src = to_device(np.array([s for s, _ in pairs], np.int64), device)
+        dst = to_device(np.array([d for _, d in pairs], np.int64), device)
         for cache in (*self.k_caches, *self.v_caches):
-            cache[dst] = cache[src]
+            cache.index_copy_(0, dst, cache.index_select(0, src))

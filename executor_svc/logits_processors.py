@@ -81,7 +81,7 @@ def apply_processors(logits: torch.Tensor, p: LogitsProcessing) -> torch.Tensor:
         logits.masked_fill_(~keep, float("-inf"))
     if len(p.ban_rows):
         logits.index_put_((p.ban_rows, p.ban_ids),
-                          torch.tensor(float("-inf"), device=logits.device))
+                          logits.new_full((), float("-inf")))  # a fill, not a host copy
     if len(p.bias_rows):
         logits.index_put_((p.bias_rows, p.bias_ids), p.bias_values, accumulate=True)
     if len(p.penalty_rows):

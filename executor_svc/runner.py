@@ -34,7 +34,7 @@ from torch import nn
 
 from executor_svc.input_batch import InputBatch, RequestState
 from executor_svc.inputs import StepInputs, build_step_inputs
-from executor_svc.kv_cache import KVCache
+from executor_svc.kv_cache import KVCache, to_device
 from executor_svc.sampler import (
     prompt_logprobs_records,
     sample,
@@ -331,15 +331,15 @@ class ModelRunner:
             idx, bitmask = self.structured.bitmask(inputs.sample_rows, self.input_batch.req_ids)
             if len(idx):  # logprobs stay the raw model's: mask a copy when any are asked for
                 masked = masked.clone() if num_lp or num_slp else masked
-                apply_bitmask(masked, torch.from_numpy(idx).to(self.device),
-                              torch.from_numpy(bitmask).to(self.device))
+                apply_bitmask(masked, to_device(idx, self.device),
+                              to_device(bitmask, self.device))
         # Logprobs come from the raw logits, or for PROCESSED rows from what they were drawn from.
         processed_rows = self.input_batch.processed_logprobs[inputs.sample_rows] if (
             num_lp or num_slp) else None
         lp_logits = logits[:num_rows]  # [num_logits, vocab]
         if processed_rows is not None and processed_rows.any():
             sampled_ids, drawn = sample_with_distribution(masked, inputs.sampling)
-            flags = torch.from_numpy(processed_rows).to(self.device)
+            flags = to_device(processed_rows, self.device)
             lp_logits = torch.where(flags[:, None], drawn, lp_logits)
         else:
             sampled_ids = sample(masked, inputs.sampling)  # [num_logits]

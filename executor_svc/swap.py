@@ -1,20 +1,25 @@
 """The CPU swap pool: KV blocks parked in host memory while their request is swapped out.
 
-Layout per layer (k and v), the device cache's block layout with its own block ids::
+Layout: one host tensor, block-major, so a pool block holds every layer's K and V contiguously::
 
-    device KVCache  [num_blocks,      block_size, num_kv_heads, head_dim]   (GPU, or CPU backend)
-    SwapPool        [num_swap_blocks, block_size, num_kv_heads, head_dim]   (host memory)
+    device KVCache (per layer, k and v)  [num_blocks, block_size, num_kv_heads, head_dim]
+    SwapPool.blocks                      [num_swap_blocks, 2 * num_layers, block_size,
+                                          num_kv_heads, head_dim]   (k layers, then v layers)
 
 The scheduler owns both id spaces. A plan's ``swap_out`` pairs are (device block, cpu block)
-and ``swap_in`` pairs (cpu block, device block). Each direction moves all its blocks with one
-gather and one scatter per layer tensor (``index_select`` / ``index_copy_``)::
+and ``swap_in`` pairs (cpu block, device block). The host never touches the pool's contents:
+each direction is a device gather/scatter plus one copy per run of consecutive pool ids::
 
-    swap out: device gather -> async copy into pinned staging -> one sync -> host scatter (pool)
-    swap in:  host gather (pool) into pinned staging -> async copy -> device scatter
+    swap out: device gather [n, 2L, ...] -> async copies into the pool's runs
+    swap in:  async copies from the pool's runs into [n, 2L, ...] -> device scatter
 
-Only the staging buffer is pinned (page-locked) on CUDA: the scattered block ids make the pool
-itself gather/scatter on the host anyway, so pinning the whole pool would lock GiBs of host
-memory (which torch's pinned allocator also rounds up to a power of two) for no faster copy.
+On CUDA the pool is page-locked in place (cudaHostRegister: exactly its size, where torch's
+pinned allocator would round up to a power of two), so every copy is asynchronous, and both
+directions run on a side stream ordered with the compute stream by events: the side stream
+first waits for the work already queued (the blocks' last writes); the compute stream waits for
+a swap-out's gather (the freed blocks may be rewritten next) but not for its copies to the
+host, and for a swap-in's scatter (the forward reads those blocks). Nothing blocks the host.
+A pool block written by a swap-out is read by a later swap-in on the same stream, in order.
 
 Within a step the runner applies: swap_out, then swap_in, then block_copies, then the forward
 pass. So a device block freed by swap-out may be the destination of a swap-in in the same plan,
@@ -23,12 +28,15 @@ but a cpu block must not be both a swap-in source and a swap-out destination of 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import structlog
 import torch
 
-from executor_svc.kv_cache import KVCache
+from executor_svc.kv_cache import KVCache, to_device
 
 log = structlog.get_logger(__name__)
 
@@ -47,41 +55,69 @@ def num_swap_blocks_for(swap_space_gib: float, bytes_per_block: int) -> int:
     return num_blocks
 
 
+def pin_in_place(t: torch.Tensor) -> None:
+    """Page-lock a host tensor's memory for the process's lifetime (CUDA only)."""
+    res = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    torch.cuda.check_error(res)
+
+
+def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
+    """(start in ids, first id, length) of each run of consecutive values in sorted `ids`."""
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [len(ids)])))
+    return [(int(s), int(ids[s]), int(n)) for s, n in zip(starts, lengths, strict=True)]
+
+
 @dataclass
 class SwapPool:
-    """Invariant: every tensor has the device cache's block shape and dtype, on the host, and
-    `num_blocks` rows; block ids index dim 0 of every one of them."""
+    """Invariant: `blocks` is on the host with the device cache's dtype and block shape;
+    dim 1 holds the k layers then the v layers; block ids index dim 0."""
 
-    k_caches: list[torch.Tensor]  # per layer [num_swap_blocks, block_size, num_kv_heads, head_dim]
-    v_caches: list[torch.Tensor]
-    pin_staging: bool  # page-locked staging, so copies to and from CUDA run asynchronously
+    blocks: torch.Tensor  # [num_swap_blocks, 2 * num_layers, block_size, num_kv_heads, head_dim]
+    stream: torch.cuda.Stream | None  # the side stream (CUDA), else None
 
     @classmethod
     def allocate(cls, like: KVCache, num_blocks: int) -> SwapPool:
         proto = like.k_caches[0]
-        shape = (num_blocks, *proto.shape[1:])
+        shape = (num_blocks, 2 * len(like.k_caches), *proto.shape[1:])
         # Zeros like the device cache: a swapped-in slot past a request's last token must not
         # carry a NaN into a masked softmax.
-        k = [torch.zeros(shape, dtype=proto.dtype) for _ in like.k_caches]
-        v = [torch.zeros(shape, dtype=proto.dtype) for _ in like.v_caches]
+        blocks = torch.zeros(shape, dtype=proto.dtype)
+        stream = None
+        if proto.device.type == "cuda":
+            pin_in_place(blocks)
+            stream = torch.cuda.Stream(proto.device)
         log.info("CPU swap pool allocated", num_swap_blocks=num_blocks,
-                 bytes=2 * len(k) * k[0].numel() * k[0].element_size())
-        return cls(k, v, pin_staging=proto.device.type == "cuda")
+                 bytes=blocks.numel() * blocks.element_size(), pinned=stream is not None)
+        return cls(blocks, stream)
 
     @property
     def num_blocks(self) -> int:
-        return self.k_caches[0].shape[0]
+        return self.blocks.shape[0]
 
-    def _tensors(self) -> list[torch.Tensor]:
-        return [*self.k_caches, *self.v_caches]
+    @property
+    def k_caches(self) -> list[torch.Tensor]:  # views, per layer [num_swap_blocks, ...]
+        return [self.blocks[:, i] for i in range(self.blocks.shape[1] // 2)]
 
-    def _staging(self, num_tensors: int, num_moved: int) -> torch.Tensor:
-        # torch's pinned-memory allocator caches freed buffers and keeps one alive until the
-        # async copies that read or write it have finished, so a fresh buffer per call is cheap
-        # and safe.
-        proto = self.k_caches[0]
-        return torch.empty((num_tensors, num_moved, *proto.shape[1:]), dtype=proto.dtype,
-                           pin_memory=self.pin_staging)  # [2 * num_layers, num_moved, ...]
+    @property
+    def v_caches(self) -> list[torch.Tensor]:
+        half = self.blocks.shape[1] // 2
+        return [self.blocks[:, half + i] for i in range(half)]
+
+    @contextlib.contextmanager
+    def _on_side_stream(self, device: torch.device) -> Iterator[None]:
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def _compute_waits(self, device: torch.device) -> None:
+        """The compute stream waits for what the side stream has queued so far."""
+        if self.stream is not None:
+            torch.cuda.current_stream(device).wait_stream(self.stream)
 
     def swap_out(self, kv_cache: KVCache, pairs: list[tuple[int, int]]) -> None:
         """Copy device block d into pool block c for every (d, c) in `pairs`, in every layer."""
@@ -89,15 +125,14 @@ class SwapPool:
             return
         device_tensors = [*kv_cache.k_caches, *kv_cache.v_caches]
         device = device_tensors[0].device
-        src = torch.tensor([d for d, _ in pairs], dtype=torch.long).to(device)  # [num_moved]
-        dst = torch.tensor([c for _, c in pairs], dtype=torch.long)  # [num_moved], host
-        staging = self._staging(len(device_tensors), len(pairs))
-        for i, cache in enumerate(device_tensors):
-            staging[i].copy_(cache.index_select(0, src), non_blocking=True)
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()  # the host reads staging next
-        for i, pool in enumerate(self._tensors()):
-            pool.index_copy_(0, dst, staging[i])
+        order = sorted(pairs, key=lambda p: p[1])  # by pool id, so runs are contiguous
+        cpu_ids = np.array([c for _, c in order], dtype=np.int64)
+        src = to_device(np.array([d for d, _ in order], np.int64), device)  # [num_moved]
+        with self._on_side_stream(device):
+            gathered = torch.stack([t.index_select(0, src) for t in device_tensors], dim=1)
+            self._compute_waits(device)  # the freed blocks may be rewritten after the gather
+            for start, first, n in _runs(cpu_ids):
+                self.blocks[first:first + n].copy_(gathered[start:start + n], non_blocking=True)
 
     def swap_in(self, kv_cache: KVCache, pairs: list[tuple[int, int]]) -> None:
         """Copy pool block c into device block d for every (c, d) in `pairs`, in every layer."""
@@ -105,11 +140,14 @@ class SwapPool:
             return
         device_tensors = [*kv_cache.k_caches, *kv_cache.v_caches]
         device = device_tensors[0].device
-        src = torch.tensor([c for c, _ in pairs], dtype=torch.long)  # [num_moved], host
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long).to(device)  # [num_moved]
-        staging = self._staging(len(device_tensors), len(pairs))
-        for i, pool in enumerate(self._tensors()):
-            torch.index_select(pool, 0, src, out=staging[i])
-        # Stream-ordered: the forward pass that reads these blocks runs after the copies.
-        for i, cache in enumerate(device_tensors):
-            cache.index_copy_(0, dst, staging[i].to(device, non_blocking=True))
+        order = sorted(pairs)  # by pool id
+        cpu_ids = np.array([c for c, _ in order], dtype=np.int64)
+        dst = to_device(np.array([d for _, d in order], np.int64), device)  # [num_moved]
+        with self._on_side_stream(device):
+            staging = torch.empty((len(order), *self.blocks.shape[1:]), dtype=self.blocks.dtype,
+                                  device=device)  # [num_moved, 2 * num_layers, ...]
+            for start, first, n in _runs(cpu_ids):
+                staging[start:start + n].copy_(self.blocks[first:first + n], non_blocking=True)
+            for i, cache in enumerate(device_tensors):
+                cache.index_copy_(0, dst, staging[:, i])
+        self._compute_waits(device)  # the forward reads the swapped-in blocks

@@ -31,6 +31,7 @@ from executor_svc.loader import (
     has_random_weights,
     load_model,
 )
+from executor_svc.memory import DEFAULT_GRAPH_RESERVE_BYTES, profiled_kv_budget
 from executor_svc.model_config import ModelConfig
 from executor_svc.runner import ModelRunner
 from executor_svc.swap import SwapPool, num_swap_blocks_for
@@ -85,11 +86,22 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
     max_model_len = effective_max_model_len(model_cfg, cfg.max_model_len)
     model = load_model(model_dir, dtype=dtype, device=device, max_model_len=max_model_len,
                        cfg=model_cfg)
-    # Measured after the weights are in place, so "free memory" is what the cache may use.
+    # Measured after the weights are in place, by a step of the largest shape (memory.py).
+    profiled = None
+    if device.type == "cuda" and cfg.num_kv_blocks is None and cfg.kv_cache_memory is None:
+        profiled = profiled_kv_budget(
+            model, model_cfg, block_size=cfg.block_size, max_model_len=max_model_len,
+            dtype=dtype, device=device, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs, gpu_memory_utilization=cfg.gpu_memory_utilization,
+            graph_reserve_bytes=DEFAULT_GRAPH_RESERVE_BYTES)
     num_blocks = num_blocks_for(model_cfg, cfg.block_size, dtype, device, cfg.num_kv_blocks,
-                                cfg.kv_cache_memory)
+                                cfg.kv_cache_memory, profiled)
     kv_cache = KVCache.allocate(model_cfg, num_blocks, cfg.block_size, dtype, device)
     model.bind_kv_cache(kv_cache.per_layer())
+    if device.type == "cuda":  # every attention variant compiled before the first request
+        from executor_svc.warmup import warm_attention  # imports triton: CUDA only
+
+        warm_attention(*kv_cache.per_layer()[0], model_cfg.num_heads, cfg.max_num_batched_tokens)
     num_swap_blocks = num_swap_blocks_for(cfg.swap_space,
                                           bytes_per_block(model_cfg, cfg.block_size, dtype))
     swap_pool = SwapPool.allocate(kv_cache, num_swap_blocks) if num_swap_blocks else None

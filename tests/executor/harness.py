@@ -71,10 +71,10 @@ def save_checkpoint(model, path: Path, **save_kwargs) -> Path:
 
 
 def make_runner(model_dir: Path, num_blocks: int = NUM_BLOCKS, num_swap_blocks: int = 0,
-                keep_plain_weights: bool = False) -> ModelRunner:
+                keep_plain_weights: bool = False,
+                device: torch.device = torch.device("cpu")) -> ModelRunner:  # noqa: B008
     cfg = ModelConfig.from_dir(model_dir)
     max_len = effective_max_model_len(cfg, None)
-    device = torch.device("cpu")
     model = load_model(model_dir, dtype=torch.float32, device=device, max_model_len=max_len,
                        cfg=cfg, keep_plain_weights=keep_plain_weights)
     kv_cache = KVCache.allocate(cfg, num_blocks, BLOCK_SIZE, torch.float32, device)

@@ -22,14 +22,14 @@ pytestmark = [
 CUDA = torch.device("cuda")
 
 
-def test_swap_round_trip_through_pinned_staging():
+def test_swap_round_trip_through_the_pinned_pool_on_a_side_stream():
     gen = torch.Generator().manual_seed(0)
     shape = (64, 16, 8, 128)  # [num_blocks, block_size, num_kv_heads, head_dim]
     host_k = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(4)]
     host_v = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(4)]
     kv = KVCache([t.to(CUDA, copy=True) for t in host_k], [t.to(CUDA, copy=True) for t in host_v])
     pool = SwapPool.allocate(kv, num_blocks=40)
-    assert pool.pin_staging and pool.k_caches[0].device.type == "cpu"
+    assert pool.blocks.is_pinned() and pool.stream is not None
     out_pairs = [(d, c) for c, d in enumerate(range(3, 63, 2))]  # 30 blocks
     pool.swap_out(kv, out_pairs)
     # Overwrite the device blocks at once (stream-ordered after the copies), then bring the
@@ -102,3 +102,35 @@ def test_logits_processors_on_cuda_equal_the_cpu_path():
     assert greedy.any()
     assert torch.equal(sample(logits.to(CUDA), gpu.sampling).cpu()[greedy],
                        sample(logits, cpu.sampling)[greedy])
+
+
+def test_a_step_syncs_the_host_once(tmp_path):
+    """torch's sync debug mode warns at every synchronizing call: a decode step makes one."""
+    import warnings
+
+    from tests.executor.harness import PlanDriver, make_hf_model, make_runner, save_checkpoint
+
+    model_dir = save_checkpoint(make_hf_model("llama2"), tmp_path / "m")
+    runner = make_runner(model_dir, device=CUDA)
+    d = PlanDriver()
+    out = runner.execute(d.plan(new_reqs=[d.new("a", list(range(1, 20)), 19)]))
+    d.record(out.sampled)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runner.execute(d.plan(cached_reqs=d.decode_all(["a"])))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+
+
+def test_warm_up_compiles_every_attention_variant():
+    from executor_svc.warmup import warm_attention
+
+    k = torch.zeros((4, 16, 8, 128), dtype=torch.bfloat16, device=CUDA)
+    num = warm_attention(k, k.clone(), num_heads=32, max_num_batched_tokens=2048,
+                         show_progress=False)
+    assert num >= 2
+    torch.cuda.synchronize()
