@@ -1,10 +1,10 @@
 """The attention kernel's compiled variants for one model: what a warm-up compiles.
 
-A variant is the launcher's `launch_config` (constexprs and launch options) plus whether it
-splits the key range. The config depends on the step only through `max_query_len`, in powers of
-two (BLOCK_M saturates at the largest tile), so the variants of a model are those of
-max_query_len = 1, 2, 4, ... up to the step's token budget, each with and without a split.
-Enumerating from `launch_config` itself keeps this list and the launcher from drifting apart;
+A launch of the attention kernel is the short one (one 16-row block per sequence) or the long
+one (the flattened grid of wide query blocks), each with or without splitting the key range;
+every per-step value is `do_not_specialize`, so these four (two when the token budget never
+exceeds the short launch's rows) are all the kernel's compiles for a model. Enumerating them
+from `plan_launches` itself keeps this list and the launcher from drifting apart;
 tests/kernels/test_variants.py checks every max_query_len maps onto the list.
 """
 
@@ -13,26 +13,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
-from kernels.attention import launch_config
+from kernels.attention import launch_config, plan_launches
 
 
 @dataclass(frozen=True)
 class AttentionVariant:
-    max_query_len: int  # the smallest that selects this config
+    max_query_len: int  # the smallest that brings this launch into a step
     split: bool
     config: tuple[tuple[str, object], ...]  # launch_config's items, sorted
 
 
+def config_key(config: dict) -> tuple[tuple[str, object], ...]:
+    return tuple(sorted(config.items()))
+
+
 def attention_variants(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                        max_num_batched_tokens: int) -> list[AttentionVariant]:
-    seen: dict[tuple, int] = {}
-    q = 1
-    while True:
-        key = tuple(sorted(launch_config(dtype, num_heads, num_kv_heads, head_dim, q).items()))
-        seen.setdefault(key, q)
-        if q >= max_num_batched_tokens:
-            break
-        q = min(2 * q, triton.next_power_of_2(max_num_batched_tokens))
-    return [AttentionVariant(q, split, key) for key, q in seen.items() for split in (False, True)]
+    short = launch_config(dtype, num_heads, num_kv_heads, head_dim, long=False)
+    firsts = {config_key(short): 1}
+    if max_num_batched_tokens > short["BLOCK_Q"]:
+        long = launch_config(dtype, num_heads, num_kv_heads, head_dim, long=True)
+        firsts.setdefault(config_key(long), short["BLOCK_Q"] + 1)
+    return [AttentionVariant(q, split, key) for key, q in firsts.items() for split in (False, True)]
+
+
+def launched_configs(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                     max_query_len: int) -> set[tuple[tuple[str, object], ...]]:
+    """The configs a step with this max_query_len launches (one token per query position)."""
+    return {config_key(c) for c, _ in plan_launches(dtype, num_heads, num_kv_heads, head_dim,
+                                                    max_query_len, 1, max_query_len)}

@@ -42,8 +42,10 @@ def test_rms_norm(dtype, with_residual, rows, hidden):
     assert len(got) == len(expected)
     for g, e in zip(got, expected, strict=True):
         assert g.dtype == dtype and g.shape == e.shape
-        # Sums in another order than torch's mean: at most one rounding of the dtype apart.
-        torch.testing.assert_close(g, e)
+        # Sums in another order than torch's mean: at most one rounding of the dtype apart
+        # (up to two units of eps relative, at the bottom of a binade).
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(g, e, rtol=2 * eps, atol=1e-5)
     if with_residual:
         assert torch.equal(got[1], expected[1]), "the residual sum is exact in every dtype"
 
