@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "a busy core does not stall every op; see executor_svc/cpu_threads.py)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="cap on tokens per request (prompt + output)")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="the scheduler's --max-num-seqs: decode steps up to this many sequences "
+                        "replay CUDA graphs (default %(default)s; `folio serve` passes its own)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="capture no CUDA graphs: every step runs eagerly (the CPU always does)")
     p.add_argument("--log-format", choices=LOG_FORMATS, default=None,
                    help="default: console in a terminal, json otherwise")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
@@ -87,6 +92,8 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
         hub_cache_dir=args.hub_cache_dir,
         channel_secret_file=args.channel_secret_file,
         parent_pid=args.parent_pid,
+        max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager,
     )
 
 

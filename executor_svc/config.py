@@ -49,6 +49,8 @@ class ExecutorConfig:
     hub_cache_dir: str | None = None
     channel_secret_file: str | None = None  # None: $FOLIO_CHANNEL_SECRET, else no auth
     parent_pid: int | None = None  # exit when this process is gone (see lifecycle.py)
+    max_num_seqs: int = 256  # the scheduler's; decode graphs are captured up to it
+    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
 
     def __post_init__(self) -> None:
         if self.model is not None and not self.model.strip():
@@ -78,5 +80,7 @@ class ExecutorConfig:
             raise ValueError(f"--log-format must be console or json, got {self.log_format!r}")
         if self.parent_pid is not None and self.parent_pid < 1:
             raise ValueError(f"--parent-pid must be a process id (>= 1), got {self.parent_pid}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
