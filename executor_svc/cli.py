@@ -48,8 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU's total memory this executor may use (default "
                         "%(default)s)")
-    p.add_argument("--max-num-seqs", type=int, default=256,
-                   help="the scheduler's --max-num-seqs: rows of the profiling step's sampler")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="the scheduler's --max-num-batched-tokens: the profiling step's tokens")
     p.add_argument("--swap-space", type=float, default=0.0,
@@ -64,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "a busy core does not stall every op; see executor_svc/cpu_threads.py)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="cap on tokens per request (prompt + output)")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="the scheduler's --max-num-seqs: decode steps up to this many sequences "
+                        "replay CUDA graphs, and the profiling step's sampler rows (default "
+                        "%(default)s; `folio serve` passes its own)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="capture no CUDA graphs: every step runs eagerly (the CPU always does)")
     p.add_argument("--log-format", choices=LOG_FORMATS, default=None,
                    help="default: console in a terminal, json otherwise")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
@@ -98,6 +102,7 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
         hub_cache_dir=args.hub_cache_dir,
         channel_secret_file=args.channel_secret_file,
         parent_pid=args.parent_pid,
+        enforce_eager=args.enforce_eager,
     )
 
 

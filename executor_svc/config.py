@@ -40,7 +40,9 @@ class ExecutorConfig:
     num_kv_blocks: int | None = None  # overrides memory-based sizing
     kv_cache_memory: int | None = None  # bytes; None = the device's default
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device this executor may use
-    max_num_seqs: int = 256  # the scheduler's limits: the profiling step's shape (memory.py)
+    # The scheduler's limits: the profiling step's shape (memory.py); decode graphs are
+    # captured up to max_num_seqs sequences (graph_runner.py).
+    max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     swap_space: float = 0.0  # GiB of host memory for the CPU KV swap pool; 0 = no swapping
     dtype: str = "auto"
@@ -52,6 +54,7 @@ class ExecutorConfig:
     hub_cache_dir: str | None = None
     channel_secret_file: str | None = None  # None: $FOLIO_CHANNEL_SECRET, else no auth
     parent_pid: int | None = None  # exit when this process is gone (see lifecycle.py)
+    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
 
     def __post_init__(self) -> None:
         if self.model is not None and not self.model.strip():
@@ -70,8 +73,11 @@ class ExecutorConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("--max-num-seqs and --max-num-batched-tokens must be at least 1")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("--max-num-batched-tokens must be at least 1, got "
+                             f"{self.max_num_batched_tokens}")
         if not 0 <= self.swap_space < 1 << 20:  # also refuses NaN and inf
             raise ValueError(f"--swap-space must be >= 0 GiB (and finite), got {self.swap_space}")
         if self.dtype not in DTYPES:

@@ -32,6 +32,7 @@ import structlog
 import torch
 from torch import nn
 
+from executor_svc.graph_runner import DecodeGraphRunner
 from executor_svc.input_batch import InputBatch, RequestState
 from executor_svc.inputs import StepInputs, build_step_inputs
 from executor_svc.kv_cache import KVCache, to_device
@@ -89,7 +90,8 @@ class _Sampled:
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCache, block_size: int,
                  max_model_len: int, vocab_size: int, device: torch.device,
-                 swap_pool: SwapPool | None = None, tokenizer_json: Path | None = None):
+                 swap_pool: SwapPool | None = None, tokenizer_json: Path | None = None,
+                 graph_runner: DecodeGraphRunner | None = None):
         self.model = model
         self.vocab_size = vocab_size
         self.kv_cache = kv_cache
@@ -100,6 +102,8 @@ class ModelRunner:
         self.input_batch = InputBatch(max_model_len, block_size)
         # Structured output's matchers, next to their rows (tokenizer_json: the model's).
         self.structured = StructuredRows(tokenizer_json, vocab_size)
+        # Replays pure-decode steps from captured graphs (None: every step eager).
+        self.graph_runner = graph_runner
 
     @property
     def requests(self) -> InputBatch:
@@ -301,8 +305,7 @@ class ModelRunner:
 
     def _run(self, scheduled: Scheduled) -> tuple[list[tuple[str, list[int]]], _Sampled]:
         inputs = self.prepare(scheduled)
-        # [num_logits (+ prompt positions asking for logprobs), vocab]
-        logits = self.model(inputs.input_ids, inputs.positions, inputs.batch)
+        logits = self._forward(inputs)  # [num_logits (+ prompt positions), vocab]
         sample_rows = inputs.sample_rows  # [num_logits]
         out = _Sampled([])
         if len(sample_rows) or inputs.prompt_lp is not None:
@@ -321,6 +324,15 @@ class ModelRunner:
                   num_sampled=len(sampled), num_logprobs=len(out.logprobs))
         req_ids = [batch.req_ids[r] for r in sample_rows.tolist()]
         return [(r, [t]) for r, t in zip(req_ids, sampled, strict=True)], out
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Pure-decode steps that fit a captured size replay the decoder graph, then the LM
+        head runs on the real rows' logits positions; every other step runs eagerly."""
+        graphs, batch = self.graph_runner, inputs.batch
+        if graphs is not None and graphs.fits(batch.num_seqs, batch.max_query_len):
+            hidden = graphs.run(inputs)  # [num_seqs, hidden]
+            return self.model.compute_logits(hidden[batch.logits_indices])
+        return self.model(inputs.input_ids, inputs.positions, batch)
 
     def _sample(self, logits: torch.Tensor, inputs: StepInputs) -> _Sampled:
         """Sampled ids, plus the logprobs the rows ask for, in the step's one host sync."""

@@ -25,6 +25,7 @@ import structlog
 import torch
 
 from executor_svc.config import ExecutorConfig
+from executor_svc.graph_runner import DecodeGraphRunner
 from executor_svc.kv_cache import KVCache, bytes_per_block, num_blocks_for
 from executor_svc.loader import (
     effective_max_model_len,
@@ -93,7 +94,7 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
             model, model_cfg, block_size=cfg.block_size, max_model_len=max_model_len,
             dtype=dtype, device=device, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_num_seqs=cfg.max_num_seqs, gpu_memory_utilization=cfg.gpu_memory_utilization,
-            graph_reserve_bytes=DEFAULT_GRAPH_RESERVE_BYTES)
+            graph_reserve_bytes=0 if cfg.enforce_eager else DEFAULT_GRAPH_RESERVE_BYTES)
     num_blocks = num_blocks_for(model_cfg, cfg.block_size, dtype, device, cfg.num_kv_blocks,
                                 cfg.kv_cache_memory, profiled)
     kv_cache = KVCache.allocate(model_cfg, num_blocks, cfg.block_size, dtype, device)
@@ -106,9 +107,16 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
                                           bytes_per_block(model_cfg, cfg.block_size, dtype))
     swap_pool = SwapPool.allocate(kv_cache, num_swap_blocks) if num_swap_blocks else None
     tokenizer_json = model_dir / "tokenizer.json"  # structured output's matchers read it
+    graph_runner = None
+    if device.type == "cuda" and not cfg.enforce_eager:  # after the KV cache: graphs bind it
+        graph_runner = DecodeGraphRunner(model, cfg.max_num_seqs,
+                                         -(-max_model_len // cfg.block_size), max_model_len,
+                                         model_cfg.hidden_size, dtype, device,
+                                         use_cuda_graphs=True)
+        graph_runner.capture()
     runner = ModelRunner(model, kv_cache, cfg.block_size, max_model_len,
                          model_cfg.vocab_size, device, swap_pool,
-                         tokenizer_json if tokenizer_json.is_file() else None)
+                         tokenizer_json if tokenizer_json.is_file() else None, graph_runner)
     hello = Hello(
         protocol_version=PROTOCOL_VERSION,
         executor_id=f"{socket.gethostname()}-{os.getpid()}",

@@ -60,6 +60,7 @@ class SchedulerConfig:
     device: str | None = None
     swap_space: float | None = None  # GiB of CPU swap pool
     cpu_threads: int | None = None  # the executor's torch threads (executor default: all cores)
+    enforce_eager: bool = False  # the executor captures no CUDA graphs
     # ---- public API front end (scheduler_svc.server, scheduler_svc.auth) ----
     served_model_name: str | None = None  # None = the model directory's name
     api_key: str | None = field(default=None, repr=False)  # None = no authentication
@@ -141,7 +142,11 @@ class SchedulerConfig:
             value = getattr(self, dest)
             if value is not None:
                 flags += [flag, str(value)]
-        return flags
+        # The executor captures decode graphs up to the running-sequence limit and, on CUDA,
+        # profiles a step of the largest shape (both limits) before sizing the KV cache.
+        flags += ["--max-num-seqs", str(self.max_num_seqs),
+                  "--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        return flags + (["--enforce-eager"] if self.enforce_eager else [])
 
 
 def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentParser:
@@ -204,6 +209,8 @@ def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentPars
                    help="GiB of CPU memory for swapped-out KV blocks (executor default 0)")
     g.add_argument("--cpu-threads", type=int,
                    help="the executor's CPU threads (executor default: every usable core)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps: every step runs eagerly")
     add_front_end_flags(p)
     return p
 

@@ -147,6 +147,14 @@ class LlamaForCausalLM(nn.Module):
                 batch: BatchMetadata) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> float32 logits [num_logits, vocab] for the rows
         in ``batch.logits_indices`` only."""
-        hidden = self.model(input_ids, positions, batch, self.cos_sin_cache)
-        hidden = hidden[batch.logits_indices]  # [num_logits, hidden]
+        hidden = self.hidden_states(input_ids, positions, batch)
+        return self.compute_logits(hidden[batch.logits_indices])
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      batch: BatchMetadata) -> torch.Tensor:
+        """The decoder alone (what a decode graph captures) -> [num_tokens, hidden]."""
+        return self.model(input_ids, positions, batch, self.cos_sin_cache)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_logits, hidden] -> float32 logits [num_logits, vocab]."""
         return self.lm_head(hidden).float()

@@ -37,6 +37,16 @@ def test_flags_build_a_frozen_config():
         cfg.block_size = 8  # type: ignore[misc]
 
 
+def test_graph_flags():
+    cfg = config_from_args(build_parser().parse_args(["--model", "/m"]))
+    assert (cfg.max_num_seqs, cfg.enforce_eager) == (256, False)  # graphs on where CUDA is
+    cfg = config_from_args(build_parser().parse_args(
+        ["--model", "/m", "--max-num-seqs", "12", "--enforce-eager"]))
+    assert (cfg.max_num_seqs, cfg.enforce_eager) == (12, True)
+    with pytest.raises(ValueError, match="--max-num-seqs must be at least 1"):
+        ExecutorConfig(model="/m", max_num_seqs=0)
+
+
 def _cfg(num_layers=2, num_kv_heads=2, head_dim=16) -> ModelConfig:
     return ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=64,
                        intermediate_size=8, num_layers=num_layers, num_heads=4,

@@ -13,7 +13,7 @@ def test_defaults_match_the_brief():
             config.max_model_len, config.log_format) == ("127.0.0.1", 50051, 256, 2048, None,
                                                           "console")
     assert config.executor_address is None  # cli picks tcp://127.0.0.1:5557 (serve: any port)
-    assert config.executor_flags() == []
+    assert config.executor_flags() == ["--max-num-seqs", "256", "--max-num-batched-tokens", "2048"]
     assert (config.enable_prefix_caching, config.preemption_mode) == (True, "auto")
 
 
@@ -21,17 +21,28 @@ def test_memory_flags():
     config = config_from_argv(["--no-prefix-caching", "--preemption-mode", "swap",
                                "--swap-space", "0.5"])
     assert (config.enable_prefix_caching, config.preemption_mode) == (False, "swap")
-    assert config.executor_flags() == ["--swap-space", "0.5"]
+    assert config.executor_flags() == ["--swap-space", "0.5", "--max-num-seqs", "256",
+                                       "--max-num-batched-tokens", "2048"]
     assert config_from_argv(["--prefix-caching"]).enable_prefix_caching
 
 
 def test_executor_flags_pass_through():
     config = config_from_argv(["--block-size", "32", "--num-kv-blocks", "100", "--dtype",
                                "float16", "--device", "cpu", "--kv-cache-memory", "2GiB",
-                               "--max-model-len", "512"])
+                               "--max-model-len", "512", "--max-num-seqs", "40",
+                               "--max-num-batched-tokens", "1024", "--enforce-eager"])
     assert config.executor_flags() == ["--block-size", "32", "--num-kv-blocks", "100",
                                        "--kv-cache-memory", "2GiB", "--dtype", "float16",
-                                       "--device", "cpu", "--max-model-len", "512"]
+                                       "--device", "cpu", "--max-model-len", "512",
+                                       "--max-num-seqs", "40", "--max-num-batched-tokens",
+                                       "1024", "--enforce-eager"]
+    # Every flag it passes, the executor's own parser reads into its config.
+    from executor_svc.cli import build_parser, config_from_args
+
+    executor = config_from_args(build_parser().parse_args(["--model", "/m",
+                                                           *config.executor_flags()]))
+    assert (executor.max_num_seqs, executor.max_num_batched_tokens, executor.enforce_eager,
+            executor.block_size) == (40, 1024, True, 32)
 
 
 @pytest.mark.parametrize("kwargs, message", [
