@@ -226,7 +226,9 @@ def _num_sms(device: torch.device) -> int:
 
 def pick_max_splits(num_programs: int, device: torch.device) -> int:
     """The split bound of a launch of num_programs tiles: from the grid's shape alone."""
-    target = 4 * _num_sms(device)  # a few resident programs per SM to hide memory latency
+    # Several resident programs per SM hide memory latency (the H200 sweep: 8 per SM beat 4 by
+    # 5-25% at batch 16, equal at 64).
+    target = 8 * _num_sms(device)
     return 1 if num_programs >= target else min(triton.cdiv(target, num_programs), MAX_SPLITS)
 
 
@@ -249,7 +251,10 @@ def launch_config(
         BLOCK_N=32 if fp32 or head_dim_pad > 128 else 64,  # K+V tiles x stages in shared memory
         BLOCK_Q=block_m // group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         DOT_PRECISION="ieee" if fp32 else "tf32",  # fp32 stays exact; ignored for 16-bit
-        NUM_STAGES=3,  # two K/V tiles in flight while the third is computed on
+        # K/V tiles in flight while one is computed on: decode launches keep three (an H200
+        # sweep, bench/results/2026-11-26-h200-attention-sweep.*: 3 stages ran 2.5x slower
+        # than 2 or 4 on a lone 16k sequence and 20% slower at batch 16 x 4k), prefill two.
+        NUM_STAGES=3 if long or fp32 else 4,
         num_warps=8 if long or fp32 else 4,  # fp32: 8 warps keep its spills small
     )  # fmt: skip
 
