@@ -22,6 +22,7 @@ EXECUTOR_PASSTHROUGH = {
     "max_model_len": "--max-model-len",
     "swap_space": "--swap-space",
     "cpu_threads": "--cpu-threads",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
 }
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 
@@ -60,6 +61,7 @@ class SchedulerConfig:
     device: str | None = None
     swap_space: float | None = None  # GiB of CPU swap pool
     cpu_threads: int | None = None  # the executor's torch threads (executor default: all cores)
+    gpu_memory_utilization: float | None = None  # CUDA share the executor may use (default 0.9)
     enforce_eager: bool = False  # the executor captures no CUDA graphs
     # ---- public API front end (scheduler_svc.server, scheduler_svc.auth) ----
     served_model_name: str | None = None  # None = the model directory's name
@@ -111,6 +113,9 @@ class SchedulerConfig:
                              f"got {self.preemption_mode!r}")
         if self.swap_space is not None and not self.swap_space >= 0:
             raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space:g}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization:g}")
         if self.device not in (None, "auto", "cpu", "cuda"):
             raise ValueError(f"--device must be one of auto, cpu, cuda, got {self.device!r}")
 
@@ -209,6 +214,9 @@ def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentPars
                    help="GiB of CPU memory for swapped-out KV blocks (executor default 0)")
     g.add_argument("--cpu-threads", type=int,
                    help="the executor's CPU threads (executor default: every usable core)")
+    g.add_argument("--gpu-memory-utilization", type=float,
+                   help="CUDA: share of the GPU's memory the executor may use; the KV cache "
+                   "gets what weights and a profiling step's peak leave (executor default 0.9)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps: every step runs eagerly")
     add_front_end_flags(p)

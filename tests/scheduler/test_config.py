@@ -30,10 +30,12 @@ def test_executor_flags_pass_through():
     config = config_from_argv(["--block-size", "32", "--num-kv-blocks", "100", "--dtype",
                                "float16", "--device", "cpu", "--kv-cache-memory", "2GiB",
                                "--max-model-len", "512", "--max-num-seqs", "40",
-                               "--max-num-batched-tokens", "1024", "--enforce-eager"])
+                               "--max-num-batched-tokens", "1024", "--enforce-eager",
+                               "--gpu-memory-utilization", "0.8"])
     assert config.executor_flags() == ["--block-size", "32", "--num-kv-blocks", "100",
                                        "--kv-cache-memory", "2GiB", "--dtype", "float16",
                                        "--device", "cpu", "--max-model-len", "512",
+                                       "--gpu-memory-utilization", "0.8",
                                        "--max-num-seqs", "40", "--max-num-batched-tokens",
                                        "1024", "--enforce-eager"]
     # Every flag it passes, the executor's own parser reads into its config.
@@ -42,7 +44,7 @@ def test_executor_flags_pass_through():
     executor = config_from_args(build_parser().parse_args(["--model", "/m",
                                                            *config.executor_flags()]))
     assert (executor.max_num_seqs, executor.max_num_batched_tokens, executor.enforce_eager,
-            executor.block_size) == (40, 1024, True, 32)
+            executor.block_size, executor.gpu_memory_utilization) == (40, 1024, True, 32, 0.8)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -55,6 +57,9 @@ def test_executor_flags_pass_through():
     (dict(executor_timeout_s=0), "--executor-timeout must be a positive"),
     (dict(preemption_mode="evict"), "--preemption-mode must be one of"),
     (dict(swap_space=-1.0), "--swap-space must be >= 0"),
+    (dict(gpu_memory_utilization=0.0), "--gpu-memory-utilization must be in"),
+    (dict(gpu_memory_utilization=float("nan")), "--gpu-memory-utilization must be in"),
+    (dict(gpu_memory_utilization=1.5), "--gpu-memory-utilization must be in"),
 ])
 def test_bad_values_are_explained(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
