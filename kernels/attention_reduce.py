@@ -12,37 +12,47 @@ import triton
 import triton.language as tl
 
 
-# Per-step values are never specialized on, so the merge never recompiles per step.
+# Per-step values are never specialized on, and the splits are walked in blocks of
+# SPLITS_BLOCK by a loop to num_splits: one compile serves every split count.
 @triton.jit(do_not_specialize=["stride_p_t", "stride_p_h", "stride_p_s", "stride_lse_t",
                                "stride_lse_h", "num_splits"])
 def _merge_splits_kernel(
     partial_ptr, lse_ptr, out_ptr,
     stride_p_t, stride_p_h, stride_p_s, stride_lse_t, stride_lse_h, stride_out_t, stride_out_h,
     num_splits,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_BLOCK: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_s = tl.arange(0, SPLITS_BLOCK)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    s_mask = offs_s < num_splits
-    lse = tl.load(
-        lse_ptr + token * stride_lse_t + head * stride_lse_h + offs_s,
-        mask=s_mask,
-        other=float("-inf"),
-    )  # [SPLITS_PAD]
+    lse_row = lse_ptr + token * stride_lse_t + head * stride_lse_h
+    partial_row = partial_ptr + token * stride_p_t + head * stride_p_h
+    lse_max = tl.full([SPLITS_BLOCK], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, SPLITS_BLOCK):
+        lse = tl.load(lse_row + s0 + offs_s, mask=s0 + offs_s < num_splits, other=float("-inf"))
+        lse_max = tl.maximum(lse_max, lse)
     # A row with no key at all (a padded entry of a captured batch) gets zeros, not NaN.
-    lse_max = tl.max(lse, 0)
-    weights = tl.math.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
-    total = tl.sum(weights, 0)
-    weights = weights / tl.where(total == 0.0, 1.0, total)
-    mask = (lse > float("-inf"))[:, None] & (offs_d[None, :] < HEAD_DIM)
-    partial_off = token * stride_p_t + head * stride_p_h
-    partial_off += offs_s[:, None] * stride_p_s + offs_d[None, :]  # [SPLITS_PAD, HEAD_DIM_PAD]
-    partial = tl.load(partial_ptr + partial_off, mask=mask, other=0.0)
-    merged = tl.sum(partial * weights[:, None], 0)  # [HEAD_DIM_PAD]
+    top = tl.max(lse_max, 0)
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([SPLITS_BLOCK], tl.float32)
+    merged = tl.zeros([HEAD_DIM_PAD], tl.float32)
+    for s0 in range(0, num_splits, SPLITS_BLOCK):
+        splits = s0 + offs_s
+        lse = tl.load(lse_row + splits, mask=splits < num_splits, other=float("-inf"))
+        weights = tl.math.exp2(lse - shift)  # 0 for empty splits
+        total += weights
+        mask = (lse > float("-inf"))[:, None] & (offs_d[None, :] < HEAD_DIM)
+        partial = tl.load(partial_row + splits[:, None] * stride_p_s + offs_d[None, :], mask=mask,
+                          other=0.0)  # [SPLITS_BLOCK, HEAD_DIM_PAD]
+        merged += tl.sum(partial * weights[:, None], 0)
+    norm = tl.sum(total, 0)
+    merged = merged / tl.where(norm == 0.0, 1.0, norm)
     out_off = token * stride_out_t + head * stride_out_h + offs_d
     tl.store(out_ptr + out_off, merged.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+SPLITS_BLOCK = 16
 
 
 def merge_splits(
@@ -58,5 +68,5 @@ def merge_splits(
         out.stride(0), out.stride(1),
         num_splits,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        SPLITS_BLOCK=SPLITS_BLOCK,
     )  # fmt: skip

@@ -129,7 +129,7 @@ def main() -> None:
     assert set(attention.PER_STEP_ARGS) <= set(attention._paged_attention_kernel.arg_names)
     _compile(attention_reduce._merge_splits_kernel,
              {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": dt},
-             dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_PAD=64))  # fmt: skip
+             dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_BLOCK=16))  # fmt: skip
     print("compiled")
 
 
