@@ -2,7 +2,7 @@
 
 Given the rows scheduled this step (in plan order) and how many tokens each computes, every
 array is built with numpy indexing over the rows (no per-token or per-block Python loop) into
-one host buffer, pinned on CUDA, of 8-byte-aligned typed segments::
+one host buffer, pinned on CUDA, of 16-byte-aligned typed segments::
 
     int64:   input_ids | positions | slot_mapping | logits_indices | top_k | seeded_rows | seeds
              | token_indices | logprob_rows | sampled_lp_rows | prompt_targets
@@ -67,6 +67,9 @@ class PromptPositions:
     num_top: np.ndarray  # [num_pl_seqs] int64: alternatives each asked for
 
 
+ALIGN = 16  # bytes, of every staging segment's start
+
+
 class _Staging:
     """One host buffer of named typed segments, copied to the device at once."""
 
@@ -76,7 +79,10 @@ class _Staging:
         for name, dtype, count in segments:
             nbytes = count * dtype.itemsize
             self.spans[name] = (offset, offset + nbytes, dtype)
-            offset += -(-nbytes // 8) * 8  # keep every segment 8-byte aligned
+            # Every segment 16-byte aligned: Triton specializes a kernel's pointer arguments
+            # on 16-byte divisibility, so an alignment that followed the step's sizes would
+            # compile new variants mid-serving.
+            offset += -(-nbytes // ALIGN) * ALIGN
         self.host = torch.empty(offset, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self.device = device
         raw = self.host.numpy()

@@ -168,3 +168,18 @@ def _check_held(batch: InputBatch, reqs: dict[str, _Req]) -> None:
             == (req.token_ids, req.block_ids, req.num_computed, req.sampling)
     past_end = np.arange(batch.max_num_blocks)[None, :] >= batch.num_blocks[:, None]
     assert not batch.block_table[past_end].any()
+
+
+@settings(max_examples=30, deadline=None)
+@given(counts=st.lists(st.integers(0, 37), min_size=1, max_size=8),
+       dtypes=st.lists(st.sampled_from([torch.int64, torch.int32, torch.float32]), min_size=8,
+                       max_size=8))
+def test_every_staging_segment_starts_16_byte_aligned(counts, dtypes):
+    """Triton specializes pointers on 16-byte divisibility: a segment's alignment must not
+    depend on the sizes of the segments before it, or a new step shape compiles anew."""
+    from executor_svc.inputs import _Staging
+
+    staging = _Staging([(f"s{i}", dtypes[i], n) for i, n in enumerate(counts)],
+                       torch.device("cpu"))
+    for view in staging.to_device().values():
+        assert view.data_ptr() % 16 == 0
