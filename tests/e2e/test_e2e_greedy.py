@@ -103,9 +103,15 @@ async def test_concurrent_greedy_matches_hf(arch, server, hf_model):
 
 async def test_preemption_keeps_greedy_exact(arch, small_pool_server, hf_model):
     prompts = random_prompts(hf_model.config.vocab_size, SMALL_POOL_LENGTHS, seed=1)
-    got = await generate_all(small_pool_server.address, prompts)
     expected = hf_greedy(hf_model, prompts, MAX_TOKENS)
-    assert_same_tokens(hf_model, prompts, expected, got)
-    stats = wait_idle(small_pool_server.address)
-    assert stats["kv_blocks_total"] == SMALL_POOL_BLOCKS
+    # The pool holds a third of the prompts' tokens, so requests that overlap preempt; on a
+    # busy machine the streams can start far enough apart that one round does not, so up to
+    # three rounds run, each exact, until one has preempted.
+    for _ in range(3):
+        got = await generate_all(small_pool_server.address, prompts)
+        assert_same_tokens(hf_model, prompts, expected, got)
+        stats = wait_idle(small_pool_server.address)
+        assert stats["kv_blocks_total"] == SMALL_POOL_BLOCKS
+        if stats["num_preemptions"] > 0:
+            break
     assert stats["num_preemptions"] > 0, stats

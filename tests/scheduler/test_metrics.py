@@ -6,6 +6,7 @@ a real `folio serve` are in tests/e2e/test_e2e_metrics.py."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import socket
 import subprocess
@@ -161,6 +162,9 @@ def raw_exchange(port: int, payload: bytes) -> bytes:
                 chunks.append(chunk)
         except (ConnectionResetError, BrokenPipeError):
             pass
+        except OSError as e:  # closed before our shutdown reached it: nothing to read
+            if e.errno != errno.ENOTCONN:
+                raise
     return b"".join(chunks)
 
 
