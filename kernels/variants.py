@@ -3,9 +3,9 @@
 A launch of the attention kernel is the short one (one 16-row block per sequence) or the long
 one (the flattened grid of wide query blocks), each with or without splitting the key range;
 every per-step value is `do_not_specialize`, so these four (two when the token budget never
-exceeds the short launch's rows) are all the kernel's compiles for a model. Enumerating them
-from `plan_launches` itself keeps this list and the launcher from drifting apart;
-tests/kernels/test_variants.py checks every max_query_len maps onto the list.
+exceeds the short launch's rows) are all the kernel's compiles for a model. They are built from
+the launcher's own `launch_config`; tests/kernels/test_variants.py checks that the launches
+`plan_launches` makes for every max_query_len are exactly this list.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import launch_config, plan_launches
+from kernels.attention import launch_config
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,3 @@ def attention_variants(dtype: torch.dtype, num_heads: int, num_kv_heads: int, he
         firsts.setdefault(config_key(long), short["BLOCK_Q"] + 1)
     return [AttentionVariant(q, split, key) for key, q in firsts.items() for split in (False, True)]
 
-
-def launched_configs(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-                     max_query_len: int) -> set[tuple[tuple[str, object], ...]]:
-    """The configs a step with this max_query_len launches (one token per query position)."""
-    return {config_key(c) for c, _ in plan_launches(dtype, num_heads, num_kv_heads, head_dim,
-                                                    max_query_len, 1, max_query_len)}

@@ -3,7 +3,15 @@
 import pytest
 import torch
 
-from kernels.variants import attention_variants, launched_configs
+from kernels.attention import plan_launches
+from kernels.variants import attention_variants, config_key
+
+
+def launched_configs(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                     max_query_len: int) -> set[tuple[tuple[str, object], ...]]:
+    """The configs a step with this max_query_len launches (one token per query position)."""
+    return {config_key(c) for c, _ in plan_launches(dtype, num_heads, num_kv_heads, head_dim,
+                                                    max_query_len, 1, max_query_len)}
 
 
 @pytest.mark.parametrize("dtype,heads,kv_heads,head_dim", [
