@@ -21,17 +21,16 @@ pytestmark = [
 CUDA = torch.device("cuda")
 
 
-def cuda_runner(model_dir, graphs: bool) -> ModelRunner:
+def cuda_runner(model_dir, graphs: bool, dtype: torch.dtype = torch.float32) -> ModelRunner:
     cfg = ModelConfig.from_dir(model_dir)
     max_len = effective_max_model_len(cfg, None)
-    model = load_model(model_dir, dtype=torch.float32, device=CUDA, max_model_len=max_len,
-                       cfg=cfg)
-    kv_cache = KVCache.allocate(cfg, NUM_BLOCKS, BLOCK_SIZE, torch.float32, CUDA)
+    model = load_model(model_dir, dtype=dtype, device=CUDA, max_model_len=max_len, cfg=cfg)
+    kv_cache = KVCache.allocate(cfg, NUM_BLOCKS, BLOCK_SIZE, dtype, CUDA)
     model.bind_kv_cache(kv_cache.per_layer())
     graph_runner = None
     if graphs:
         graph_runner = DecodeGraphRunner(model, 32, -(-max_len // BLOCK_SIZE), max_len,
-                                         cfg.hidden_size, torch.float32, CUDA,
+                                         cfg.hidden_size, dtype, CUDA,
                                          use_cuda_graphs=True)
         graph_runner.capture()
     return ModelRunner(model, kv_cache, BLOCK_SIZE, max_len, cfg.vocab_size, CUDA,
@@ -49,6 +48,29 @@ def test_cuda_graph_replay_is_token_exact_with_eager(checkpoint_cache, arch):
     assert replayed == eager and sizes == eager_sizes
     assert set(graphs.num_replays) == {graphs.padded_size(n) for n in sizes}
     assert sum(graphs.num_replays.values()) == len(sizes)
+
+
+def test_bf16_replay_equals_an_eager_run_of_the_same_static_batch(checkpoint_cache):
+    """bf16: a padded graph batch runs other GEMM shapes than the unpadded eager step, so the
+    invariant is per step: every replay's hidden states equal, bitwise, an eager forward over
+    the same static buffers (the KV write it repeats stores the same values)."""
+    _, model_dir = checkpoint_cache("qwen3")
+    runner = cuda_runner(model_dir, graphs=True, dtype=torch.bfloat16)
+    graphs = runner.graph_runner
+    checked = []
+
+    def check(_runner, running):
+        def after():
+            size = graphs.padded_size(len(running))
+            replayed = graphs.hidden[:size].clone()
+            graphs._forward(size, graphs._static_batch(size))
+            assert torch.equal(graphs.hidden[:size], replayed), f"batch {len(running)}"
+            checked.append(size)
+        return after
+
+    _, sizes = drive(runner, on_decode=check)
+    assert len(checked) == len(sizes) and len(set(checked)) > 2
+    assert graphs.pool_bytes > 0
 
 
 def test_capture_writes_nothing_to_the_kv_cache(checkpoint_cache):
