@@ -91,7 +91,7 @@ class DecodeGraphRunner:
         self.sizes: list[int] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None  # the graphs' shared memory pool, from the first (largest) capture
-        self.pool_bytes = 0  # device memory the captures took (the driver's view; 0 on a CPU)
+        self.pool_bytes = 0  # memory the caching allocator reserved while capturing (0 on a CPU)
         self.num_replays: Counter[int] = Counter()  # captured size -> steps that replayed it
         max_size = self.planned_sizes[-1]
         i64, i32 = torch.int64, torch.int32
@@ -120,7 +120,7 @@ class DecodeGraphRunner:
         memory). Every captured run is all padding, so capture writes nothing to the KV
         cache."""
         start = time.perf_counter()
-        free_before = torch.cuda.mem_get_info(self.device)[0] if self.use_cuda_graphs else 0
+        reserved_before = torch.cuda.memory_reserved(self.device) if self.use_cuda_graphs else 0
         with torch.inference_mode():
             for size in reversed(self.planned_sizes):
                 self._pad(0, size)
@@ -128,8 +128,7 @@ class DecodeGraphRunner:
                     self.graphs[size] = self._capture_graph(size)
         self.sizes = list(self.planned_sizes)
         if self.use_cuda_graphs:
-            torch.cuda.synchronize(self.device)
-            self.pool_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+            self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         log.info("decode graphs ready", sizes=self.sizes, cuda_graphs=self.use_cuda_graphs,
                  pool_mib=round(self.pool_bytes / (1 << 20), 1),
                  seconds=round(time.perf_counter() - start, 2))

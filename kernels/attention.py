@@ -64,6 +64,7 @@ def _attend(
     stride_cache_b, stride_cache_s, lo, hi, scale_log2e,
     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    EVICTION: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -82,11 +83,13 @@ def _attend(
             k_cache_ptr + kv_off[None, :] + offs_d[:, None],
             mask=kv_valid[None, :] & d_mask[:, None],
             other=0.0,
+            eviction_policy=EVICTION,
         )  # [HEAD_DIM_PAD, BLOCK_N]
         v = tl.load(
             v_cache_ptr + kv_off[:, None] + offs_d[None, :],
             mask=kv_valid[:, None] & d_mask[None, :],
             other=0.0,
+            eviction_policy=EVICTION,
         )  # [BLOCK_N, HEAD_DIM_PAD]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
         if MASKED:
@@ -133,6 +136,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr, SHORT_Q: tl.constexpr, LONG: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    EVICTION: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -197,11 +201,13 @@ def _paged_attention_kernel(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, head_off,
         stride_cache_b, stride_cache_s, lo, mid, scale_log2e,
         False, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, DOT_PRECISION, NUM_STAGES,
+        EVICTION,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, head_off,
         stride_cache_b, stride_cache_s, mid, hi, scale_log2e,
         True, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, DOT_PRECISION, NUM_STAGES,
+        EVICTION,
     )  # fmt: skip
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -224,11 +230,12 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def pick_max_splits(num_programs: int, device: torch.device) -> int:
-    """The split bound of a launch of num_programs tiles: from the grid's shape alone."""
-    # Several resident programs per SM hide memory latency (the H200 sweep: 8 per SM beat 4 by
-    # 5-25% at batch 16, equal at 64).
-    target = 8 * _num_sms(device)
+def pick_max_splits(num_programs: int, device: torch.device, num_warps: int = 4) -> int:
+    """The split bound of a launch of num_programs tiles of num_warps warps: from the grid's
+    shape alone."""
+    # Enough resident programs per SM to hide memory latency: ~32 warps' worth (the H200
+    # sweeps: 8 programs of 4 warps per SM beat 4; 32 of one warp beat 8 and 16 by 10-50%).
+    target = max(8, 32 // num_warps) * _num_sms(device)
     return 1 if num_programs >= target else min(triton.cdiv(target, num_programs), MAX_SPLITS)
 
 
@@ -242,20 +249,28 @@ def launch_config(
     fp32 = dtype == torch.float32
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     # 16 rows is tl.dot's floor: decode tiles pad to it (or to the group). Prefill tiles take
-    # 128 rows (64 past head_dim 128, for registers). fp32 is a correctness path on GPUs (exact
+    # 256 rows (128 past head_dim 128, for registers). fp32 is a correctness path on GPUs (exact
     # dots run on FMA units, not tensor cores): small tiles keep its register spills small.
-    rows = (32 if fp32 else 128 if head_dim_pad <= 128 else 64) if long else 16
+    rows = (32 if fp32 else 256 if head_dim_pad <= 128 else 128) if long else 16
     block_m = max(rows, group_pad)
+    # 16-bit decode tiles run in one warp (two past head_dim 128, for registers): a 16-row dot
+    # spread over several warps splits the keys between them, so every iteration passes P
+    # through shared memory behind a barrier; one warp keeps the iteration in registers and
+    # many small programs per SM keep the loads in flight. (H200, 8B shapes: 2.3 -> 2.9 TB/s
+    # at 64 x 16k; bench/results/2026-11-26-h200-decode-experiments.md.)
+    if long or fp32:
+        block_n, stages, warps = (32 if fp32 or head_dim_pad > 128 else 64), 3, 8
+    else:
+        block_n, stages, warps = 16, 4, 1 if head_dim_pad <= 128 else 2
     return dict(
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m,
-        BLOCK_N=32 if fp32 or head_dim_pad > 128 else 64,  # K+V tiles x stages in shared memory
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_Q=block_m // group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         DOT_PRECISION="ieee" if fp32 else "tf32",  # fp32 stays exact; ignored for 16-bit
-        # K/V tiles in flight while one is computed on: decode launches keep three (an H200
-        # sweep, bench/results/2026-11-26-h200-attention-sweep.*: 3 stages ran 2.5x slower
-        # than 2 or 4 on a lone 16k sequence and 20% slower at batch 16 x 4k), prefill two.
-        NUM_STAGES=3 if long or fp32 else 4,
-        num_warps=8 if long or fp32 else 4,  # fp32: 8 warps keep its spills small
+        NUM_STAGES=stages,  # K/V tiles in flight while one is computed on: stages - 1
+        # Decode streams K/V once: evict first, keep L2 for the block tables and the prefill's
+        # reused tiles (+3-6% on the H200).
+        EVICTION="" if long else "evict_first",
+        num_warps=warps,
     )  # fmt: skip
 
 
@@ -317,7 +332,8 @@ def paged_attention(
                              max_query_len)  # fmt: skip
     short = launches[0][0]
     if num_splits is None:
-        num_splits = pick_max_splits(sum(n for _, n in launches) * num_kv_heads, q.device)
+        num_splits = pick_max_splits(sum(n for _, n in launches) * num_kv_heads, q.device,
+                                     short["num_warps"])  # fmt: skip
     split = num_splits > 1
     if split:
         partial, lse = scratch or alloc_scratch(num_tokens, num_heads, head_dim, num_splits,

@@ -50,11 +50,11 @@ def test_cuda_graph_replay_is_token_exact_with_eager(checkpoint_cache, arch):
     assert sum(graphs.num_replays.values()) == len(sizes)
 
 
-def test_bf16_replay_matches_an_eager_run_of_the_same_static_batch(checkpoint_cache):
+def test_bf16_replay_equals_an_eager_run_of_the_same_static_batch(checkpoint_cache):
     """bf16: a padded graph batch runs other GEMM shapes than the unpadded eager step, so the
-    check is per step: every replay's hidden states match an eager forward over the same static
-    buffers (the KV write it repeats stores the same values) within bf16 rounding. (Not
-    bitwise: on an H200 a replay and the eager run differed in the last bits at batch 3.)"""
+    invariant is per step: every replay's hidden states of the real rows equal, bitwise, an
+    eager forward over the same static buffers (the KV write it repeats stores the same
+    values; padding rows hold whatever the attention output buffer held)."""
     _, model_dir = checkpoint_cache("qwen3")
     runner = cuda_runner(model_dir, graphs=True, dtype=torch.bfloat16)
     graphs = runner.graph_runner
@@ -63,13 +63,9 @@ def test_bf16_replay_matches_an_eager_run_of_the_same_static_batch(checkpoint_ca
     def check(_runner, running):
         def after():
             n, size = len(running), graphs.padded_size(len(running))
-            replayed = graphs.hidden[:n].float()
+            replayed = graphs.hidden[:n].clone()
             graphs._forward(size, graphs._static_batch(size))
-            eager = graphs.hidden[:n].float()
-            scale = eager.abs().amax(dim=-1, keepdim=True).clamp_min(1e-3)
-            rel = ((replayed - eager).abs() / scale).max().item()
-            print(f"batch {n} (graph {size}): max diff / row max {rel:.2e}")
-            assert rel <= 2**-6, f"batch {n}: replay and eager differ by {rel:.2e} of the row max"
+            assert torch.equal(graphs.hidden[:n], replayed), f"batch {n} (graph {size})"
             checked.append(size)
         return after
 
