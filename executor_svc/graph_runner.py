@@ -120,7 +120,10 @@ class DecodeGraphRunner:
         memory). Every captured run is all padding, so capture writes nothing to the KV
         cache."""
         start = time.perf_counter()
-        reserved_before = torch.cuda.memory_reserved(self.device) if self.use_cuda_graphs else 0
+        reserved_before = 0
+        if self.use_cuda_graphs:  # capture empties the cache first: start the count from there
+            torch.cuda.empty_cache()
+            reserved_before = torch.cuda.memory_reserved(self.device)
         with torch.inference_mode():
             for size in reversed(self.planned_sizes):
                 self._pad(0, size)
