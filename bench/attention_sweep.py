@@ -3,7 +3,7 @@
     BS=16 BUDGET=230 OUT=DIR python -m bench.attention_sweep
 
 Patches kernels.attention's launch_config (the short launch's BLOCK_N, NUM_STAGES, num_warps)
-and pick_max_splits (programs per SM), times paged_attention on Llama-3-8B's heads (32 q, 8 KV,
+and pick_max_splits (resident warps per SM it splits to fill), times paged_attention on Llama-3-8B's heads (32 q, 8 KV,
 head_dim 128, bf16, KV block size $BS) at batch x context 1x16k, 16x4k, 16x16k, 64x4k, 64x16k
 with triton.testing.do_bench (median), checks each output against the default config's, and
 writes one JSON row per config (GB/s of K/V read) to $OUT/sweep.json, until $BUDGET seconds.
@@ -21,15 +21,15 @@ import kernels.attention as A
 
 orig_cfg, orig_splits = A.launch_config, A.pick_max_splits
 OVR = {}
-SPLIT_MULT = [4]
+SPLIT_MULT = [32]
 def cfg(dtype, h, hkv, d, long):
     c = orig_cfg(dtype, h, hkv, d, long)
     if not long:
         c.update(OVR)
     return c
-def splits(num_programs, device):
+def splits(num_warps, device):
     target = SPLIT_MULT[0] * A._num_sms(device)
-    return 1 if num_programs >= target else min(triton.cdiv(target, num_programs), A.MAX_SPLITS)
+    return 1 if num_warps >= target else min(triton.cdiv(target, num_warps), A.MAX_SPLITS)
 A.launch_config, A.pick_max_splits = cfg, splits
 dev = torch.device("cuda")
 dt = torch.bfloat16
@@ -45,7 +45,7 @@ for b, ctx in [(1, 16384), (16, 4096), (16, 16384), (64, 4096), (64, 16384)]:
     cases[(b, ctx)] = (q, cache[0], cache[1], bt, sl, qsl, 1, ctx, D ** -0.5)
 ref = {k: A.paged_attention(*v).clone() for k, v in cases.items()}
 results = []
-grid = list(itertools.product([64, 128, 32], [3, 4, 2], [4, 8], [8, 4, 16]))
+grid = list(itertools.product([16, 32, 64], [4, 3, 6], [1, 2, 4], [32, 16, 64]))
 t0 = time.time()
 for bn, st, nw, sm in grid:
     if time.time() - t0 > float(os.environ.get("BUDGET", "200")):
@@ -53,7 +53,7 @@ for bn, st, nw, sm in grid:
     OVR.clear()
     OVR.update(BLOCK_N=bn, NUM_STAGES=st, num_warps=nw)
     SPLIT_MULT[0] = sm
-    row = {"BLOCK_N": bn, "NUM_STAGES": st, "num_warps": nw, "split_x_sms": sm}
+    row = {"BLOCK_N": bn, "NUM_STAGES": st, "num_warps": nw, "warps_per_sm": sm}
     try:
         for (b, ctx), args in cases.items():
             out = A.paged_attention(*args)

@@ -230,13 +230,13 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def pick_max_splits(num_programs: int, device: torch.device, num_warps: int = 4) -> int:
-    """The split bound of a launch of num_programs tiles of num_warps warps: from the grid's
-    shape alone."""
-    # Enough resident programs per SM to hide memory latency: ~32 warps' worth (the H200
-    # sweeps: 8 programs of 4 warps per SM beat 4; 32 of one warp beat 8 and 16 by 10-50%).
-    target = max(8, 32 // num_warps) * _num_sms(device)
-    return 1 if num_programs >= target else min(triton.cdiv(target, num_programs), MAX_SPLITS)
+def pick_max_splits(num_warps: int, device: torch.device) -> int:
+    """The split bound of a step's launches, which run num_warps warps in all (programs x
+    their warps): from the grid's shape alone."""
+    # Enough resident warps per SM to hide memory latency: 32 (the H200 sweeps: 8 programs of
+    # 4 warps per SM beat 4; 32 programs of one warp beat 8 and 16 by 10-50%).
+    target = 32 * _num_sms(device)
+    return 1 if num_warps >= target else min(triton.cdiv(target, num_warps), MAX_SPLITS)
 
 
 def launch_config(
@@ -333,8 +333,8 @@ def paged_attention(
                              max_query_len)  # fmt: skip
     short = launches[0][0]
     if num_splits is None:
-        num_splits = pick_max_splits(sum(n for _, n in launches) * num_kv_heads, q.device,
-                                     short["num_warps"])  # fmt: skip
+        num_warps = sum(n * config["num_warps"] for config, n in launches) * num_kv_heads
+        num_splits = pick_max_splits(num_warps, q.device)
     split = num_splits > 1
     if split:
         partial, lse = scratch or alloc_scratch(num_tokens, num_heads, head_dim, num_splits,
