@@ -79,18 +79,16 @@ def _attend(
         block_ids = _block_ids(block_table_ptr, start + BLOCK_N, hi, BLOCK_N, KV_BLOCK_SIZE)
         kv_pos = start + offs_n  # [BLOCK_N]
         kv_valid = kv_pos < hi
-        k = tl.load(
-            k_cache_ptr + kv_off[None, :] + offs_d[:, None],
-            mask=kv_valid[None, :] & d_mask[:, None],
-            other=0.0,
-            eviction_policy=EVICTION,
-        )  # [HEAD_DIM_PAD, BLOCK_N]
-        v = tl.load(
-            v_cache_ptr + kv_off[:, None] + offs_d[None, :],
-            mask=kv_valid[:, None] & d_mask[None, :],
-            other=0.0,
-            eviction_policy=EVICTION,
-        )  # [BLOCK_N, HEAD_DIM_PAD]
+        k_ptrs = k_cache_ptr + kv_off[None, :] + offs_d[:, None]  # [HEAD_DIM_PAD, BLOCK_N]
+        v_ptrs = v_cache_ptr + kv_off[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
+        if MASKED or HEAD_DIM != HEAD_DIM_PAD:
+            k = tl.load(k_ptrs, mask=kv_valid[None, :] & d_mask[:, None], other=0.0,
+                        eviction_policy=EVICTION)  # fmt: skip
+            v = tl.load(v_ptrs, mask=kv_valid[:, None] & d_mask[None, :], other=0.0,
+                        eviction_policy=EVICTION)  # fmt: skip
+        else:  # the unmasked loop's tiles are whole (lo and its end are multiples of BLOCK_N)
+            k = tl.load(k_ptrs, eviction_policy=EVICTION)
+            v = tl.load(v_ptrs, eviction_policy=EVICTION)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
         if MASKED:
             visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
