@@ -25,6 +25,7 @@ from executor_svc.host_memory import keep_freed_memory
 from executor_svc.lifecycle import Lifecycle, ShutdownRequested
 from executor_svc.model_config import ModelConfig
 from executor_svc.named_models import is_named, named_model_path
+from executor_svc.tp_launch import launch, torchrun_env_set
 
 log = structlog.get_logger("executor_svc.cli")
 
@@ -75,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--channel-secret-file", default=None,
                    help="file holding the scheduler channel's shared secret (default: "
                         "$FOLIO_CHANNEL_SECRET; none: an unauthenticated channel)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model over this many ranks (torch.distributed: NCCL on "
+                        "GPUs, gloo on the CPU); started here on one node, or by torchrun "
+                        "(its RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT) across nodes")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit (as on SIGTERM) when this process is gone; `folio serve` passes "
                         "its own pid so no executor outlives it")
@@ -103,6 +108,7 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
         channel_secret_file=args.channel_secret_file,
         parent_pid=args.parent_pid,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -145,12 +151,16 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError) as e:
             print(f"executor failed to start: {e}", file=sys.stderr)
             return 1
-        # Before the worker imports torch: OpenMP reads its environment when torch loads it.
-        apply_cpu_threads(cfg.cpu_threads or default_cpu_threads())
-        keep_freed_memory()
-        from executor_svc.worker import run  # torch loads only after the checkpoint looks sane
+        if cfg.tensor_parallel_size > 1 and not torchrun_env_set():  # start the ranks here
+            exit_code = launch(sys.argv[1:] if argv is None else argv, cfg.tensor_parallel_size,
+                               cfg.cpu_threads)
+        else:
+            # Before the worker imports torch: OpenMP reads its environment when torch loads it.
+            apply_cpu_threads(cfg.cpu_threads or default_cpu_threads())
+            keep_freed_memory()
+            from executor_svc.worker import run  # torch loads only after the checkpoint is sane
 
-        exit_code = run(cfg, model_dir)
+            exit_code = run(cfg, model_dir)
     except ShutdownRequested as e:
         log.info("shutdown requested by signal", reason=e.reason)
         exit_code = 0

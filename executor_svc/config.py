@@ -55,6 +55,7 @@ class ExecutorConfig:
     channel_secret_file: str | None = None  # None: $FOLIO_CHANNEL_SECRET, else no auth
     parent_pid: int | None = None  # exit when this process is gone (see lifecycle.py)
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
+    tensor_parallel_size: int = 1  # ranks sharding the model (distributed.py, tp_launch.py)
 
     def __post_init__(self) -> None:
         if self.model is not None and not self.model.strip():
@@ -92,5 +93,8 @@ class ExecutorConfig:
             raise ValueError(f"--log-format must be console or json, got {self.log_format!r}")
         if self.parent_pid is not None and self.parent_pid < 1:
             raise ValueError(f"--parent-pid must be a process id (>= 1), got {self.parent_pid}")
+        if not 1 <= self.tensor_parallel_size <= 512:
+            raise ValueError("--tensor-parallel-size must be between 1 and 512, got "
+                             f"{self.tensor_parallel_size}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")

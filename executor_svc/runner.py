@@ -46,6 +46,7 @@ from executor_svc.sampler import (
 )
 from executor_svc.structured import StructuredRows, apply_bitmask
 from executor_svc.swap import SwapPool
+from executor_svc.tp_worker import collectives, share_sampled
 from protos.plan import CachedRequest, NewRequest, PromptLogprobs, SamplingSpec, StepPlan
 
 __all__ = ["ModelRunner", "PlanError", "RequestState", "Scheduled", "StepOutput"]
@@ -305,11 +306,13 @@ class ModelRunner:
 
     def _run(self, scheduled: Scheduled) -> tuple[list[tuple[str, list[int]]], _Sampled]:
         inputs = self.prepare(scheduled)
-        logits = self._forward(inputs)  # [num_logits (+ prompt positions), vocab]
+        with collectives():  # tensor parallel: logits on rank 0 only (None elsewhere)
+            logits = self._forward(inputs)  # [num_logits (+ prompt positions), vocab]
         sample_rows = inputs.sample_rows  # [num_logits]
         out = _Sampled([])
         if len(sample_rows) or inputs.prompt_lp is not None:
-            out = self._sample(logits, inputs)
+            out = share_sampled(lambda: self._sample(logits, inputs), len(sample_rows),
+                                self.device, _Sampled)
         sampled = out.token_ids
         batch = self.input_batch
         batch.num_computed[scheduled.rows] += scheduled.query_lens

@@ -25,6 +25,7 @@ import structlog
 import torch
 
 from executor_svc.config import ExecutorConfig
+from executor_svc.distributed import all_reduce_min, init_tp, tp_rank, tp_size
 from executor_svc.graph_runner import DecodeGraphRunner
 from executor_svc.kv_cache import KVCache, bytes_per_block, num_blocks_for
 from executor_svc.loader import (
@@ -36,6 +37,7 @@ from executor_svc.memory import DEFAULT_GRAPH_RESERVE_BYTES, profiled_kv_budget
 from executor_svc.model_config import ModelConfig
 from executor_svc.runner import ModelRunner
 from executor_svc.swap import SwapPool, num_swap_blocks_for
+from executor_svc.tp_worker import GroupBroken, Leader, follow
 from protos.channel import AuthFailed, BadMessage, ExecutorEnd, SchedulerLost
 from protos.channel_keys import ChannelKeys, read_secret
 from protos.plan import (
@@ -81,6 +83,10 @@ class Executor:
 def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
     """Everything before the first message: model, KV cache, and the Hello that reports them.
     `model_dir` is the local directory `cfg.model` resolved to."""
+    if cfg.tensor_parallel_size > 1:  # before the device: a CUDA rank takes its local GPU
+        cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        rank, _ = init_tp(cfg.tensor_parallel_size, "cuda" if cuda else "cpu")
+        structlog.contextvars.bind_contextvars(rank=rank)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     model_cfg = ModelConfig.from_dir(model_dir)
@@ -95,16 +101,19 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
             dtype=dtype, device=device, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_num_seqs=cfg.max_num_seqs, gpu_memory_utilization=cfg.gpu_memory_utilization,
             graph_reserve_bytes=0 if cfg.enforce_eager else DEFAULT_GRAPH_RESERVE_BYTES)
-    num_blocks = num_blocks_for(model_cfg, cfg.block_size, dtype, device, cfg.num_kv_blocks,
-                                cfg.kv_cache_memory, profiled)
+    # Block ids are shared by every rank: the pool is the smallest rank's.
+    num_blocks = all_reduce_min(num_blocks_for(model_cfg, cfg.block_size, dtype, device,
+                                               cfg.num_kv_blocks, cfg.kv_cache_memory, profiled),
+                                device)
     kv_cache = KVCache.allocate(model_cfg, num_blocks, cfg.block_size, dtype, device)
     model.bind_kv_cache(kv_cache.per_layer())
     if device.type == "cuda":  # every attention variant compiled before the first request
         from executor_svc.warmup import warm_attention  # imports triton: CUDA only
 
         warm_attention(*kv_cache.per_layer()[0], model_cfg.num_heads, cfg.max_num_batched_tokens)
-    num_swap_blocks = num_swap_blocks_for(cfg.swap_space,
-                                          bytes_per_block(model_cfg, cfg.block_size, dtype))
+    num_swap_blocks = all_reduce_min(
+        num_swap_blocks_for(cfg.swap_space, bytes_per_block(model_cfg, cfg.block_size, dtype)),
+        device)
     swap_pool = SwapPool.allocate(kv_cache, num_swap_blocks) if num_swap_blocks else None
     tokenizer_json = model_dir / "tokenizer.json"  # structured output's matchers read it
     graph_runner = None
@@ -130,11 +139,12 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
         random_weights=has_random_weights(model_dir),
+        tensor_parallel_size=tp_size(),
     )
     return Executor(runner, hello)
 
 
-def handshake(end: ExecutorEnd, hello: Hello) -> int | None:
+def handshake(end: ExecutorEnd, hello: Hello, leader: Leader) -> int | None:
     """Send Hello until the scheduler answers: None once welcomed, else the exit code.
 
     A scheduler that is not there yet, a refusal that says "retry" (another executor is
@@ -142,6 +152,7 @@ def handshake(end: ExecutorEnd, hello: Hello) -> int | None:
     Shutdown ends the executor."""
     attempt = 0
     while True:
+        leader.heartbeat()
         sent = end.send(hello)  # False while no connection is up: nothing queues
         attempt += 1
         # The first Hello at INFO; retries while the scheduler is not up yet at DEBUG.
@@ -178,9 +189,10 @@ def handshake(end: ExecutorEnd, hello: Hello) -> int | None:
                               message=type(msg).__name__)
 
 
-def serve(end: ExecutorEnd, runner: ModelRunner) -> int | None:
+def serve(end: ExecutorEnd, runner: ModelRunner, leader: Leader) -> int | None:
     """Answer plans until Shutdown (an exit code) or until the scheduler is lost (None: the
-    caller drops every request and says Hello again, to this scheduler or its successor)."""
+    caller drops every request and says Hello again, to this scheduler or its successor).
+    With tensor parallelism, every plan is run on every rank (tp_worker.py)."""
     stats = _Stats()
     result_sent_at: float | None = None  # when the previous step's answer went out
     failed_req_ids: set[str] = set()  # of the previous step, if it failed
@@ -188,18 +200,21 @@ def serve(end: ExecutorEnd, runner: ModelRunner) -> int | None:
         msg = end.recv(timeout_ms=int(STATS_INTERVAL_S * 1000))
         match msg:
             case None:
-                pass
+                leader.heartbeat()
             case StepPlan():
                 idle_s = 0.0 if result_sent_at is None else time.perf_counter() - result_sent_at
                 if msg.reset:
                     runner.requests.clear()
                     failed_req_ids = set()
-                reply = _step(runner, _without(msg, failed_req_ids), stats, idle_s)
+                plan = _without(msg, failed_req_ids)
+                leader.step(plan)
+                reply = _step(runner, plan, stats, idle_s)
                 failed_req_ids = _scheduled_ids(msg) if isinstance(reply, ExecutorError) else set()
                 end.send(reply)
                 result_sent_at = time.perf_counter()
             case Shutdown():
                 log.info("shutdown requested by the scheduler")
+                leader.stop()
                 return EXIT_OK
             case SchedulerLost():
                 log.warning("lost the scheduler; dropping every request and reconnecting")
@@ -251,6 +266,8 @@ def _step(runner: ModelRunner, plan: StepPlan, stats: _Stats,
     structlog.contextvars.bind_contextvars(step=plan.step_id)
     try:
         out = runner.execute(plan)
+    except GroupBroken:
+        raise
     except Exception as e:
         log.exception("step failed")
         return ExecutorError(plan.step_id, f"{type(e).__name__}: {e}")
@@ -306,17 +323,29 @@ def run(cfg: ExecutorConfig, model_dir: Path) -> int:
         # CheckpointError's text already starts with the file at fault.
         print(f"executor failed to start: {e}", file=sys.stderr)
         return EXIT_FAILED
-    end = ExecutorEnd(cfg.scheduler_address, keys)
+    runner = executor.runner
     try:
-        log.info("connecting to the scheduler", address=cfg.scheduler_address,
-                 channel_authenticated=keys is not None)
-        while True:
-            exit_code = handshake(end, executor.hello)
-            if exit_code is not None:
-                return exit_code
-            exit_code = serve(end, executor.runner)
-            if exit_code is not None:
-                return exit_code
-            executor.runner.requests.clear()  # the next scheduler starts from nothing
-    finally:
-        end.close()
+        if tp_rank() != 0:  # a follower: rank 0 alone talks to the scheduler
+            follow(runner.execute, runner.requests.clear, runner.device)
+            return EXIT_OK
+        end = ExecutorEnd(cfg.scheduler_address, keys)
+        leader = Leader(runner.device)
+        try:
+            log.info("connecting to the scheduler", address=cfg.scheduler_address,
+                     channel_authenticated=keys is not None, tensor_parallel_size=tp_size())
+            while True:
+                exit_code = handshake(end, executor.hello, leader)
+                if exit_code is not None:
+                    leader.stop()
+                    return exit_code
+                exit_code = serve(end, runner, leader)
+                if exit_code is not None:
+                    return exit_code
+                runner.requests.clear()  # the next scheduler starts from nothing
+                leader.clear()
+        finally:
+            end.close()
+    except GroupBroken as e:
+        log.error("a tensor-parallel rank failed; ending this executor so it is restarted",
+                  error=str(e)[:500])
+        return EXIT_FAILED

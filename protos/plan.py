@@ -62,7 +62,7 @@ from protos.wire import (
     _strs,
 )
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 
 @dataclass(frozen=True)
@@ -159,18 +159,20 @@ class Hello:
     dtype: str
     device: str
     random_weights: bool = False
+    tensor_parallel_size: int = 1  # ranks behind this executor (KV blocks: the minimum of theirs)
 
     def to_wire(self) -> list:
         return [self.TAG, self.protocol_version, self.executor_id, self.model_name,
                 self.architecture, self.vocab_size, self.max_model_len, self.block_size,
                 self.num_kv_blocks, self.num_swap_blocks, self.dtype, self.device,
-                self.random_weights]
+                self.random_weights, self.tensor_parallel_size]
 
     @classmethod
     def from_wire(cls, w: list) -> Hello:
-        _list(w, 13)
+        _list(w, 14)
         return cls(_int(w[1]), _str(w[2]), _str(w[3]), _str(w[4]), _nat(w[5]), _nat(w[6]),
-                   _nat(w[7]), _nat(w[8]), _nat(w[9]), _str(w[10]), _str(w[11]), _bool(w[12]))
+                   _nat(w[7]), _nat(w[8]), _nat(w[9]), _str(w[10]), _str(w[11]), _bool(w[12]),
+                   _nat(w[13]))
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ EXECUTOR_PASSTHROUGH = {
     "swap_space": "--swap-space",
     "cpu_threads": "--cpu-threads",
     "gpu_memory_utilization": "--gpu-memory-utilization",
+    "tensor_parallel_size": "--tensor-parallel-size",
 }
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 
@@ -62,6 +63,7 @@ class SchedulerConfig:
     swap_space: float | None = None  # GiB of CPU swap pool
     cpu_threads: int | None = None  # the executor's torch threads (executor default: all cores)
     gpu_memory_utilization: float | None = None  # CUDA share the executor may use (default 0.9)
+    tensor_parallel_size: int | None = None  # executor ranks sharding the model (default 1)
     enforce_eager: bool = False  # the executor captures no CUDA graphs
     # ---- public API front end (scheduler_svc.server, scheduler_svc.auth) ----
     served_model_name: str | None = None  # None = the model directory's name
@@ -116,6 +118,9 @@ class SchedulerConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization:g}")
+        if self.tensor_parallel_size is not None and not 1 <= self.tensor_parallel_size <= 512:
+            raise ValueError("--tensor-parallel-size must be between 1 and 512, got "
+                             f"{self.tensor_parallel_size}")
         if self.device not in (None, "auto", "cpu", "cuda"):
             raise ValueError(f"--device must be one of auto, cpu, cuda, got {self.device!r}")
 
@@ -217,6 +222,9 @@ def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentPars
     g.add_argument("--gpu-memory-utilization", type=float,
                    help="CUDA: share of the GPU's memory the executor may use; the KV cache "
                    "gets what weights and a profiling step's peak leave (executor default 0.9)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int,
+                   help="shard the model over this many executor ranks on this node "
+                   "(torch.distributed: NCCL on GPUs, gloo on the CPU; executor default 1)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps: every step runs eagerly")
     add_front_end_flags(p)

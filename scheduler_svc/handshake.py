@@ -40,6 +40,7 @@ class ExecutorInfo:
     dtype: str
     device: str
     random_weights: bool
+    tensor_parallel_size: int
 
     @classmethod
     def from_hello(cls, identity: bytes, hello: Hello, max_model_len_cap: int | None
@@ -53,7 +54,8 @@ class ExecutorInfo:
                    vocab_size=hello.vocab_size, max_model_len=max_model_len,
                    block_size=hello.block_size, num_kv_blocks=hello.num_kv_blocks,
                    dtype=hello.dtype, device=hello.device,
-                   random_weights=bool(hello.random_weights))
+                   random_weights=bool(hello.random_weights),
+                   tensor_parallel_size=hello.tensor_parallel_size)
 
 
 def check_hello(hello: Hello, tokenizer: Tokenizer) -> str | None:
@@ -61,6 +63,8 @@ def check_hello(hello: Hello, tokenizer: Tokenizer) -> str | None:
     if hello.protocol_version != PROTOCOL_VERSION:
         return (f"executor speaks protocol v{hello.protocol_version}, this scheduler "
                 f"v{PROTOCOL_VERSION}; run matching versions")
+    if hello.tensor_parallel_size < 1:
+        return "executor reported no ranks (tensor_parallel_size 0); run matching versions"
     if hello.vocab_size < 1:
         return "executor reported an empty vocabulary; check its model"
     if hello.block_size < 1 or hello.num_kv_blocks < 1:
@@ -94,7 +98,8 @@ def log_connected(info: ExecutorInfo, hello: Hello, config: SchedulerConfig) -> 
              num_kv_blocks=info.num_kv_blocks, num_swap_blocks=hello.num_swap_blocks,
              block_size=info.block_size,
              max_model_len=info.max_model_len, dtype=info.dtype, device=info.device,
-             random_weights=info.random_weights)
+             random_weights=info.random_weights,
+             tensor_parallel_size=info.tensor_parallel_size)
     if info.max_model_len < min(hello.max_model_len, config.max_model_len or 1 << 62):
         log.warning("max_model_len capped by the KV pool", max_model_len=info.max_model_len,
                     hint="give the executor more --kv-cache-memory or --num-kv-blocks")

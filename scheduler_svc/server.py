@@ -127,7 +127,8 @@ class GeneratorService:
                             max_model_len=info.max_model_len, vocab_size=info.vocab_size,
                             block_size=info.block_size, num_kv_blocks=info.num_kv_blocks,
                             dtype=info.dtype, device=info.device,
-                            random_weights=info.random_weights)
+                            random_weights=info.random_weights,
+                            tensor_parallel_size=info.tensor_parallel_size)
 
     @grpc_errors
     async def GetServerStats(self, request, context) -> pb.ServerStats:

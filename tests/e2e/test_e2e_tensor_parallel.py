@@ -1,0 +1,121 @@
+"""Tensor parallelism through the real server: `folio serve --tensor-parallel-size N` starts
+N executor ranks (gloo on 127.0.0.1) behind one scheduler.
+
+1. Every architecture at TP = 2, with a KV pool small enough to preempt and prompts that share
+   a prefix (prefix caching is on): greedy tokens equal HF transformers', the server reports
+   its ranks, and the prefix cache was hit.
+2. TP = 4 on llama3 (4 q heads, 2 KV heads: each KV head replicated on two ranks).
+3. A rank other than 0 killed mid-run: no hang; the supervisor restarts the executor (every
+   rank) and every stream completes with exactly the tokens of an undisturbed run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from client import AsyncFolioClient, FolioClient
+from tests.checkpoints import ARCHS, make_checkpoint
+from tests.conftest import _descendants
+from tests.e2e.e2e_util import wait_idle
+from tests.e2e.hf_oracle import hf_greedy, load_hf_model, random_prompts
+from tests.e2e.test_e2e_faults import run_all, wait_health
+from tests.e2e.test_e2e_greedy import (
+    BLOCK_SIZE,
+    MAX_TOKENS,
+    SMALL_POOL_BLOCKS,
+    SMALL_POOL_LENGTHS,
+    assert_same_tokens,
+    generate_all,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def shared_prefix_prompts(vocab_size: int) -> list[list[int]]:
+    """The small-pool prompts, plus three that repeat the first 40 tokens of one of them."""
+    prompts = random_prompts(vocab_size, SMALL_POOL_LENGTHS, seed=1)
+    tails = random_prompts(vocab_size, (3, 9, 20), seed=2)
+    return prompts + [prompts[4][:40] + t for t in tails]
+
+
+def rank_pids(server_pid: int) -> dict[int, int]:
+    """{rank: pid} of the executor ranks under a server (from their environment)."""
+    found = {}
+    for pid in _descendants(server_pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if b"RANK" in env and b"WORLD_SIZE" in env:
+            found[int(env[b"RANK"])] = pid
+    return found
+
+
+async def check_tp_server(folio_server, arch: str, tp: int, tmp_path) -> None:
+    checkpoint = make_checkpoint(arch, tmp_path / f"ckpt-{arch}")
+    hf_model = load_hf_model(checkpoint)
+    prompts = shared_prefix_prompts(hf_model.config.vocab_size)
+    expected = hf_greedy(hf_model, prompts, MAX_TOKENS)
+    args = ["--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(SMALL_POOL_BLOCKS),
+            "--tensor-parallel-size", str(tp)]
+    with folio_server(model=checkpoint, args=args) as server:
+        assert sorted(rank_pids(server.proc.pid)) == list(range(tp))
+        with FolioClient(server.address) as client:
+            assert client.model_info()["tensor_parallel_size"] == tp
+        cached = 0
+        for _ in range(3):  # until a round has preempted (see test_e2e_greedy)
+            got = await generate_all(server.address, prompts)
+            assert_same_tokens(hf_model, prompts, expected, got)
+            stats = wait_idle(server.address)
+            if stats["num_preemptions"] > 0:
+                break
+        assert stats["num_preemptions"] > 0, stats
+        # The shared prefix again, alone: its blocks are in the prefix cache by now.
+        async with AsyncFolioClient(server.address) as client:
+            c = await client.generate_text(token_ids=prompts[-1], temperature=0.0,
+                                           max_tokens=MAX_TOKENS, ignore_eos=True)
+            cached = c.usage["cached_tokens"]
+        assert c.token_ids == expected[-1]
+        assert cached >= BLOCK_SIZE, c.usage
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+async def test_tp2_greedy_matches_hf_with_preemption_and_prefix_caching(
+        folio_server, arch, tmp_path):
+    await check_tp_server(folio_server, arch, 2, tmp_path)
+
+
+async def test_tp4_with_kv_heads_replicated(folio_server, tmp_path):
+    await check_tp_server(folio_server, "llama3", 4, tmp_path)
+
+
+async def test_a_killed_rank_restarts_the_executor_and_loses_no_token(folio_server, tmp_path):
+    checkpoint = make_checkpoint("llama3", tmp_path / "ckpt")
+    vocab = load_hf_model(checkpoint).config.vocab_size
+    reqs = [dict(token_ids=p, temperature=0.0 if i % 3 else 0.8, seed=i, max_tokens=48,
+                 ignore_eos=True) for i, p in enumerate(random_prompts(vocab, range(4, 60, 7)))]
+    args = ["--num-kv-blocks", "512", "--tensor-parallel-size", "2"]
+    with folio_server(model=checkpoint, args=args) as server:
+        reference = await run_all(server.address, reqs, "ref", [0])
+        progress = [0]
+        streams = asyncio.ensure_future(run_all(server.address, reqs, "run", progress))
+        async with AsyncFolioClient(server.address) as client:
+            for _ in range(600):  # until the streams are under way
+                if progress[0] >= len(reqs) or streams.done():
+                    break
+                await asyncio.sleep(0.05)
+            pids = rank_pids(server.proc.pid)
+            os.kill(pids[1], signal.SIGKILL)
+            await wait_health(client, "NOT_SERVING", 30)
+            await wait_health(client, "SERVING", 240)
+        results = await asyncio.wait_for(streams, 300)
+        log = server.log_tail(200_000)
+        new_pids = rank_pids(server.proc.pid)
+    assert "executor exited; restarting it" in log
+    assert sorted(new_pids) == [0, 1] and not set(new_pids.values()) & set(pids.values())
+    assert results == reference
