@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 MESSAGES = [
     Hello(PROTOCOL_VERSION, "exec-1", "tiny", "LlamaForCausalLM", 32000, 4096, 16, 1234, 64,
-          "bfloat16", "cuda:0", random_weights=True),
+          "bfloat16", "cuda:0", random_weights=True, tensor_parallel_size=4),
     Welcome(PROTOCOL_VERSION),
     Reject("executor speaks protocol v9, this scheduler v1"),
     StepPlan(step_id=0),
