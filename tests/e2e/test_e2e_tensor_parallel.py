@@ -5,7 +5,10 @@ N executor ranks (gloo on 127.0.0.1) behind one scheduler.
    a prefix (prefix caching is on): greedy tokens equal HF transformers', the server reports
    its ranks, and the prefix cache was hit.
 2. TP = 4 on llama3 (4 q heads, 2 KV heads: each KV head replicated on two ranks).
-3. A rank other than 0 killed mid-run: no hang; the supervisor restarts the executor (every
+3. The real default model (SmolLM2-135M's GGUF: 9 q heads, 3 KV heads) at TP = 3 with a KV
+   pool that forces preemption: greedy tokens equal transformers' on the same file, chats
+   share their template's blocks through the prefix cache.
+4. A rank other than 0 killed mid-run: no hang; the supervisor restarts the executor (every
    rank) and every stream completes with exactly the tokens of an undisturbed run.
 """
 
@@ -31,6 +34,7 @@ from tests.e2e.test_e2e_greedy import (
     assert_same_tokens,
     generate_all,
 )
+from tests.e2e.test_e2e_real_model import CHATS, RAW_PROMPTS, gguf_file, hf  # noqa: F401
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -92,6 +96,30 @@ async def test_tp2_greedy_matches_hf_with_preemption_and_prefix_caching(
 
 async def test_tp4_with_kv_heads_replicated(folio_server, tmp_path):
     await check_tp_server(folio_server, "llama3", 4, tmp_path)
+
+
+async def test_default_model_at_tp3_matches_transformers(folio_server, hf):  # noqa: F811
+    model, tokenizer = hf
+    prompts = [dict(prompt=p) for p in RAW_PROMPTS] + [dict(messages=c) for c in CHATS]
+    max_tokens = 24
+    # 8 prompts of ~10-40 tokens growing by 24: 6 blocks of 16 each at most, 12 in the pool.
+    args = ["--tensor-parallel-size", "3", "--num-kv-blocks", "12"]
+    with folio_server(model=None, args=args) as server:
+        async with AsyncFolioClient(server.address, timeout=600) as client:
+            assert (await client.model_info())["tensor_parallel_size"] == 3
+            prompt_ids = [await client.tokenize(p.get("prompt"), messages=p.get("messages"))
+                          for p in prompts]
+            done = await asyncio.gather(*(
+                client.generate_text(token_ids=ids, max_tokens=max_tokens, temperature=0.0)
+                for ids in prompt_ids))
+            again = await client.generate_text(token_ids=prompt_ids[-1], max_tokens=max_tokens,
+                                               temperature=0.0)
+        stats = wait_idle(server.address)
+    for ids, d in zip(prompt_ids, done, strict=True):
+        [want] = hf_greedy(model, [ids], max_tokens, tokenizer.eos_token_id)
+        assert d.token_ids == want, (tokenizer.decode(d.token_ids), tokenizer.decode(want))
+    assert again.token_ids == done[-1].token_ids and again.usage["cached_tokens"] >= 16
+    assert stats["num_preemptions"] > 0, stats
 
 
 async def test_a_killed_rank_restarts_the_executor_and_loses_no_token(folio_server, tmp_path):
