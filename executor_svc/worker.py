@@ -110,7 +110,8 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
     if device.type == "cuda":  # every attention variant compiled before the first request
         from executor_svc.warmup import warm_attention  # imports triton: CUDA only
 
-        warm_attention(*kv_cache.per_layer()[0], model_cfg.num_heads, cfg.max_num_batched_tokens)
+        warm_attention(*kv_cache.per_layer()[0], model_cfg.num_heads // tp_size(),
+                       cfg.max_num_batched_tokens)  # this rank's q heads
     num_swap_blocks = all_reduce_min(
         num_swap_blocks_for(cfg.swap_space, bytes_per_block(model_cfg, cfg.block_size, dtype)),
         device)
