@@ -8,7 +8,9 @@ N executor ranks (gloo on 127.0.0.1) behind one scheduler.
 3. The real default model (SmolLM2-135M's GGUF: 9 q heads, 3 KV heads) at TP = 3 with a KV
    pool that forces preemption: greedy tokens equal transformers' on the same file, chats
    share their template's blocks through the prefix cache.
-4. A rank other than 0 killed mid-run: no hang; the supervisor restarts the executor (every
+4. Fuzzed requests (the API fuzz's generator) against a TP = 2 server: each is answered or
+   refused with INVALID_ARGUMENT, the ranks never restart, and greedy output is unchanged.
+5. A rank other than 0 killed mid-run: no hang; the supervisor restarts the executor (every
    rank) and every stream completes with exactly the tokens of an undisturbed run.
 """
 
@@ -18,13 +20,18 @@ import asyncio
 import os
 import signal
 
+import grpc
 import pytest
+from hypothesis import given, settings
 
 from client import AsyncFolioClient, FolioClient
+from protos.folio.v1 import generator_pb2_grpc as pb_grpc
 from tests.checkpoints import ARCHS, make_checkpoint
 from tests.conftest import _descendants
 from tests.e2e.e2e_util import wait_idle
+from tests.e2e.fuzz_requests import generate_requests
 from tests.e2e.hf_oracle import hf_greedy, load_hf_model, random_prompts
+from tests.e2e.test_e2e_api_fuzz import FUZZ, greedy_tokens, no_local_constants, outcome  # noqa: F401
 from tests.e2e.test_e2e_faults import run_all, wait_health
 from tests.e2e.test_e2e_greedy import (
     BLOCK_SIZE,
@@ -120,6 +127,29 @@ async def test_default_model_at_tp3_matches_transformers(folio_server, hf):  # n
         assert d.token_ids == want, (tokenizer.decode(d.token_ids), tokenizer.decode(want))
     assert again.token_ids == done[-1].token_ids and again.usage["cached_tokens"] >= 16
     assert stats["num_preemptions"] > 0, stats
+
+
+def test_fuzzed_requests_never_stop_the_ranks(folio_server, no_local_constants):  # noqa: F811
+    with folio_server(model="folio:tiny-random", args=["--tensor-parallel-size", "2"]) as server:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.GeneratorStub(channel)
+            before = greedy_tokens(stub)
+            codes = []
+
+            @settings(FUZZ, max_examples=60)
+            @given(msg=generate_requests())
+            def check(msg) -> None:
+                code, _ = outcome(stub, msg)
+                assert code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT), code
+                codes.append(code)
+
+            check()
+            wait_idle(server.address)
+            assert greedy_tokens(stub) == before
+        log = server.log_tail(200_000)
+    assert server.proc.returncode in (0, None) and "executor exited" not in log
+    assert codes.count(grpc.StatusCode.OK) >= 10 and \
+        codes.count(grpc.StatusCode.INVALID_ARGUMENT) >= 10, codes
 
 
 async def test_a_killed_rank_restarts_the_executor_and_loses_no_token(folio_server, tmp_path):
