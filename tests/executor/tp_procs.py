@@ -8,8 +8,10 @@ its traceback; a group that outlives `timeout_s` is killed (by the pids this cal
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 
@@ -29,6 +31,7 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    faulthandler.enable()  # a rank killed by a signal still shows where it was
     from executor_svc import distributed
 
     distributed.init_tp(world_size, "cpu", timeout_s=60.0)
@@ -36,6 +39,13 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple)
         fn(rank, *args)
     finally:
         distributed.shutdown_tp()
+    # A clean rank leaves without interpreter teardown: gloo's threads can outlive
+    # destroy_process_group, and finalizing with them alive sometimes aborts ("terminate called
+    # without an active exception", SIGABRT) after the work is done. A failed rank raises
+    # instead, so spawn reports its traceback.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = GROUP_TIMEOUT_S) -> None:
