@@ -6,14 +6,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from executor_svc import distributed
 from executor_svc.checkpoint import read_weight_headers
 from executor_svc.loader import load_weights, plan_weights
+from executor_svc.model_config import ModelConfig, check_tensor_parallel, local_kv_heads
 from executor_svc.models.linear import PackedCpuLinear, use_linear_method
 from executor_svc.models.parallel import (
     ColumnParallelLinear,
@@ -24,6 +28,7 @@ from executor_svc.models.parallel import (
     TiedParallelLMHead,
     VocabParallelEmbedding,
     kv_head_start,
+    vocab_range,
 )
 from tests.executor.tp_procs import run_ranks
 
@@ -145,3 +150,38 @@ def test_single_rank_layers_are_the_plain_layers(tmp_path):
     assert layers.qkv_proj.weight.shape == (NUM_HEADS * HEAD_DIM + 2 * 2 * HEAD_DIM, HIDDEN)
     assert layers.embed.weight.shape == (VOCAB, HIDDEN)
     _check_layers(layers, ref, 0, 1, 2)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, database=None)
+@given(num_kv_heads=st.integers(1, 16), group=st.integers(1, 8),
+       tp=st.sampled_from([1, 2, 3, 4, 6, 8, 16]), intermediate_size=st.integers(1, 64),
+       vocab_size=st.integers(1, 1000))
+def test_every_split_is_refused_or_consistent(num_kv_heads, group, tp, intermediate_size,
+                                              vocab_size):
+    """Any shape and size: either a refusal naming the flag, or a layout where every rank's
+    q heads attend with the KV heads of their groups and the vocab ranges tile the vocab."""
+    num_heads = num_kv_heads * group
+    cfg = ModelConfig.from_dict(dict(
+        architectures=["LlamaForCausalLM"], vocab_size=vocab_size, hidden_size=2 * num_heads,
+        intermediate_size=intermediate_size, num_hidden_layers=1,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads))
+    splittable = not (num_heads % tp or (num_kv_heads % tp and tp % num_kv_heads)
+                      or intermediate_size % tp)
+    if not splittable:
+        with pytest.raises(ValueError, match=f"--tensor-parallel-size {tp}"):
+            check_tensor_parallel(cfg, tp)
+        return
+    check_tensor_parallel(cfg, tp)
+    lq, lkv = num_heads // tp, local_kv_heads(cfg, tp)
+    assert lq % lkv == 0
+    for rank in range(tp):
+        kv0 = kv_head_start(num_kv_heads, tp, rank)
+        assert 0 <= kv0 and kv0 + lkv <= num_kv_heads
+        for i in range(lq):
+            assert kv0 + i // (lq // lkv) == (rank * lq + i) // group
+    ids: list[int] = []
+    for rank in range(tp):
+        per_rank, start, end = vocab_range(vocab_size, tp, rank)
+        assert 0 <= end - start <= per_rank
+        ids.extend(range(start, end))
+    assert ids == list(range(vocab_size))
