@@ -8,6 +8,10 @@ Layout per layer (both k and v)::
 
 A token's slot is ``block_id * block_size + offset``. The executor never chooses blocks: every
 block id it touches comes from the scheduler's plan.
+
+Tensor parallel: each rank's cache holds only its own KV heads (``local_kv_heads``: num_kv_heads
+/ tp, or one replicated head), so ``num_kv_heads`` above is per rank and `bytes_per_block` is one
+rank's bytes; block ids mean the same blocks on every rank (one plan drives them all).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import numpy as np
 import structlog
 import torch
 
-from executor_svc.model_config import ModelConfig
+from executor_svc.distributed import tp_size
+from executor_svc.model_config import ModelConfig, local_kv_heads
 
 log = structlog.get_logger(__name__)
 
@@ -36,9 +41,10 @@ def to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V, every layer, one block."""
+    """K and V, every layer, one block: this rank's KV heads (all of them with one rank)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    num_kv_heads = local_kv_heads(cfg, tp_size())
+    return 2 * cfg.num_layers * block_size * num_kv_heads * cfg.head_dim * elem
 
 
 def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
@@ -73,7 +79,7 @@ class KVCache:
     @classmethod
     def allocate(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> KVCache:
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, block_size, local_kv_heads(cfg, tp_size()), cfg.head_dim)
         # Zeros, not empty: a stale NaN in an unused slot must never reach a masked softmax.
         k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]

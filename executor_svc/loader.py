@@ -7,12 +7,18 @@ still on the meta device, before any weight memory is allocated. Two exceptions:
 ``lm_head.weight`` is ignored when embeddings are tied (the model reuses the embedding matrix),
 and rotary ``inv_freq`` buffers that old checkpoints carry are skipped (the model computes its
 own RoPE table). Damaged files themselves are caught by `executor_svc.checkpoint`.
+
+Tensor parallel: each parameter's layer says which slice of its checkpoint tensor this rank
+holds (`WeightShard`, models/parallel.py); the headers are checked against the whole tensor's
+shape, and each rank reads only its slices from the files, never a whole sharded tensor.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -31,6 +37,7 @@ from executor_svc.checkpoint import (
 from executor_svc.model_config import ModelConfig
 from executor_svc.models import model_class
 from executor_svc.models.linear import cpu_linear_method, use_linear_method
+from executor_svc.models.parallel import WeightShard, replicated
 
 log = structlog.get_logger(__name__)
 
@@ -54,24 +61,24 @@ def _fused_target(name: str, packed: dict[str, tuple[str, ...]]) -> tuple[str, i
 
 @dataclass(frozen=True)
 class _Placement:
-    """Where one checkpoint tensor goes: parameter `pname` whole, or, when `pname` is a fused
-    projection, its shard `shard_id`: rows `start` .. `start + size` (both 0 when unfused)."""
+    """One checkpoint tensor's part that this rank reads, and the parameter `pname` (and for a
+    fused projection its shard `shard_id`) it fills; `shard` says which slice goes where."""
 
     file: Path
     name: str  # as the checkpoint spells it
     pname: str
     shard_id: int | None
-    start: int
-    size: int
+    shard: WeightShard
 
 
 def plan_weights(model: nn.Module, headers: list[TensorHeader],
                  tie_word_embeddings: bool) -> list[_Placement]:
     """Match every checkpoint tensor to its parameter by the headers alone.
 
-    Run while the parameters are still on the meta device: a wrong shape, a tensor with no
-    home or a parameter nobody fills is refused, naming the file, before any memory is
-    allocated for a model that could not be loaded anyway."""
+    Run while the parameters are still on the meta device: a wrong shape (against the whole
+    checkpoint tensor, whatever slice this rank reads), a tensor with no home or a parameter
+    nobody fills is refused, naming the file, before any memory is allocated for a model that
+    could not be loaded anyway."""
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, ...]] = getattr(model, "packed_modules", {})
     # Every (parameter, shard) that must be filled; unfused parameters have one shard, None.
@@ -94,9 +101,12 @@ def plan_weights(model: nn.Module, headers: list[TensorHeader],
         if pname not in params:
             unexpected.append(header)
             continue
-        placement = _place(model, header, pname, shard_id)
-        _check_shape(header, placement, params[pname])
-        placements.append(placement)
+        shard = weight_shard(model, pname, shard_id, params[pname])
+        if header.shape != shard.full_shape:
+            raise CheckpointError(header.file, f"checkpoint tensor {header.name} has shape "
+                                               f"{header.shape}, the model built from "
+                                               f"config.json expects {shard.full_shape}")
+        placements.append(_Placement(header.file, header.name, pname, shard_id, shard))
         todo.discard((pname, shard_id))
     files = sorted({h.file for h in headers})
     # A sharded checkpoint's index speaks for all its files.
@@ -114,40 +124,44 @@ def plan_weights(model: nn.Module, headers: list[TensorHeader],
     return placements
 
 
-def _place(model: nn.Module, header: TensorHeader, pname: str,
-           shard_id: int | None) -> _Placement:
-    if shard_id is None:
-        return _Placement(header.file, header.name, pname, None, 0, 0)
-    sizes = model.get_submodule(pname.rsplit(".", 1)[0]).output_sizes
-    return _Placement(header.file, header.name, pname, shard_id, sum(sizes[:shard_id]),
-                      sizes[shard_id])
+def weight_shard(model: nn.Module, pname: str, shard_id: int | None,
+                 param: torch.Tensor) -> WeightShard:
+    """The owning layer's `weight_shard` for this parameter (models/parallel.py); a layer
+    without one (norms) holds its parameters whole on every rank. Fused projections are
+    always parallel layers (one rank included), so their shards are placed there."""
+    module_name, _, param_name = pname.rpartition(".")
+    owner = model.get_submodule(module_name)
+    describe = getattr(owner, "weight_shard", None)
+    return describe(param_name, shard_id) if describe is not None else replicated(param)
 
 
-def _check_shape(header: TensorHeader, placement: _Placement, param: torch.Tensor) -> None:
-    """The checkpoint's declared shape against the parameter (or the rows of it) it fills."""
-    expected = tuple(param.shape)
-    if placement.shard_id is not None:
-        expected = (placement.size, *expected[1:])
-    if header.shape != expected:
-        raise CheckpointError(header.file, f"checkpoint tensor {header.name} has shape "
-                                           f"{header.shape}, the model built from config.json "
-                                           f"expects {expected}")
-
-
-def load_weights(model: nn.Module, placements: list[_Placement]) -> None:
-    """Copy every planned checkpoint tensor into its (now allocated) parameter."""
+def load_weights(model: nn.Module, placements: list[_Placement],
+                 open_file: Callable[..., Any] = open_safetensors) -> None:
+    """Copy every planned checkpoint slice into its (now allocated) parameter, reading only
+    this rank's slice from the file (safetensors' get_slice reads just those bytes).
+    `open_file` is `open_safetensors`'s signature (tests wrap it to record the reads)."""
     params = dict(model.named_parameters())
     by_file: dict[Path, list[_Placement]] = {}
     for p in placements:
         by_file.setdefault(p.file, []).append(p)
     with torch.no_grad():
         for file, entries in by_file.items():
-            with open_safetensors(file, framework="pt") as f:
+            with open_file(file, framework="pt") as f:
                 for p in entries:
-                    dest = params[p.pname].data
-                    if p.shard_id is not None:
-                        dest = dest.narrow(0, p.start, p.size)
-                    dest.copy_(f.get_tensor(p.name))
+                    _copy_shard(f, p, params[p.pname].data)
+
+
+def _copy_shard(f: Any, p: _Placement, dest: torch.Tensor) -> None:
+    shard = p.shard
+    if shard.dim is None:
+        dest.copy_(f.get_tensor(p.name))
+        return
+    if shard.size:
+        index = (slice(None),) * shard.dim + (slice(shard.start, shard.start + shard.size),)
+        dest.narrow(shard.dim, shard.dest_start, shard.size).copy_(f.get_slice(p.name)[index])
+    pad = dest.shape[shard.dim] - shard.size
+    if p.shard_id is None and pad:  # the last vocab range's padding rows
+        dest.narrow(shard.dim, shard.size, pad).zero_()
 
 
 def effective_max_model_len(cfg: ModelConfig, requested: int | None) -> int:

@@ -178,3 +178,29 @@ def _sliding_window(d: dict[str, Any]) -> int | None:
     if "use_sliding_window" in d and not d["use_sliding_window"]:
         return None
     return _int(d, "sliding_window")
+
+
+def local_kv_heads(cfg: ModelConfig, tp_size: int) -> int:
+    """KV heads one tensor-parallel rank holds (and caches): num_kv_heads / tp, or one when
+    there are fewer KV heads than ranks (each is then replicated on tp / num_kv_heads ranks)."""
+    return max(1, cfg.num_kv_heads // tp_size)
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp_size: int) -> None:
+    """ValueError, with the numbers, when the model cannot be split over `tp_size` ranks."""
+    if tp_size == 1:
+        return
+    flag = f"--tensor-parallel-size {tp_size}"
+    if cfg.num_heads % tp_size:
+        raise ValueError(f"{flag} does not divide num_attention_heads {cfg.num_heads} "
+                         f"({cfg.num_heads} % {tp_size} = {cfg.num_heads % tp_size}); pick a "
+                         "size that divides it")
+    if cfg.num_kv_heads % tp_size and tp_size % cfg.num_kv_heads:
+        raise ValueError(f"{flag}: num_key_value_heads {cfg.num_kv_heads} is neither a "
+                         f"multiple of {tp_size} nor a divisor of it, so the KV heads can "
+                         "be neither split nor replicated evenly; pick a size that divides "
+                         "it or that it divides")
+    if cfg.intermediate_size % tp_size:
+        raise ValueError(f"{flag} does not divide intermediate_size {cfg.intermediate_size} "
+                         f"({cfg.intermediate_size} % {tp_size} = "
+                         f"{cfg.intermediate_size % tp_size}); pick a size that divides it")

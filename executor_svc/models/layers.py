@@ -1,12 +1,12 @@
 """Building blocks shared by the decoder families: RMSNorm and the gated MLP (linears live in
-linear.py)."""
+linear.py, their tensor-parallel forms in parallel.py)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from executor_svc.models.linear import Linear, MergedLinear
+from executor_svc.models.parallel import MergedColumnParallelLinear, RowParallelLinear
 from kernels import rms_norm, silu_and_mul
 
 
@@ -22,13 +22,16 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul. Tensor parallel:
+    each rank holds intermediate_size / tp of gate and of up (silu_and_mul pairs them within
+    the rank) and the matching columns of down, whose partial sums are reduced."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype):
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias, dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
+                                                       bias, dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate / tp]
         return self.down_proj(silu_and_mul(gate_up))  # [num_tokens, hidden]

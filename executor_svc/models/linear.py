@@ -1,7 +1,8 @@
 """Linear layers and the seam that decides how their weights are stored and multiplied.
 
 Every projection (and the LM head) is a `Linear` whose forward is ``self.method.apply(self,
-x)``. Layers are built with `DENSE` (plain ``F.linear``); once the checkpoint is loaded,
+x, self.bias)``; the bias is an argument so a row-parallel layer (models/parallel.py) can add
+its bias once, after the ranks' partial products are summed. Layers are built with `DENSE` (plain ``F.linear``); once the checkpoint is loaded,
 `use_linear_method` (called by the loader) gives every layer the method that suits the device
 and lets it rearrange the weights (``process_weights``). Quantized weights plug in here later:
 a method that keeps packed integer blocks and multiplies them.
@@ -46,16 +47,19 @@ class LinearMethod(Protocol):
     def process_weights(self, layer: Linear) -> None:
         """Called once after the weights are loaded; may attach prepared forms to `layer`."""
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        """x [num_tokens, in_features] -> [num_tokens, out_features]."""
+    def apply(self, layer: Linear, x: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        """x [num_tokens, in_features] -> [num_tokens, out_features], plus `bias` when given
+        (the layer's own, or None: the caller adds it later)."""
 
 
 class DenseLinear:
     def process_weights(self, layer: Linear) -> None:
         pass
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight, layer.bias)
+    def apply(self, layer: Linear, x: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
 
 
 DENSE = DenseLinear()
@@ -67,20 +71,7 @@ class Linear(nn.Linear):
     method: LinearMethod = DENSE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
-
-
-class MergedLinear(Linear):
-    """One matmul for several checkpoint projections stacked along the output rows.
-
-    `output_sizes` tells the loader where each checkpoint tensor goes (q|k|v, gate|up): shard i
-    fills rows ``sum(output_sizes[:i]) : sum(output_sizes[:i+1])``.
-    """
-
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool,
-                 dtype: torch.dtype):
-        super().__init__(in_features, sum(output_sizes), bias=bias, dtype=dtype)
-        self.output_sizes = list(output_sizes)
+        return self.method.apply(self, x, self.bias)
 
 
 class PackedCpuLinear:
@@ -112,16 +103,17 @@ class PackedCpuLinear:
         if self.release_plain and isinstance(layer, Linear):
             layer.weight.data = torch.empty(0, dtype=weight.dtype)
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0]
         if self.ops is not None:
             if rows <= layer.skinny_max_rows:
-                return self.ops.skinny_linear(x, layer.skinny_weight, layer.bias,
+                return self.ops.skinny_linear(x, layer.skinny_weight, bias,
                                               layer.skinny_out_features)
             packed = layer.packed_weight
         else:
             packed = layer.gemv_weight if rows == 1 else layer.packed_weight
-        return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 # Rows up to which the skinny kernel beats oneDNN's packed layouts, every linear of a model
@@ -153,9 +145,10 @@ class UpcastCpuLinear:
     def process_weights(self, layer: Linear) -> None:
         pass
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] <= self.gemv_rows:
-            return F.linear(x, layer.weight, layer.bias)
+            return F.linear(x, layer.weight, bias)
         weight = layer.weight  # [out_features, in_features] bf16
         out_features, in_features = weight.shape
         rows = max(1, self.chunk_elems // in_features)
@@ -168,8 +161,8 @@ class UpcastCpuLinear:
             w = self._scratch[:(end - start) * in_features].view(end - start, in_features)
             w.copy_(weight[start:end])
             out[:, start:end] = xf @ w.t()
-        if layer.bias is not None:
-            out += layer.bias
+        if bias is not None:
+            out += bias
         return out.to(x.dtype)
 
 
@@ -188,7 +181,7 @@ class TiedHead:
         return self.embedding.weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)  # type: ignore[arg-type]
+        return self.method.apply(self, x, None)  # type: ignore[arg-type]
 
 
 def cpu_linear_method(dtype: torch.dtype, native_bf16: bool,

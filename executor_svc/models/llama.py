@@ -6,6 +6,12 @@ fused projections listed in `packed_modules`: ``qkv_proj`` holds q_proj|k_proj|v
 
 Tokens arrive flattened: one row per scheduled token of every request, ``[num_tokens, hidden]``;
 `BatchMetadata` says which rows belong to which request and where their K/V live.
+
+Tensor parallel (models/parallel.py): each rank runs num_heads / tp q heads and
+`local_kv_heads` KV heads (its KV cache holds only those), intermediate_size / tp of the MLP,
+and a ceil(vocab / tp) range of the embedding and LM head; o_proj, down_proj and the embedding
+end in an all_reduce, so every rank holds the whole residual stream. `compute_logits` returns
+the logits on rank 0 and None on the other ranks. With one rank nothing communicates.
 """
 
 from __future__ import annotations
@@ -13,11 +19,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from executor_svc import distributed
 from executor_svc.attention import AttentionBackend
 from executor_svc.batch import BatchMetadata
-from executor_svc.model_config import ModelConfig
+from executor_svc.model_config import ModelConfig, check_tensor_parallel, local_kv_heads
 from executor_svc.models.layers import GatedMLP, RMSNorm
-from executor_svc.models.linear import Linear, MergedLinear, TiedHead
+from executor_svc.models.parallel import (
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TiedParallelLMHead,
+    VocabParallelEmbedding,
+)
 from executor_svc.models.rope import build_cos_sin_cache
 from kernels import rotary
 
@@ -26,14 +39,16 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
                  qkv_bias: bool, o_bias: bool):
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        tp = distributed.tp_size()
+        # This rank's heads (all of them with one rank).
+        self.num_heads = cfg.num_heads // tp
+        self.num_kv_heads = local_kv_heads(cfg, tp)
         self.head_dim = cfg.head_dim
-        q_size = cfg.num_heads * cfg.head_dim
-        kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = MergedLinear(cfg.hidden_size, self.split_sizes, qkv_bias, dtype)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=o_bias, dtype=dtype)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                          cfg.num_kv_heads, qkv_bias, dtype)
+        self.split_sizes = self.qkv_proj.local_sizes  # [q, k, v] rows of this rank
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, o_bias,
+                                        dtype)
         self.scale = cfg.head_dim ** -0.5
         self.backend = backend
         # This layer's slice of the paged KV cache, bound once by `bind_kv_cache`.
@@ -83,7 +98,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, layers: list[LlamaDecoderLayer], dtype: torch.dtype):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -109,15 +124,17 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, max_model_len: int,
                  backend: AttentionBackend, device: torch.device | str = "cpu"):
         super().__init__()
+        check_tensor_parallel(cfg, distributed.tp_size())
         self.cfg = cfg
         layers = [LlamaDecoderLayer(cfg, self.make_attention(cfg, backend, dtype), dtype)
                   for _ in range(cfg.num_layers)]
         self.model = LlamaModel(cfg, layers, dtype)
-        self.lm_head: Linear | TiedHead
+        self.lm_head: ParallelLMHead | TiedParallelLMHead
         if cfg.tie_word_embeddings:
-            self.lm_head = TiedHead(self.model.embed_tokens)  # not a module: no second parameter
+            # Not a module: no second parameter (the embedding's shard is the head's).
+            self.lm_head = TiedParallelLMHead(self.model.embed_tokens)
         else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
         # A plain attribute, not a buffer: the loader builds parameters on the meta device and
         # materialises them empty, which would wipe a buffer. fp32 for accurate angles.
         self.cos_sin_cache = build_cos_sin_cache(cfg.rope, cfg.head_dim, max_model_len, device)
@@ -129,6 +146,7 @@ class LlamaForCausalLM(nn.Module):
                                  o_bias=cfg.attention_bias)
 
     def lm_head_weight(self) -> torch.Tensor:
+        """This rank's rows of the LM head ([ceil(vocab / tp), hidden]; [vocab, hidden] alone)."""
         if self.cfg.tie_word_embeddings:
             return self.model.embed_tokens.weight
         return self.lm_head.weight
@@ -144,9 +162,9 @@ class LlamaForCausalLM(nn.Module):
             attn.k_cache, attn.v_cache = k_cache, v_cache
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                batch: BatchMetadata) -> torch.Tensor:
+                batch: BatchMetadata) -> torch.Tensor | None:
         """input_ids, positions [num_tokens] -> float32 logits [num_logits, vocab] for the rows
-        in ``batch.logits_indices`` only."""
+        in ``batch.logits_indices`` only; on rank 0 only (None elsewhere), as compute_logits."""
         hidden = self.hidden_states(input_ids, positions, batch)
         return self.compute_logits(hidden[batch.logits_indices])
 
@@ -155,6 +173,9 @@ class LlamaForCausalLM(nn.Module):
         """The decoder alone (what a decode graph captures) -> [num_tokens, hidden]."""
         return self.model(input_ids, positions, batch, self.cos_sin_cache)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [num_logits, hidden] -> float32 logits [num_logits, vocab]."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [num_logits, hidden] -> float32 logits [num_logits, vocab] on tensor-parallel
+        rank 0 (and with one rank), None on the others. Every rank must call it (it gathers
+        the ranks' vocab slices); only rank 0 samples."""
+        logits = self.lm_head(hidden)
+        return None if logits is None else logits.float()
