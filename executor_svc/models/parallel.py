@@ -202,9 +202,11 @@ class VocabParallelEmbedding(nn.Embedding):
 def gather_logits(local_logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
     """[num_logits, ceil(vocab / tp)] per rank -> rank 0: [num_logits, vocab] in id order (the
     ranges are contiguous, so concatenation in rank order is the vocab order, then the padding
-    is cut); other ranks: None."""
+    is cut, leaving contiguous rows for the sampler); other ranks: None."""
     logits = distributed.gather_to_first(local_logits, dim=-1)
-    return None if logits is None else logits[:, :vocab_size]
+    if logits is None or logits.shape[-1] == vocab_size:
+        return logits
+    return logits[:, :vocab_size].contiguous()
 
 
 class ParallelLMHead(Linear):
