@@ -1,0 +1,166 @@
+"""Quantization accuracy on a real model, through the public API (CPU or GPU).
+
+    python -m bench.quant_accuracy --schemes none,int8,fp8 --out bench/results [--model M]
+
+For each scheme one real `folio serve` (with `--quantization SCHEME`, none: without) on
+127.0.0.1, driven over gRPC:
+- **perplexity** over a fixed text set: the English corpus Folio's default tokenizer is trained
+  on (`executor_svc/default_model.py` CORPUS, ~6 KB of prose and dialogue, versioned with that
+  file), tokenized by the served model's tokenizer and cut into windows of `--window` tokens;
+  each window is one request with prompt_logprobs=0 and max_tokens=1, and the perplexity is
+  exp(-mean log p) over every window token after the first (the model's own predictions,
+  teacher-forced, as the server computes them);
+- **greedy agreement** with the unquantized model: `--num-prompts` prompts (fixed, varied) x
+  `--max-tokens` greedy tokens (ignore_eos); per prompt the length of the common prefix, and
+  over all the share of prompts identical to the end and the mean common-prefix fraction.
+Writes quant-accuracy.json and .md to --out (the first scheme is the reference; put none
+first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+from client.aio import AsyncFolioClient
+from client.bench.folio_peer import FolioPeer
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "def quicksort(items):",
+    "Explain why the sky is blue in two sentences.",
+    "List three uses of a paperclip:",
+    "Once upon a time, in a village by the mountains,",
+    "The three laws of thermodynamics are",
+    "Translate to French: The cat sleeps on the warm window sill.",
+    "import numpy as np\n\n# compute the mean of each row",
+    "Q: What is 12 times 7?\nA:",
+    "The best way to learn a new language is",
+    "Dear hiring manager, I am writing to apply for",
+    "In 1969, the first humans landed on",
+    "Summarize: The harbor was quiet before dawn. Fishing boats rocked against the pier.",
+    "A recipe for pancakes needs",
+    "The difference between a list and a tuple in Python is",
+]
+
+
+async def perplexity(client: AsyncFolioClient, text: str, window: int) -> tuple[float, int]:
+    ids = await client.tokenize(text)
+    total, count = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start:start + window]
+        if len(chunk) < 2:
+            break
+        done = await client.generate_text(token_ids=chunk, max_tokens=1, temperature=0.0,
+                                          prompt_logprobs=0)
+        lps = [t["logprob"] for t in done.prompt_logprobs or []]
+        assert len(lps) == len(chunk) - 1, (len(lps), len(chunk))
+        total += sum(lps)
+        count += len(lps)
+    return math.exp(-total / count), count
+
+
+async def greedy(client: AsyncFolioClient, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    done = await asyncio.gather(*(client.generate_text(p, max_tokens=max_tokens, temperature=0.0,
+                                                       ignore_eos=True) for p in prompts))
+    return [d.token_ids for d in done]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run_scheme(model: str, scheme: str, extra: list[str], args) -> dict:
+    from executor_svc.default_model import CORPUS
+
+    serve = [*extra, *([] if scheme == "none" else ["--quantization", scheme])]
+    peer = FolioPeer(model, serve)
+    started = time.monotonic()
+    info = peer.start()
+    try:
+        async def measure():
+            async with AsyncFolioClient(peer.address, timeout=1800) as client:
+                ppl, n = await perplexity(client, CORPUS, args.window)
+                tokens = await greedy(client, PROMPTS[:args.num_prompts], args.max_tokens)
+            return ppl, n, tokens
+
+        ppl, n, tokens = asyncio.run(measure())
+        weights = [line for line in peer.log_tail(2_000_000).splitlines()
+                   if "weight_bytes" in line]
+    finally:
+        peer.stop()
+    return {"scheme": scheme, "perplexity": ppl, "perplexity_tokens": n, "tokens": tokens,
+            "model_info": info["model_info"], "command": info["command"],
+            "weight_log": weights[-1][-400:] if weights else None,
+            "seconds": time.monotonic() - started}
+
+
+def summarize(rows: list[dict], max_tokens: int) -> None:
+    ref = rows[0]["tokens"]
+    for row in rows:
+        prefixes = [common_prefix(a, b) for a, b in zip(ref, row["tokens"], strict=True)]
+        row["greedy_common_prefix"] = prefixes
+        row["greedy_identical"] = sum(p == max_tokens for p in prefixes) / len(prefixes)
+        row["greedy_mean_prefix_fraction"] = sum(prefixes) / (max_tokens * len(prefixes))
+
+
+def write(rows: list[dict], args, out: Path) -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    result = {"model": args.model or "default", "window": args.window,
+              "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
+              "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+              "commit": commit, "schemes": rows}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quant-accuracy.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = ["# Quantization accuracy", "",
+             f"- model: {args.model or 'the default (SmolLM2-135M-Instruct GGUF)'}; commit {commit}",
+             f"- perplexity: the default tokenizer's corpus (executor_svc/default_model.py), "
+             f"windows of {args.window} tokens",
+             f"- greedy: {args.num_prompts} prompts x {args.max_tokens} tokens against "
+             f"`{rows[0]['scheme']}`", "",
+             "| scheme | perplexity | greedy identical | mean common prefix |",
+             "|---|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['scheme']} | {r['perplexity']:.3f} | {r['greedy_identical']:.0%} | "
+                     f"{r['greedy_mean_prefix_fraction']:.0%} |")
+    (out / "quant-accuracy.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="served model (default: Folio's default)")
+    p.add_argument("--schemes", default="none,int8,fp8")
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="an extra `folio serve` argument (repeatable)")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    model = args.model
+    if model is None:  # the default model's GGUF file, as `folio serve` finds it
+        from executor_svc.named_models import smollm2_gguf
+
+        model = str(smollm2_gguf())
+    rows = [run_scheme(model, s, args.serve_arg, args) for s in args.schemes.split(",")]
+    summarize(rows, args.max_tokens)
+    write(rows, args, args.out)
+    print((args.out / "quant-accuracy.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
