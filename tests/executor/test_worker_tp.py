@@ -113,3 +113,14 @@ async def test_ranks_started_by_torchrun(checkpoint_cache, tmp_path):
     finally:
         _stop(proc)
         sched.close()
+
+
+def test_a_model_that_cannot_be_split_fails_to_start_naming_the_flag(checkpoint_cache, tmp_path):
+    _, model_dir = checkpoint_cache("llama3")  # 4 q heads: not a multiple of 3
+    done = subprocess.run([sys.executable, "-m", "executor_svc", "--model", str(model_dir),
+                           "--scheduler-address", "tcp://127.0.0.1:9", "--tensor-parallel-size",
+                           "3", "--log-format", "json"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "executor failed to start" in done.stderr
+    assert "--tensor-parallel-size 3" in done.stderr
