@@ -25,6 +25,7 @@ from executor_svc.host_memory import keep_freed_memory
 from executor_svc.lifecycle import Lifecycle, ShutdownRequested
 from executor_svc.model_config import ModelConfig
 from executor_svc.named_models import is_named, named_model_path
+from executor_svc.quantization import SCHEMES, resolve_quant_config
 from executor_svc.tp_launch import launch, torchrun_env_set
 
 log = structlog.get_logger("executor_svc.cli")
@@ -80,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shard the model over this many ranks (torch.distributed: NCCL on "
                         "GPUs, gloo on the CPU); started here on one node, or by torchrun "
                         "(its RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT) across nodes")
+    p.add_argument("--quantization", "-q", choices=SCHEMES, default=None,
+                   help="store the linear weights (not the LM head) in 8 bits, quantized at "
+                        "load: int8 (W8A16) or fp8 (e4m3), one scale per output channel; "
+                        "an fp8 checkpoint (quantization_config) loads as it is without it")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit (as on SIGTERM) when this process is gone; `folio serve` passes "
                         "its own pid so no executor outlives it")
@@ -109,6 +114,7 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
         parent_pid=args.parent_pid,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
     )
 
 
@@ -181,5 +187,7 @@ def check_checkpoint(cfg: ExecutorConfig) -> Path:
     model = str(named_model_path(cfg.model)) if is_named(cfg.model) else cfg.model
     model_dir = resolve_model_dir(model, cfg.hub_cache_dir)
     ModelConfig.from_dir(model_dir)
+    # Before the headers: a GPTQ checkpoint is refused naming its scheme, not an int tensor.
+    resolve_quant_config(cfg.quantization, model_dir)
     read_weight_headers(safetensors_files(model_dir))
     return model_dir

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from executor_svc.quantization.config import SCHEMES as QUANTIZATION_SCHEMES
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 LOG_FORMATS = ("console", "json")
@@ -56,6 +58,7 @@ class ExecutorConfig:
     parent_pid: int | None = None  # exit when this process is gone (see lifecycle.py)
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     tensor_parallel_size: int = 1  # ranks sharding the model (distributed.py, tp_launch.py)
+    quantization: str | None = None  # int8 | fp8: quantize linear weights at load
 
     def __post_init__(self) -> None:
         if self.model is not None and not self.model.strip():
@@ -96,5 +99,8 @@ class ExecutorConfig:
         if not 1 <= self.tensor_parallel_size <= 512:
             raise ValueError("--tensor-parallel-size must be between 1 and 512, got "
                              f"{self.tensor_parallel_size}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_SCHEMES)}, "
+                             f"got {self.quantization!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")

@@ -38,6 +38,13 @@ from executor_svc.model_config import ModelConfig
 from executor_svc.models import model_class
 from executor_svc.models.linear import cpu_linear_method, use_linear_method
 from executor_svc.models.parallel import WeightShard, replicated
+from executor_svc.quantization import resolve_quant_config
+from executor_svc.quantization.loading import (
+    check_header_dtype,
+    prepare_checkpoint_params,
+    quantize_model,
+    scale_shard,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -101,6 +108,7 @@ def plan_weights(model: nn.Module, headers: list[TensorHeader],
         if pname not in params:
             unexpected.append(header)
             continue
+        check_header_dtype(header, params[pname])
         shard = weight_shard(model, pname, shard_id, params[pname])
         if header.shape != shard.full_shape:
             raise CheckpointError(header.file, f"checkpoint tensor {header.name} has shape "
@@ -131,6 +139,8 @@ def weight_shard(model: nn.Module, pname: str, shard_id: int | None,
     always parallel layers (one rank included), so their shards are placed there."""
     module_name, _, param_name = pname.rpartition(".")
     owner = model.get_submodule(module_name)
+    if param_name in getattr(owner, "scale_layouts", {}):  # an fp8 checkpoint's scale
+        return scale_shard(owner, param_name, shard_id)
     describe = getattr(owner, "weight_shard", None)
     return describe(param_name, shard_id) if describe is not None else replicated(param)
 
@@ -153,6 +163,9 @@ def load_weights(model: nn.Module, placements: list[_Placement],
 
 def _copy_shard(f: Any, p: _Placement, dest: torch.Tensor) -> None:
     shard = p.shard
+    if shard.dest_index is not None:
+        dest[shard.dest_index].copy_(f.get_tensor(p.name).reshape(()))
+        return
     if shard.dim is None:
         dest.copy_(f.get_tensor(p.name))
         return
@@ -179,11 +192,15 @@ def effective_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
 
 def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
                max_model_len: int, backend: AttentionBackend | None = None,
-               cfg: ModelConfig | None = None, keep_plain_weights: bool = False) -> nn.Module:
+               cfg: ModelConfig | None = None, keep_plain_weights: bool = False,
+               quantization: str | None = None) -> nn.Module:
     """Build the registered class for the checkpoint in `model_dir` and load its weights.
     `keep_plain_weights`: the CPU backend may release the plain linear weights once it has
-    its own forms of them (prepare_for_device); True keeps them readable (tests, tools)."""
+    its own forms of them (prepare_for_device); True keeps them readable (tests, tools).
+    `quantization`: --quantization (int8, fp8 or None); an fp8 checkpoint is quantized
+    whatever it says (executor_svc/quantization)."""
     cfg = cfg or ModelConfig.from_dir(model_dir)
+    qcfg = resolve_quant_config(quantization, model_dir)
     try:
         cls = model_class(cfg.architecture)
     except ValueError as e:  # the architecture named by config.json
@@ -200,11 +217,17 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
                         backend=backend or default_backend(), device=device)
         except ValueError as e:  # a value the model class refuses comes from config.json
             raise CheckpointError(model_dir / "config.json", str(e)) from None
+    if qcfg is not None and qcfg.from_checkpoint:
+        packed = getattr(model, "packed_modules", {})
+        prepare_checkpoint_params(model, [(*(_fused_target(h.name, packed) or (h.name, None)),
+                                           h) for h in headers])
     placements = plan_weights(model, headers, cfg.tie_word_embeddings)
     model.to_empty(device=device)
     load_weights(model, placements)
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
+    if qcfg is not None:
+        quantize_model(model, qcfg)
     prepare_for_device(model, device, dtype, keep_plain_weights)
     log.info("model loaded", architecture=cfg.architecture, files=len(files),
              params=num_params, dtype=str(dtype), device=str(device))

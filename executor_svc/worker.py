@@ -92,7 +92,7 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
     model_cfg = ModelConfig.from_dir(model_dir)
     max_model_len = effective_max_model_len(model_cfg, cfg.max_model_len)
     model = load_model(model_dir, dtype=dtype, device=device, max_model_len=max_model_len,
-                       cfg=model_cfg)
+                       cfg=model_cfg, quantization=cfg.quantization)
     # Measured after the weights are in place, by a step of the largest shape (memory.py).
     profiled = None
     if device.type == "cuda" and cfg.num_kv_blocks is None and cfg.kv_cache_memory is None:

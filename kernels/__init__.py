@@ -1,8 +1,8 @@
 """Folio's kernels: Triton on CUDA, the CPU backend on the CPU, torch twins as the oracle.
 
 Public entry points (the one dispatch point): store_kv, paged_attention, rms_norm, rotary,
-silu_and_mul. Each picks the Triton launcher when its first tensor lives on a CUDA device and
-the CPU implementation (kernels/cpu.py) otherwise, so CPU runs never touch Triton. The torch
+silu_and_mul, w8a16_linear. Each picks the Triton launcher when its first tensor lives on a
+CUDA device and the CPU implementation (kernels/cpu.py) otherwise, so CPU runs never touch Triton. The torch
 twins (kernels/twins.py) are the oracle both are tested against.
 
 `FOLIO_KERNELS=triton` forces the Triton launchers for CPU tensors too; it needs
@@ -26,7 +26,7 @@ if _BACKEND not in ("auto", "torch", "triton"):
     raise ValueError(f"FOLIO_KERNELS must be auto, torch or triton, not {_BACKEND!r}")
 
 __all__ = ["cpu", "cpu_backend_active", "cpu_ext", "paged_attention", "rms_norm", "rotary", "silu_and_mul",
-           "store_kv", "twins"]
+           "store_kv", "twins", "w8a16_linear"]
 
 
 @functools.cache
@@ -103,3 +103,10 @@ def silu_and_mul(x) -> torch.Tensor:
     """[num_tokens, 2 * intermediate] -> silu(gate) * up, [num_tokens, intermediate]."""
     impl = _impl(x)
     return impl.silu_and_mul(x)
+
+
+def w8a16_linear(x, weight, scale, bias) -> torch.Tensor:
+    """x [num_tokens, K] @ (scale[:, None] * weight)^T + bias -> [num_tokens, N] in x's dtype;
+    weight [N, K] int8 or float8_e4m3fn, scale [N] fp32 (executor_svc/quantization)."""
+    impl = _impl(x)
+    return impl.w8a16_linear(x, weight, scale, bias)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ext
+from kernels import cpu_ext, twins
 
 
 @functools.cache
@@ -391,3 +391,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * intermedi
     intermediate = x.shape[-1] // 2
     out = F.silu(x[..., :intermediate])  # [num_tokens, intermediate]
     return out.mul_(x[..., intermediate:])
+
+
+# 8-bit weights: the twin is the CPU backend (slices of rows dequantized into fp32 products).
+w8a16_linear = twins.w8a16_linear

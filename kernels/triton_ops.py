@@ -8,6 +8,7 @@ from kernels.activation import silu_and_mul
 from kernels.attention import paged_attention
 from kernels.kv_cache import store_kv
 from kernels.norm import rms_norm
+from kernels.quant_linear import w8a16_linear
 from kernels.rope import rotary
 
-__all__ = ["paged_attention", "rms_norm", "rotary", "silu_and_mul", "store_kv"]
+__all__ = ["paged_attention", "rms_norm", "rotary", "silu_and_mul", "store_kv", "w8a16_linear"]

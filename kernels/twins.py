@@ -125,3 +125,30 @@ def rotary(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * intermediate]
     intermediate = x.shape[-1] // 2
     return F.silu(x[..., :intermediate]) * x[..., intermediate:]  # [num_tokens, intermediate]
+
+
+# Weight elements dequantized at a time by w8a16_linear: 2 MiB of fp32, cache-sized, so no
+# full dequantized copy of a weight ever exists.
+DEQUANT_CHUNK_ELEMS = 1 << 19
+
+
+def w8a16_linear(
+    x: torch.Tensor,  # [num_tokens, in_features] fp16/bf16/fp32
+    weight: torch.Tensor,  # [out_features, in_features] int8 or float8_e4m3fn
+    scale: torch.Tensor,  # [out_features] fp32, per output channel
+    bias: torch.Tensor | None,  # [out_features]
+) -> torch.Tensor:  # [num_tokens, out_features] in x's dtype
+    """x @ (scale[:, None] * weight)^T + bias in fp32, dequantizing one cache-sized slice of
+    output rows at a time. The dequantized slice is exactly ``weight.float() * scale``, the
+    matrix a float reference model would hold."""
+    out_features, in_features = weight.shape
+    rows = max(1, DEQUANT_CHUNK_ELEMS // max(1, in_features))
+    xf = x.float()
+    out = torch.empty((x.shape[0], out_features), dtype=torch.float32, device=x.device)
+    for start in range(0, out_features, rows):
+        end = min(start + rows, out_features)
+        w = weight[start:end].float() * scale[start:end, None]  # [end - start, in_features]
+        out[:, start:end] = xf @ w.t()
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)

@@ -24,6 +24,7 @@ EXECUTOR_PASSTHROUGH = {
     "cpu_threads": "--cpu-threads",
     "gpu_memory_utilization": "--gpu-memory-utilization",
     "tensor_parallel_size": "--tensor-parallel-size",
+    "quantization": "--quantization",
 }
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 
@@ -64,6 +65,7 @@ class SchedulerConfig:
     cpu_threads: int | None = None  # the executor's torch threads (executor default: all cores)
     gpu_memory_utilization: float | None = None  # CUDA share the executor may use (default 0.9)
     tensor_parallel_size: int | None = None  # executor ranks sharding the model (default 1)
+    quantization: str | None = None  # int8 | fp8 linear weights (executor default: none)
     enforce_eager: bool = False  # the executor captures no CUDA graphs
     # ---- public API front end (scheduler_svc.server, scheduler_svc.auth) ----
     served_model_name: str | None = None  # None = the model directory's name
@@ -121,6 +123,9 @@ class SchedulerConfig:
         if self.tensor_parallel_size is not None and not 1 <= self.tensor_parallel_size <= 512:
             raise ValueError("--tensor-parallel-size must be between 1 and 512, got "
                              f"{self.tensor_parallel_size}")
+        if self.quantization not in (None, "int8", "fp8"):
+            raise ValueError("--quantization must be int8 or fp8, got "
+                             f"{self.quantization!r}")
         if self.device not in (None, "auto", "cpu", "cuda"):
             raise ValueError(f"--device must be one of auto, cpu, cuda, got {self.device!r}")
 
@@ -225,6 +230,9 @@ def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentPars
     g.add_argument("--tensor-parallel-size", "-tp", type=int,
                    help="shard the model over this many executor ranks on this node "
                    "(torch.distributed: NCCL on GPUs, gloo on the CPU; executor default 1)")
+    g.add_argument("--quantization", "-q",
+                   help="int8 or fp8: the executor stores the linear weights in 8 bits, "
+                   "quantized at load (an fp8 checkpoint loads as it is without the flag)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps: every step runs eagerly")
     add_front_end_flags(p)

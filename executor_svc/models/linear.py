@@ -4,8 +4,8 @@ Every projection (and the LM head) is a `Linear` whose forward is ``self.method.
 x, self.bias)``; the bias is an argument so a row-parallel layer (models/parallel.py) can add
 its bias once, after the ranks' partial products are summed. Layers are built with `DENSE` (plain ``F.linear``); once the checkpoint is loaded,
 `use_linear_method` (called by the loader) gives every layer the method that suits the device
-and lets it rearrange the weights (``process_weights``). Quantized weights plug in here later:
-a method that keeps packed integer blocks and multiplies them.
+and lets it rearrange the weights (``process_weights``). Quantized weights plug in here:
+executor_svc/quantization's methods keep 8-bit weights and their scales and multiply them.
 
 CPU methods, chosen by measurement (bench/cpu_step.py; docs/benchmarks.md has the tables):
 
@@ -195,8 +195,11 @@ def cpu_linear_method(dtype: torch.dtype, native_bf16: bool,
 
 def use_linear_method(model: nn.Module, method: LinearMethod) -> int:
     """Give every `Linear` in `model` (and its `lm_head` when that is a `TiedHead`) the method
-    and let it prepare the weights; returns how many layers it took."""
-    layers: list = [m for m in model.modules() if isinstance(m, Linear)]
+    and let it prepare the weights; returns how many layers it took. A layer whose method
+    holds quantized weights (``method.quantized``, executor_svc/quantization) keeps it: its
+    plain weight is gone."""
+    layers: list = [m for m in model.modules() if isinstance(m, Linear)
+                    and not getattr(m.method, "quantized", False)]
     if isinstance(getattr(model, "lm_head", None), TiedHead):
         layers.append(model.lm_head)
     for layer in layers:

@@ -43,13 +43,15 @@ class WeightShard:
     `dim` None: the tensor is read whole into the whole parameter (replicated). Otherwise the
     rank reads ``[start, start + size)`` along `dim` into ``[dest_start, dest_start + size)``
     along the same dim of the parameter; rows of an unfused parameter past `size` (the padding
-    of the last vocab range) are zeroed."""
+    of the last vocab range) are zeroed. `dest_index` (with `dim` None): the one-element
+    tensor goes to that element of the parameter (a fused layer's per-shard scale)."""
 
     full_shape: tuple[int, ...]
     dim: int | None = None
     start: int = 0
     size: int = 0
     dest_start: int = 0
+    dest_index: int | None = None
 
 
 def replicated(param: torch.Tensor) -> WeightShard:

@@ -54,14 +54,15 @@ def tp1_results(tp_checkpoints) -> dict[str, dict]:
     return {name: greedy_run(Path(d)) for name, d in tp_checkpoints.items()}
 
 
-def greedy_run(model_dir: Path) -> dict | None:
+def greedy_run(model_dir: Path, quantization: str | None = None) -> dict | None:
     """Prefill (one prompt chunked) and NUM_DECODE greedy decode steps over the paged cache,
     calling the model directly. Rank 0 (or a lone rank): {"tokens": {req_id: ids}, "logits":
     [per step]}; other ranks None. Rank 0's greedy ids reach the others by broadcast."""
     cfg = ModelConfig.from_dir(model_dir)
     max_len = effective_max_model_len(cfg, None)
     cpu = torch.device("cpu")
-    model = load_model(model_dir, dtype=torch.float32, device=cpu, max_model_len=max_len, cfg=cfg)
+    model = load_model(model_dir, dtype=torch.float32, device=cpu, max_model_len=max_len, cfg=cfg,
+                       quantization=quantization)
     kv_cache = KVCache.allocate(cfg, NUM_BLOCKS, BLOCK_SIZE, torch.float32, cpu)
     assert kv_cache.k_caches[0].shape[2] == local_kv_heads(cfg, distributed.tp_size())
     model.bind_kv_cache(kv_cache.per_layer())

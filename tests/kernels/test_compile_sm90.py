@@ -131,7 +131,31 @@ def main() -> None:
     _compile(attention_reduce._merge_splits_kernel,
              {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": dt},
              dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_BLOCK=16))  # fmt: skip
+    _quant_linear()
     print("compiled")
+
+
+def _quant_linear() -> None:
+    """w8a16_linear for int8 and e4m3 weights, 16-bit and fp32 activations, at the launcher's
+    decode and prefill configurations; 16-bit tiles never spill."""
+    import torch
+
+    from kernels import quant_linear
+
+    for weight in ("*i8", "*fp8e4nv"):
+        for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16),
+                                   ("fp32", torch.float32)):
+            for num_tokens in (1, 512):
+                config = quant_linear.launch_config(num_tokens, torch_dtype)
+                options = {"num_warps": config.pop("num_warps")}
+                pointers = {"x_ptr": "*" + dtype, "w_ptr": weight, "scale_ptr": "*fp32",
+                            "bias_ptr": "*" + dtype, "out_ptr": "*" + dtype}
+                kernel = _compile(quant_linear._w8a16_kernel, pointers,
+                                  dict(config, HAS_BIAS=True, IEEE=dtype == "fp32"), **options)
+                regs, spills = _registers_and_spills(kernel)
+                case = (weight, dtype, num_tokens)
+                assert dtype == "fp32" or spills == 0, f"{case}: {spills} bytes of spills"
+                print(case, f"{regs} registers, {spills} bytes spilled")
 
 
 def test_kernels_compile_for_sm90():

@@ -1,0 +1,95 @@
+"""Which quantization scheme a model's linear weights use: from --quantization and from the
+checkpoint's config.json ``quantization_config``. No torch here: the executor checks this
+before its torch import, with the rest of the checkpoint (cli.check_checkpoint).
+
+Schemes (methods in quantization/methods.py):
+
+- ``int8``: W8A16, symmetric int8 weights with one fp32 scale per output channel
+  (absmax / 127), quantized at load from an unquantized checkpoint.
+- ``fp8``: float8 e4m3 weights, fp32 scale per output channel, 16/32-bit activations.
+  Quantized at load (absmax / 448 per channel) from an unquantized checkpoint, or loaded as
+  they are from an fp8 checkpoint, as vLLM, llm-compressor and transformers write them:
+  ``quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic" | "static",
+  ...}`` with each quantized layer's ``weight`` in F8_E4M3, its ``weight_scale`` per tensor
+  (a scalar) or per channel ([N] or [N, 1]), and with "static", an ``input_scale``. Products
+  here always take 16/32-bit activations: static input scales are loaded (every tensor has a
+  home) but not applied, which is at least as accurate as the fp8 activations they were
+  calibrated for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from executor_svc.checkpoint import CheckpointError, read_json_object
+
+SCHEMES = ("int8", "fp8")
+ACTIVATION_SCHEMES = ("dynamic", "static")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    scheme: str  # one of SCHEMES
+    # True: the checkpoint holds the quantized weights and their scales (load them as they
+    # are); False: quantize the checkpoint's float weights at load.
+    from_checkpoint: bool = False
+    activation_scheme: str = "dynamic"  # the checkpoint's; activations stay 16/32-bit here
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ValueError(unsupported(self.scheme))
+        if self.activation_scheme not in ACTIVATION_SCHEMES:
+            raise ValueError(f"activation_scheme must be one of {', '.join(ACTIVATION_SCHEMES)}, "
+                             f"got {self.activation_scheme!r}")
+
+
+def unsupported(scheme: object) -> str:
+    return f"unsupported quantization scheme {scheme!r} (supported: {', '.join(SCHEMES)})"
+
+
+def checkpoint_quant_config(config_json: dict[str, Any]) -> QuantConfig | None:
+    """The scheme a checkpoint's config.json declares, None when it declares none; ValueError
+    (a sentence naming the field) for a scheme or a variant Folio cannot load."""
+    qc = config_json.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ValueError(f"quantization_config must be an object, got {qc!r}")
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise ValueError(unsupported(method))
+    if qc.get("weight_block_size") is not None:
+        raise ValueError("block-wise fp8 (quantization_config.weight_block_size "
+                         f"{qc['weight_block_size']!r}) is not supported; fp8 checkpoints with "
+                         "per-tensor or per-channel weight scales are")
+    activation_scheme = qc.get("activation_scheme", "dynamic")
+    if activation_scheme not in ACTIVATION_SCHEMES:
+        raise ValueError("quantization_config.activation_scheme must be one of "
+                         f"{', '.join(ACTIVATION_SCHEMES)}, got {activation_scheme!r}")
+    return QuantConfig("fp8", from_checkpoint=True, activation_scheme=activation_scheme)
+
+
+def resolve_quant_config(flag: str | None, model_dir: Path) -> QuantConfig | None:
+    """--quantization (None: not given) against the checkpoint's own scheme. A quantized
+    checkpoint loads as it is (the flag may name its scheme); a flag asking for another
+    scheme is refused rather than stacking two quantizations. Errors in config.json are
+    CheckpointErrors naming it; a flag that disagrees with it is a ValueError naming both."""
+    path = model_dir / "config.json"
+    try:
+        from_checkpoint = checkpoint_quant_config(read_json_object(path))
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(path, str(e)) from None
+    if flag is not None and flag not in SCHEMES:
+        raise ValueError(f"--quantization: {unsupported(flag)}")
+    if from_checkpoint is None:
+        return None if flag is None else QuantConfig(flag)
+    if flag is not None and flag != from_checkpoint.scheme:
+        raise ValueError(f"--quantization {flag} disagrees with the checkpoint, whose "
+                         f"config.json declares {from_checkpoint.scheme} weights "
+                         f"(quantization_config); leave the flag out or pass --quantization "
+                         f"{from_checkpoint.scheme}")
+    return from_checkpoint
