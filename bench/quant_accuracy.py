@@ -10,6 +10,7 @@ For each scheme one real `folio serve` (with `--quantization SCHEME`, none: with
   each window is one request with prompt_logprobs=0 and max_tokens=1, and the perplexity is
   exp(-mean log p) over every window token after the first (the model's own predictions,
   teacher-forced, as the server computes them);
+- **weight bytes**: what the executor's model holds once prepared (its "model loaded" line);
 - **greedy agreement** with the unquantized model: `--num-prompts` prompts (fixed, varied) x
   `--max-tokens` greedy tokens (ignore_eos); per prompt the length of the common prefix, and
   over all the share of prompts identical to the end and the mean common-prefix fraction.
@@ -25,6 +26,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -86,7 +88,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def run_scheme(model: str, scheme: str, extra: list[str], args) -> dict:
     from executor_svc.default_model import CORPUS
 
-    serve = [*extra, *([] if scheme == "none" else ["--quantization", scheme])]
+    serve = [*extra, *([] if scheme == "none" else ["--quantization", scheme]),
+             "--log-level", "info"]  # the executor's "model loaded" line carries weight_bytes
     peer = FolioPeer(model, serve)
     started = time.monotonic()
     info = peer.start()
@@ -98,13 +101,12 @@ def run_scheme(model: str, scheme: str, extra: list[str], args) -> dict:
             return ppl, n, tokens
 
         ppl, n, tokens = asyncio.run(measure())
-        weights = [line for line in peer.log_tail(2_000_000).splitlines()
-                   if "weight_bytes" in line]
+        found = re.findall(r"weight_bytes\W+(\d+)", peer.log_tail(2_000_000))
     finally:
         peer.stop()
     return {"scheme": scheme, "perplexity": ppl, "perplexity_tokens": n, "tokens": tokens,
             "model_info": info["model_info"], "command": info["command"],
-            "weight_log": weights[-1][-400:] if weights else None,
+            "weight_bytes": int(found[-1]) if found else None,
             "seconds": time.monotonic() - started}
 
 
@@ -131,12 +133,16 @@ def write(rows: list[dict], args, out: Path) -> None:
              f"- perplexity: the default tokenizer's corpus (executor_svc/default_model.py), "
              f"windows of {args.window} tokens",
              f"- greedy: {args.num_prompts} prompts x {args.max_tokens} tokens against "
-             f"`{rows[0]['scheme']}`", "",
-             "| scheme | perplexity | greedy identical | mean common prefix |",
-             "|---|---:|---:|---:|"]
+             f"`{rows[0]['scheme']}`",
+             "- weight bytes: every tensor the executor's model holds once prepared (on the CPU "
+             "the fp32 linears keep two packed forms, the quantized ones their int8/fp8 weight "
+             "and scales; embeddings and the LM head stay unquantized)", "",
+             "| scheme | perplexity | greedy identical | mean common prefix | weight MiB |",
+             "|---|---:|---:|---:|---:|"]
     for r in rows:
+        mib = f"{r['weight_bytes'] / 2**20:.1f}" if r["weight_bytes"] else "?"
         lines.append(f"| {r['scheme']} | {r['perplexity']:.3f} | {r['greedy_identical']:.0%} | "
-                     f"{r['greedy_mean_prefix_fraction']:.0%} |")
+                     f"{r['greedy_mean_prefix_fraction']:.0%} | {mib} |")
     (out / "quant-accuracy.md").write_text("\n".join(lines) + "\n")
 
 

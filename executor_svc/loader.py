@@ -36,7 +36,7 @@ from executor_svc.checkpoint import (
 )
 from executor_svc.model_config import ModelConfig
 from executor_svc.models import model_class
-from executor_svc.models.linear import cpu_linear_method, use_linear_method
+from executor_svc.models.linear import TiedHead, cpu_linear_method, use_linear_method
 from executor_svc.models.parallel import WeightShard, replicated
 from executor_svc.quantization import resolve_quant_config
 from executor_svc.quantization.loading import (
@@ -230,8 +230,32 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
         quantize_model(model, qcfg)
     prepare_for_device(model, device, dtype, keep_plain_weights)
     log.info("model loaded", architecture=cfg.architecture, files=len(files),
-             params=num_params, dtype=str(dtype), device=str(device))
+             params=num_params, dtype=str(dtype), device=str(device),
+             quantization=qcfg.scheme if qcfg is not None else None,
+             weight_bytes=model_weight_bytes(model))
     return model
+
+
+def model_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every tensor the model's modules hold once prepared: parameters, buffers and
+    the forms linear methods attach (packed or quantized weights, scales), each storage once."""
+    seen: set[int] = set()
+    total = 0
+    holders = [*model.modules(), *(m for m in vars(model).values() if isinstance(m, TiedHead))]
+    for holder in holders:  # a tied LM head is no module, but holds its method's forms
+        for value in vars(holder).values():
+            tensors = value.values() if isinstance(value, dict) else [value]
+            for t in tensors:
+                if not isinstance(t, torch.Tensor) or t.is_meta:
+                    continue
+                try:
+                    key = t.untyped_storage().data_ptr()
+                except (RuntimeError, NotImplementedError):  # opaque (oneDNN-packed) tensors
+                    key = id(t)
+                if key not in seen:
+                    seen.add(key)
+                    total += t.numel() * t.element_size()
+    return total
 
 
 
