@@ -29,7 +29,7 @@ import structlog
 import torch
 
 from executor_svc.distributed import broadcast_bytes, broadcast_tensor, tp_rank, tp_size
-from protos.channel import decode, encode
+from protos.channel import ProtocolError, decode, encode
 from protos.plan import StepPlan
 
 log = structlog.get_logger(__name__)
@@ -88,8 +88,13 @@ def follow(execute: Callable[[StepPlan], object], clear: Callable[[], None],
         if kind == CLEAR:
             clear()
             continue
-        plan = decode(body)
-        assert kind == STEP and isinstance(plan, StepPlan), f"bad control frame {kind!r}"
+        try:
+            plan = decode(body) if kind == STEP else None
+        except ProtocolError as e:
+            plan = None
+            log.error("undecodable plan from rank 0", error=str(e)[:300])
+        if not isinstance(plan, StepPlan):  # running anything else would desync the group
+            raise GroupBroken(f"bad control frame from rank 0 (kind {kind!r})")
         if plan.reset:
             clear()
         try:

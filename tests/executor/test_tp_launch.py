@@ -35,3 +35,27 @@ def test_serve_passes_the_size_to_its_executor():
     flags = SchedulerConfig(tensor_parallel_size=2).executor_flags()
     assert flags[flags.index("--tensor-parallel-size") + 1] == "2"
     assert "--tensor-parallel-size" not in SchedulerConfig().executor_flags()
+
+
+def test_a_follower_ends_the_group_on_a_frame_it_cannot_run(monkeypatch):
+    """The rank channel is internal: a frame a follower cannot run (bad kind, undecodable
+    plan, a message that is no plan) would desync the collectives, so it is GroupBroken."""
+    import torch
+
+    from executor_svc import tp_worker
+    from protos.channel import encode
+    from protos.plan import Shutdown, StepPlan
+
+    for frame in (b"X", tp_worker.STEP + b"\xc1garbage", tp_worker.STEP + encode(Shutdown())):
+        frames = iter([tp_worker.HEARTBEAT, frame])
+        monkeypatch.setattr(tp_worker, "broadcast_bytes",
+                            lambda data, device, frames=frames: next(frames))
+        ran = []
+        with pytest.raises(tp_worker.GroupBroken, match="bad control frame"):
+            tp_worker.follow(ran.append, lambda: None, torch.device("cpu"))
+        assert not ran
+    frames = iter([tp_worker.STEP + encode(StepPlan(step_id=3)), tp_worker.CLEAR, tp_worker.STOP])
+    monkeypatch.setattr(tp_worker, "broadcast_bytes", lambda data, device: next(frames))
+    ran, cleared = [], []
+    tp_worker.follow(ran.append, lambda: cleared.append(1), torch.device("cpu"))
+    assert [p.step_id for p in ran] == [3] and cleared == [1]
