@@ -19,6 +19,8 @@ TORCH_LIBRARY(folio_cpu, m) {
         "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor seq_ids, "
         "float scale) -> ()");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("skinny_linear_q8(Tensor x, Tensor packed, Tensor scale, Tensor? bias, "
+        "int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(folio_cpu, CPU, m) {
@@ -28,4 +30,5 @@ TORCH_LIBRARY_IMPL(folio_cpu, CPU, m) {
   m.impl("decode_attention", &folio_cpu::decode_attention);
   m.impl("prefill_attention", &folio_cpu::prefill_attention);
   m.impl("skinny_linear", &folio_cpu::skinny_linear);
+  m.impl("skinny_linear_q8", &folio_cpu::skinny_linear_q8);
 }

@@ -7,7 +7,8 @@
 // per call, by one thread) and keeps rows x features accumulators in registers, an outer
 // product per k: broadcast x[m, k], multiply by the 16-wide weight vector, accumulate in fp32.
 // Rows beyond a chunk re-read the tile's slabs from cache rather than memory. 16-bit weights
-// are widened on load; the sum over k runs in order, in fp32, rounded to the output dtype
+// are widened on load; int8 weights (skinny_linear_q8, weight-only int8 with one fp32 scale
+// per output feature) too, the scale applied to each feature's sum before the bias; the sum over k runs in order, in fp32, rounded to the output dtype
 // once; tiles are claimed from a shared counter, so the result does not depend on which
 // thread computes which tile.
 
@@ -28,8 +29,8 @@ constexpr int64_t kPrefetchRows = 8;             // k rows ahead each slab is pr
 
 // acc[r][v] over rows [0, R) and NV vectors of features; the v-th vector lives in block
 // v / kBlockVecs of the tile, at offset (v % kBlockVecs) * kV inside its 16 features.
-template <typename T, int R, int NV>
-inline void tile_product(const float* x, int64_t x_stride, const T* w, int64_t slab, int64_t K,
+template <typename W, int R, int NV>
+inline void tile_product(const float* x, int64_t x_stride, const W* w, int64_t slab, int64_t K,
                          float* out /* [R][NV * kV] */) {
   fVec acc[R][NV];
   for (int r = 0; r < R; ++r)
@@ -37,7 +38,7 @@ inline void tile_product(const float* x, int64_t x_stride, const T* w, int64_t s
   for (int64_t k = 0; k < K; ++k) {
     fVec wv[NV];
     for (int v = 0; v < NV; ++v) {
-      const T* p = w + (v / kBlockVecs) * slab + k * kPackN + (v % kBlockVecs) * kV;
+      const W* p = w + (v / kBlockVecs) * slab + k * kPackN + (v % kBlockVecs) * kV;
       if (v % kBlockVecs == 0) __builtin_prefetch(p + kPrefetchRows * kPackN);
       wv[v] = load_f(p);
     }
@@ -50,26 +51,27 @@ inline void tile_product(const float* x, int64_t x_stride, const T* w, int64_t s
     for (int v = 0; v < NV; ++v) acc[r][v].store(out + (r * NV + v) * kV);
 }
 
-template <typename T, int NV>
-inline void tile_rows(int rows, const float* x, int64_t x_stride, const T* w, int64_t slab,
+template <typename W, int NV>
+inline void tile_rows(int rows, const float* x, int64_t x_stride, const W* w, int64_t slab,
                       int64_t K, float* out) {
   switch (rows) {
-    case 1: return tile_product<T, 1, NV>(x, x_stride, w, slab, K, out);
-    case 2: return tile_product<T, 2, NV>(x, x_stride, w, slab, K, out);
-    case 3: return tile_product<T, 3, NV>(x, x_stride, w, slab, K, out);
-    case 4: return tile_product<T, 4, NV>(x, x_stride, w, slab, K, out);
+    case 1: return tile_product<W, 1, NV>(x, x_stride, w, slab, K, out);
+    case 2: return tile_product<W, 2, NV>(x, x_stride, w, slab, K, out);
+    case 3: return tile_product<W, 3, NV>(x, x_stride, w, slab, K, out);
+    case 4: return tile_product<W, 4, NV>(x, x_stride, w, slab, K, out);
     default: TORCH_CHECK(false, "skinny_linear: bad row chunk ", rows);
   }
 }
 
-template <typename T>
+// T: x, bias and output; W: the packed weight (T, or int8 with `scale`).
+template <typename T, typename W = T>
 void skinny_linear_impl(const at::Tensor& xf, const at::Tensor& packed, const T* bias,
-                        at::Tensor& out) {
+                        at::Tensor& out, const float* scale = nullptr) {
   const int64_t M = xf.size(0), K = xf.size(1), N = out.size(1);
   const int64_t num_blocks = packed.size(0), slab = K * kPackN;
   const int64_t num_tiles = (num_blocks + kTileBlocks - 1) / kTileBlocks;
   const float* xp = xf.data_ptr<float>();
-  const T* wp = packed.data_ptr<T>();
+  const W* wp = packed.data_ptr<W>();
   T* op = out.data_ptr<T>();
   const int64_t so = out.stride(0);
   // Tiles are claimed from a shared counter: a thread the OS preempts (the scheduler process
@@ -91,16 +93,17 @@ void skinny_linear_impl(const at::Tensor& xf, const at::Tensor& packed, const T*
             const float* a = acc + r * acc_row;
             for (int64_t j = 0; j < valid; ++j) {
               const float b = bias ? static_cast<float>(bias[n0 + j]) : 0.f;
-              orow[j] = static_cast<T>(a[j] + b);
+              const float sum = scale ? a[j] * scale[n0 + j] : a[j];
+              orow[j] = static_cast<T>(sum + b);
             }
           }
         };
         if (blocks == kTileBlocks) {
-          tile_rows<T, kTileVecs>(rows, xp + r0 * K, K, wp + block0 * slab, slab, K, acc);
+          tile_rows<W, kTileVecs>(rows, xp + r0 * K, K, wp + block0 * slab, slab, K, acc);
           emit(block0 * kPackN, kTileBlocks * kPackN, kTileVecs * kV);
         } else {
           for (int64_t b = block0; b < block0 + blocks; ++b) {
-            tile_rows<T, kBlockVecs>(rows, xp + r0 * K, K, wp + b * slab, slab, K, acc);
+            tile_rows<W, kBlockVecs>(rows, xp + r0 * K, K, wp + b * slab, slab, K, acc);
             emit(b * kPackN, kPackN, kBlockVecs * kV);
           }
         }
@@ -109,10 +112,8 @@ void skinny_linear_impl(const at::Tensor& xf, const at::Tensor& packed, const T*
   });
 }
 
-}  // namespace
-
-at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed,
-                         const std::optional<at::Tensor>& bias, int64_t out_features) {
+void check_skinny_args(const at::Tensor& x, const at::Tensor& packed,
+                       const std::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2, "skinny_linear: x must be [rows, in_features]");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPackN && packed.is_contiguous(),
               "skinny_linear: the weight must be packed as [ceil(N / 16), in_features, 16]");
@@ -121,7 +122,6 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(out_features > (packed.size(0) - 1) * kPackN &&
                   out_features <= packed.size(0) * kPackN,
               "skinny_linear: out_features does not match the packed blocks");
-  TORCH_CHECK(packed.scalar_type() == x.scalar_type(), "skinny_linear: x and weight dtypes differ");
   check_inner_contiguous(x, "x");
   TORCH_CHECK(packed.device().is_cpu(), "skinny_linear: the weight must be a CPU tensor");
   if (bias) {
@@ -129,11 +129,37 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed,
                     bias->scalar_type() == x.scalar_type(),
                 "skinny_linear: bias must be [out_features], contiguous, of x's dtype");
   }
+}
+
+}  // namespace
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const std::optional<at::Tensor>& bias, int64_t out_features) {
+  check_skinny_args(x, packed, bias, out_features);
+  TORCH_CHECK(packed.scalar_type() == x.scalar_type(), "skinny_linear: x and weight dtypes differ");
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0) return out;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   FOLIO_DISPATCH(x.scalar_type(), "skinny_linear", [&] {
     skinny_linear_impl<scalar_t>(xf, packed, bias ? bias->data_ptr<scalar_t>() : nullptr, out);
+  });
+  return out;
+}
+
+at::Tensor skinny_linear_q8(const at::Tensor& x, const at::Tensor& packed,
+                            const at::Tensor& scale, const std::optional<at::Tensor>& bias,
+                            int64_t out_features) {
+  check_skinny_args(x, packed, bias, out_features);
+  TORCH_CHECK(packed.scalar_type() == at::kChar, "skinny_linear_q8: the weight must be int8");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == out_features && scale.is_contiguous() &&
+                  scale.scalar_type() == at::kFloat && scale.device().is_cpu(),
+              "skinny_linear_q8: scale must be [out_features] fp32, contiguous, on the CPU");
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return out;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  FOLIO_DISPATCH(x.scalar_type(), "skinny_linear_q8", [&] {
+    skinny_linear_impl<scalar_t, int8_t>(xf, packed, bias ? bias->data_ptr<scalar_t>() : nullptr,
+                                         out, scale.data_ptr<float>());
   });
   return out;
 }

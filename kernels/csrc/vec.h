@@ -42,6 +42,21 @@ inline fVec load_f(const T* p) {  // kV elements, widened to fp32
   }
 }
 
+template <>
+inline fVec load_f<int8_t>(const int8_t* p) {  // kV int8 values, exactly, as fp32
+#if defined(CPU_CAPABILITY_AVX512)
+  return fVec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return fVec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  alignas(64) float wide[kV];
+  for (int64_t i = 0; i < kV; ++i) wide[i] = p[i];
+  return fVec::loadu(wide);
+#endif
+}
+
 template <typename T>
 inline void store_f(T* p, const fVec& v) {  // kV elements, rounded to T
   if constexpr (std::is_same_v<T, float>) {
@@ -116,5 +131,8 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
                        const at::Tensor& seq_ids, double scale);
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed,
                          const std::optional<at::Tensor>& bias, int64_t out_features);
+at::Tensor skinny_linear_q8(const at::Tensor& x, const at::Tensor& packed,
+                            const at::Tensor& scale, const std::optional<at::Tensor>& bias,
+                            int64_t out_features);
 
 }  // namespace folio_cpu

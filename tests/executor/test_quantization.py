@@ -20,7 +20,7 @@ from executor_svc.loader import load_model
 from executor_svc.model_config import ModelConfig
 from executor_svc.models.linear import Linear
 from executor_svc.quantization.config import checkpoint_quant_config, resolve_quant_config
-from executor_svc.quantization.methods import METHODS, quantized_weight_bytes
+from executor_svc.quantization.methods import METHODS, quantized_weight, quantized_weight_bytes
 from scheduler_svc.config import SchedulerConfig, build_parser
 from tests.checkpoints import make_checkpoint
 from tests.quant_checkpoints import edit_config, projection_weights, write_fp8_checkpoint
@@ -50,7 +50,7 @@ def test_method_against_float64_of_the_dequantized_weight(scheme, shape):
     with torch.no_grad():
         method.process_weights(layer)
     assert layer.weight.numel() == 0  # released
-    dequant = layer.qweight.double() * layer.qscale.double()[:, None]
+    dequant = quantized_weight(layer).double() * layer.qscale.double()[:, None]
     # The quantization error itself is bounded by half a step (int8) / 2^-4 relative (e4m3).
     step = layer.qscale.double()[:, None]
     bound = step / 2 if scheme == "int8" else plain.abs().double() * 2**-4 + step * 2**-9
@@ -75,7 +75,7 @@ def test_weight_bytes_per_scheme(float_ckpt):
         got = sum(quantized_weight_bytes(m) for m in layers)
         assert got == plain_bytes // 4 + 4 * rows, scheme
         assert all(m.weight.numel() == 0 for m in layers)  # no plain copy kept
-        assert {m.qweight.dtype for m in layers} == {METHODS[scheme].weight_dtype}
+        assert {quantized_weight(m).dtype for m in layers} == {METHODS[scheme].weight_dtype}
 
 
 @pytest.mark.parametrize("per_channel, static", [(True, False), (False, True)])

@@ -116,3 +116,54 @@ def test_packed_linear_switches_at_the_row_limit(dtype):
         expected = F.linear(x.float(), plain_w.float(), plain_b.float()).to(dtype)
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
         torch.testing.assert_close(layer(x), expected, rtol=tol, atol=tol)
+
+
+# ---- int8 weights (weight-only int8, executor_svc/quantization/methods.py) -----------------
+
+def _q8(out_features: int, in_features: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=gen)
+    scale = w.abs().amax(dim=1) / 127
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 17, 70, 300])
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (100, 33), (7, 5), (65, 1)])
+def test_q8_matches_float64_of_the_dequantized_weight(dtype, rows, out_features, in_features):
+    q, scale = _q8(out_features, in_features)
+    x = torch.randn(rows, in_features).to(dtype)
+    bias = torch.randn(out_features).to(dtype)
+    got = ops.skinny_linear_q8(x, pack_skinny_weight(q), scale, bias, out_features)
+    want = x.double() @ (q.double() * scale.double()[:, None]).t() + bias.double()
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    none = ops.skinny_linear_q8(x, pack_skinny_weight(q), scale, None, out_features)
+    torch.testing.assert_close(none.double(), want - bias.double(), rtol=tol,
+                               atol=tol * want.abs().max().item())
+
+
+def test_q8_rows_do_not_depend_on_the_batch():
+    q, scale = _q8(130, 64, seed=3)
+    slabs, x = pack_skinny_weight(q), torch.randn(9, 64)
+    whole = ops.skinny_linear_q8(x, slabs, scale, None, 130)
+    for i in range(9):
+        assert torch.equal(ops.skinny_linear_q8(x[i:i + 1], slabs, scale, None, 130), whole[i:i + 1])
+
+
+@pytest.mark.parametrize("bad", ["float weight", "scale length", "scale dtype", "unpacked"])
+def test_q8_refuses_mismatched_operands(bad):
+    q, scale = _q8(32, 16)
+    slabs, x = pack_skinny_weight(q), torch.randn(2, 16)
+    if bad == "float weight":
+        slabs = slabs.float()
+    elif bad == "scale length":
+        scale = scale[:31]
+    elif bad == "scale dtype":
+        scale = scale.double()
+    else:
+        slabs = q
+    with pytest.raises(RuntimeError, match="skinny_linear"):
+        ops.skinny_linear_q8(x, slabs, scale, None, 32)
