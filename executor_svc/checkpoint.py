@@ -23,6 +23,7 @@ INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names; the loader converts
 # fp8 checkpoints' weights (e4m3); the loader takes them only into layers with a weight_scale.
 FP8_DTYPES = ("F8_E4M3",)
+PACKED_DTYPES = ("I32", "U8")  # quantized checkpoints' packed tensors (GPTQ, AWQ, GGUF blocks)
 
 
 class CheckpointError(ValueError):
@@ -148,12 +149,11 @@ def read_weight_headers(files: list[Path]) -> list[TensorHeader]:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 tensor = f.get_slice(name)
                 header = TensorHeader(file, name, tensor.get_dtype(), tuple(tensor.get_shape()))
-                if header.dtype not in FLOAT_DTYPES + FP8_DTYPES:
+                if header.dtype not in FLOAT_DTYPES + FP8_DTYPES + PACKED_DTYPES:
                     raise CheckpointError(file, f"tensor {name} has dtype {header.dtype}; "
                                                 "weights must be floating point (F32, F16, "
-                                                "BF16, F64) or fp8 (F8_E4M3, with an fp8 "
-                                                "quantization_config); other quantized "
-                                                "checkpoints are not supported")
+                                                "BF16, F64), fp8 (F8_E4M3) or the packed "
+                                                "integers of a quantized checkpoint (I32, U8)")
                 if name in seen:
                     raise CheckpointError(file, f"tensor {name} is also in {seen[name].name}")
                 seen[name] = file

@@ -141,6 +141,8 @@ def weight_shard(model: nn.Module, pname: str, shard_id: int | None,
     owner = model.get_submodule(module_name)
     if param_name in getattr(owner, "scale_layouts", {}):  # an fp8 checkpoint's scale
         return scale_shard(owner, param_name, shard_id)
+    if param_name in getattr(owner, "quant_params", ()):  # a GPTQ/AWQ packed tensor
+        return owner.quant_shard(param_name, shard_id)
     describe = getattr(owner, "weight_shard", None)
     return describe(param_name, shard_id) if describe is not None else replicated(param)
 
@@ -219,8 +221,11 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
             raise CheckpointError(model_dir / "config.json", str(e)) from None
     if qcfg is not None and qcfg.from_checkpoint:
         packed = getattr(model, "packed_modules", {})
-        prepare_checkpoint_params(model, [(*(_fused_target(h.name, packed) or (h.name, None)),
-                                           h) for h in headers])
+        try:
+            prepare_checkpoint_params(model, [(*(_fused_target(h.name, packed)
+                                                 or (h.name, None)), h) for h in headers], qcfg)
+        except ValueError as e:
+            raise CheckpointError(model_dir / "config.json", str(e)) from None
     placements = plan_weights(model, headers, cfg.tie_word_embeddings)
     model.to_empty(device=device)
     load_weights(model, placements)

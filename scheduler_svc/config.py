@@ -11,6 +11,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# The executor's --quantization schemes (executor_svc/quantization/config.py SCHEMES; the
+# scheduler never imports the executor, so the list lives here too: a test keeps them equal).
+QUANTIZATION_SCHEMES = ("int8", "fp8", "gptq", "awq")
+
 DEFAULT_EXECUTOR_ADDRESS = "tcp://127.0.0.1:5557"
 # Flags `folio serve` hands to the executor child unchanged (dest name -> flag).
 EXECUTOR_PASSTHROUGH = {
@@ -65,7 +69,7 @@ class SchedulerConfig:
     cpu_threads: int | None = None  # the executor's torch threads (executor default: all cores)
     gpu_memory_utilization: float | None = None  # CUDA share the executor may use (default 0.9)
     tensor_parallel_size: int | None = None  # executor ranks sharding the model (default 1)
-    quantization: str | None = None  # int8 | fp8 linear weights (executor default: none)
+    quantization: str | None = None  # see QUANTIZATION_SCHEMES (executor default: none)
     enforce_eager: bool = False  # the executor captures no CUDA graphs
     # ---- public API front end (scheduler_svc.server, scheduler_svc.auth) ----
     served_model_name: str | None = None  # None = the model directory's name
@@ -123,9 +127,9 @@ class SchedulerConfig:
         if self.tensor_parallel_size is not None and not 1 <= self.tensor_parallel_size <= 512:
             raise ValueError("--tensor-parallel-size must be between 1 and 512, got "
                              f"{self.tensor_parallel_size}")
-        if self.quantization not in (None, "int8", "fp8"):
-            raise ValueError("--quantization must be int8 or fp8, got "
-                             f"{self.quantization!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_SCHEMES)}, "
+                             f"got {self.quantization!r}")
         if self.device not in (None, "auto", "cpu", "cuda"):
             raise ValueError(f"--device must be one of auto, cpu, cuda, got {self.device!r}")
 
@@ -232,7 +236,8 @@ def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentPars
                    "(torch.distributed: NCCL on GPUs, gloo on the CPU; executor default 1)")
     g.add_argument("--quantization", "-q",
                    help="int8 or fp8: the executor stores the linear weights in 8 bits, "
-                   "quantized at load (an fp8 checkpoint loads as it is without the flag)")
+                   "quantized at load; fp8, gptq and awq checkpoints load as they are "
+                   "without the flag (it may name their scheme)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps: every step runs eagerly")
     add_front_end_flags(p)

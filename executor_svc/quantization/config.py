@@ -15,6 +15,15 @@ Schemes (methods in quantization/methods.py):
   here always take 16/32-bit activations: static input scales are loaded (every tensor has a
   home) but not applied, which is at least as accurate as the fp8 activations they were
   calibrated for.
+- ``gptq``: GPTQ checkpoints (``quant_method: "gptq"``, bits 4 or 8, ``group_size`` (-1: one
+  group per row), ``desc_act`` (act order: ``g_idx`` groups columns out of order), ``sym``,
+  ``checkpoint_format`` "gptq" (stored zero points are z - 1, the original format) or
+  "gptq_v2" (z as is)); each quantized layer stores ``qweight`` int32 [K*bits/32, N],
+  ``qzeros`` int32 [G, N*bits/32], ``scales`` [G, N] and ``g_idx`` int32 [K].
+- ``awq``: AutoAWQ's GEMM checkpoints (``quant_method: "awq"``, bits 4, ``group_size``,
+  ``zero_point`` true, ``version`` "gemm"): ``qweight`` int32 [K, N/8] and ``qzeros`` int32
+  [G, N/8] with AWQ's interleaved order inside each int32, ``scales`` [G, N].
+  Both load as they are (quantization/gptq.py), never quantized at load.
 """
 
 from __future__ import annotations
@@ -25,7 +34,8 @@ from typing import Any
 
 from executor_svc.checkpoint import CheckpointError, read_json_object
 
-SCHEMES = ("int8", "fp8")
+SCHEMES = ("int8", "fp8", "gptq", "awq")
+LOAD_TIME_SCHEMES = ("int8", "fp8")  # the schemes --quantization can apply to float weights
 ACTIVATION_SCHEMES = ("dynamic", "static")
 
 
@@ -36,6 +46,10 @@ class QuantConfig:
     # are); False: quantize the checkpoint's float weights at load.
     from_checkpoint: bool = False
     activation_scheme: str = "dynamic"  # the checkpoint's; activations stay 16/32-bit here
+    bits: int = 8
+    group_size: int = -1  # -1: one group spans the whole input row
+    desc_act: bool = False  # GPTQ act order
+    zeros_minus_one: bool = False  # GPTQ's original format stores zero points minus one
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -58,6 +72,8 @@ def checkpoint_quant_config(config_json: dict[str, Any]) -> QuantConfig | None:
     if not isinstance(qc, dict):
         raise ValueError(f"quantization_config must be an object, got {qc!r}")
     method = qc.get("quant_method")
+    if method in ("gptq", "awq"):
+        return _int4_config(method, qc)
     if method != "fp8":
         raise ValueError(unsupported(method))
     if qc.get("weight_block_size") is not None:
@@ -69,6 +85,36 @@ def checkpoint_quant_config(config_json: dict[str, Any]) -> QuantConfig | None:
         raise ValueError("quantization_config.activation_scheme must be one of "
                          f"{', '.join(ACTIVATION_SCHEMES)}, got {activation_scheme!r}")
     return QuantConfig("fp8", from_checkpoint=True, activation_scheme=activation_scheme)
+
+
+def _int4_config(method: str, qc: dict[str, Any]) -> QuantConfig:
+    """GPTQ's and AWQ's fields, each checked (see the module docstring)."""
+    bits = qc.get("bits", qc.get("w_bit"))
+    allowed_bits = (4, 8) if method == "gptq" else (4,)
+    if bits not in allowed_bits or isinstance(bits, bool):
+        raise ValueError(f"{method} with bits {bits!r} is not supported (supported: "
+                         f"{', '.join(map(str, allowed_bits))})")
+    group_size = qc.get("group_size", qc.get("q_group_size"))
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or (
+            group_size < 1 and group_size != -1):
+        raise ValueError(f"quantization_config.group_size must be a positive integer or -1, "
+                         f"got {group_size!r}")
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(f"awq version {version!r} is not supported (supported: gemm)")
+        if qc.get("zero_point", True) is not True:
+            raise ValueError("awq without zero points (zero_point false) is not supported")
+        return QuantConfig("awq", from_checkpoint=True, bits=4, group_size=group_size)
+    desc_act = qc.get("desc_act", False)
+    if not isinstance(desc_act, bool):
+        raise ValueError(f"quantization_config.desc_act must be true or false, got {desc_act!r}")
+    fmt = qc.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"gptq checkpoint_format {fmt!r} is not supported (supported: gptq, "
+                         "gptq_v2)")
+    return QuantConfig("gptq", from_checkpoint=True, bits=bits, group_size=group_size,
+                       desc_act=desc_act, zeros_minus_one=fmt == "gptq")
 
 
 def resolve_quant_config(flag: str | None, model_dir: Path) -> QuantConfig | None:
@@ -86,6 +132,10 @@ def resolve_quant_config(flag: str | None, model_dir: Path) -> QuantConfig | Non
     if flag is not None and flag not in SCHEMES:
         raise ValueError(f"--quantization: {unsupported(flag)}")
     if from_checkpoint is None:
+        if flag is not None and flag not in LOAD_TIME_SCHEMES:
+            raise ValueError(f"--quantization {flag} loads {flag} checkpoints, and this one's "
+                             f"config.json declares no quantization_config; to quantize float "
+                             f"weights at load use {' or '.join(LOAD_TIME_SCHEMES)}")
         return None if flag is None else QuantConfig(flag)
     if flag is not None and flag != from_checkpoint.scheme:
         raise ValueError(f"--quantization {flag} disagrees with the checkpoint, whose "

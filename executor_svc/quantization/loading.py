@@ -20,11 +20,12 @@ import structlog
 import torch
 from torch import nn
 
-from executor_svc.checkpoint import CheckpointError, TensorHeader
+from executor_svc.checkpoint import PACKED_DTYPES, CheckpointError, TensorHeader
 from executor_svc.models.linear import Linear
 from executor_svc.models.parallel import WeightShard
+from executor_svc.quantization import gptq
 from executor_svc.quantization.config import QuantConfig
-from executor_svc.quantization.methods import METHODS
+from executor_svc.quantization.methods import make_method
 
 log = structlog.get_logger(__name__)
 
@@ -33,10 +34,19 @@ FP8_HEADER_DTYPE = "F8_E4M3"
 
 
 def prepare_checkpoint_params(model: nn.Module,
-                              targets: list[tuple[str, int | None, TensorHeader]]) -> int:
-    """Give every layer the checkpoint stores in fp8 its e4m3 weight and scale parameters
-    (on the meta device). `targets`: (model parameter name, fused shard id, header) for every
-    checkpoint tensor. Returns how many layers are stored quantized."""
+                              targets: list[tuple[str, int | None, TensorHeader]],
+                              qcfg: QuantConfig) -> int:
+    """Give every layer the checkpoint stores quantized the parameters its tensors fill, on
+    the meta device (GPTQ and AWQ: quantization/gptq.py). `targets`: (model parameter name,
+    fused shard id, header) for every checkpoint tensor. Returns how many layers are stored
+    quantized. ValueError: the layout cannot be split over the ranks."""
+    if qcfg.scheme in ("gptq", "awq"):
+        return gptq.prepare_params(model, targets, qcfg)
+    return _prepare_fp8(model, targets)
+
+
+def _prepare_fp8(model: nn.Module, targets: list[tuple[str, int | None, TensorHeader]]) -> int:
+    """fp8: e4m3 weights and fp32 scale parameters (see the module docstring)."""
     found: dict[str, dict[str, list[TensorHeader]]] = {}
     for pname, _, header in targets:
         module_name, _, param_name = pname.rpartition(".")
@@ -102,7 +112,14 @@ def scale_shard(layer: Linear, param_name: str, shard_id: int | None) -> WeightS
 
 def check_header_dtype(header: TensorHeader, param: torch.Tensor) -> None:
     """An e4m3 tensor goes only into an e4m3 parameter and back: a silent cast would drop its
-    scale (a float weight in an fp8 layer, an fp8 weight in a float one)."""
+    scale (a float weight in an fp8 layer, an fp8 weight in a float one); packed integers
+    only into the integer parameters of a layer its scheme declares quantized."""
+    is_int = not param.dtype.is_floating_point
+    if (header.dtype in PACKED_DTYPES) != is_int:
+        what = (f"holds packed integers ({header.dtype}), but config.json declares no "
+                "quantization_config whose layers store it" if not is_int else
+                f"has dtype {header.dtype}, but its quantized layer stores packed integers")
+        raise CheckpointError(header.file, f"tensor {header.name} {what}")
     is_fp8 = param.dtype == torch.float8_e4m3fn
     if (header.dtype == FP8_HEADER_DTYPE) != is_fp8:
         if is_fp8:
@@ -118,11 +135,11 @@ def quantize_model(model: nn.Module, qcfg: QuantConfig) -> int:
     """Give the linear layers (not the LM head, kept in the model dtype) the scheme's method
     and let it quantize them (or take the checkpoint's quantized weights, and only those);
     returns how many layers are quantized."""
-    method = METHODS[qcfg.scheme]()
+    method = make_method(qcfg)
     lm_head = getattr(model, "lm_head", None)
     layers = [m for m in model.modules() if isinstance(m, Linear) and m is not lm_head]
     if qcfg.from_checkpoint:
-        layers = [m for m in layers if m.weight.dtype == method.weight_dtype]
+        layers = [m for m in layers if method.holds(m)]
     with torch.no_grad():
         for layer in layers:
             layer.method = method

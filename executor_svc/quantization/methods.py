@@ -26,6 +26,9 @@ import kernels
 import kernels.cpu
 from executor_svc.models.linear import Linear, pack_skinny_weight
 from executor_svc.models.parallel import RowParallelLinear
+from executor_svc.quantization.config import QuantConfig
+from executor_svc.quantization.gptq import AwqWeights, GptqWeights
+from executor_svc.quantization.grouped import GroupedWeightOnly
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
@@ -36,6 +39,10 @@ class WeightOnly8Bit:
     quantized = True  # use_linear_method leaves a layer with this method alone
     weight_dtype: torch.dtype
     qmax: float
+
+    def holds(self, layer: Linear) -> bool:
+        """Whether the checkpoint stores this layer in the scheme's form."""
+        return layer.weight.dtype == self.weight_dtype
 
     def process_weights(self, layer: Linear) -> None:
         weight = layer.weight.detach()  # [N, K]
@@ -111,7 +118,14 @@ class Fp8WeightOnly(WeightOnly8Bit):
         return q.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
-METHODS = {"int8": Int8WeightOnly, "fp8": Fp8WeightOnly}
+METHODS = {"int8": Int8WeightOnly, "fp8": Fp8WeightOnly, "gptq": GptqWeights,
+           "awq": AwqWeights}
+
+
+def make_method(qcfg: QuantConfig):
+    """The linear method for a scheme (the grouped ones read their layout from `qcfg`)."""
+    cls = METHODS[qcfg.scheme]
+    return cls(qcfg) if issubclass(cls, GroupedWeightOnly) else cls()
 
 
 def per_row_scale(layer: Linear) -> torch.Tensor:

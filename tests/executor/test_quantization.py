@@ -142,9 +142,10 @@ def test_fp8_checkpoint_strictness(float_ckpt, tmp_path):
 def test_refusals_name_the_scheme(float_ckpt, tmp_path):
     ckpt = tmp_path / "gptq"
     shutil.copytree(float_ckpt, ckpt)
-    edit_config(ckpt, quantization_config={"quant_method": "gptq", "bits": 4})
+    edit_config(ckpt, quantization_config={"quant_method": "bitsandbytes", "bits": 4})
     with pytest.raises(CheckpointError, match=r"config\.json: unsupported quantization scheme "
-                                              r"'gptq' \(supported: int8, fp8\)"):
+                                              r"'bitsandbytes' \(supported: int8, fp8, gptq, "
+                                              r"awq"):
         _load(ckpt)
     edit_config(ckpt, quantization_config={"quant_method": "fp8",
                                            "weight_block_size": [128, 128]})
@@ -157,9 +158,9 @@ def test_refusals_name_the_scheme(float_ckpt, tmp_path):
     with pytest.raises(ValueError, match=r"unsupported quantization scheme 'int4'"):
         resolve_quant_config("int4", float_ckpt)
     with pytest.raises(ValueError, match=r"--quantization must be one of int8, fp8"):
-        ExecutorConfig(model="x", quantization="awq")
-    with pytest.raises(ValueError, match=r"--quantization must be int8 or fp8"):
-        SchedulerConfig(quantization="gptq")
+        ExecutorConfig(model="x", quantization="int4")
+    with pytest.raises(ValueError, match=r"--quantization must be one of int8, fp8, gptq"):
+        SchedulerConfig(quantization="int4")
     args = build_parser().parse_args(["--quantization", "fp8"])
     assert SchedulerConfig(**vars(args)).executor_flags()[:2] == ["--quantization", "fp8"]
 
@@ -173,16 +174,21 @@ _json = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_siz
 @given(qc=st.one_of(_json, st.fixed_dictionaries(
     {"quant_method": st.sampled_from(["fp8", "gptq", "awq", "FP8", None])},
     optional={"activation_scheme": _json, "weight_block_size": _json,
-              "ignored_layers": _json})))
+              "ignored_layers": _json, "bits": _json | st.sampled_from([4, 8]),
+              "group_size": _json | st.sampled_from([-1, 32, 128]), "desc_act": _json,
+              "checkpoint_format": _json | st.just("gptq_v2"), "version": _json,
+              "zero_point": _json})))
 def test_quantization_config_fuzz(qc):
     """Any quantization_config is a scheme Folio loads or a ValueError saying which field."""
     try:
         got = checkpoint_quant_config({"quantization_config": qc})
     except ValueError as e:
-        assert any(w in str(e) for w in ("quantization", "activation_scheme",
-                                         "weight_block_size")), e
+        assert any(w in str(e) for w in ("quantization", "activation_scheme", "weight_block_size",
+                                         "bits", "group_size", "desc_act", "checkpoint_format",
+                                         "version", "zero point")), e
     else:
-        assert qc is None or (got is not None and got.scheme == "fp8" and got.from_checkpoint)
+        assert qc is None or (got is not None and got.from_checkpoint
+                              and got.scheme == qc["quant_method"])
 
 
 def _int8_rank(rank: int, model_dir: str, out_dir: str) -> None:
@@ -211,3 +217,11 @@ def test_int8_tp2_equals_tp1(tmp_path):
     plain = greedy_run(model_dir)
     assert any(not torch.allclose(a, b, atol=1e-5, rtol=1e-5)
                for a, b in zip(plain["logits"], expected["logits"], strict=True))
+
+
+def test_scheduler_knows_every_scheme():
+    """`folio serve` checks --quantization before it starts the executor, from its own list."""
+    from executor_svc.quantization.config import SCHEMES
+    from scheduler_svc.config import QUANTIZATION_SCHEMES
+
+    assert QUANTIZATION_SCHEMES == SCHEMES

@@ -1,0 +1,156 @@
+"""GPTQ and AWQ checkpoints: word unpacking against a per-bit reference, each format's layers
+against (q - z) * scale computed here from the values packed, whole tiny models loaded from
+packed tensors against the float model on the same dequantized weights, and every refusal.
+
+The packer here is a plain loop over values (an independent writer of the on-disk layout);
+tests/quant_checkpoints.py has the RTN checkpoint writers used end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from executor_svc.loader import load_model
+from executor_svc.quantization.gptq import AWQ_ORDER, awq_grouped, gptq_grouped, unpack_words
+from executor_svc.quantization.grouped import grouped_of
+from tests.checkpoints import make_checkpoint
+from tests.quant_checkpoints import edit_config, projection_weights
+
+CPU = torch.device("cpu")
+
+
+def pack_loop(values: torch.Tensor, bits: int, dim: int, order=None) -> torch.Tensor:
+    """uint values -> int32 words along `dim`, value i of a word at bits [bits*i, ...):
+    element order[i] of each run of 32/bits (identity when None)."""
+    pf = 32 // bits
+    v = values.movedim(dim, -1).to(torch.int64)
+    runs = v.reshape(*v.shape[:-1], -1, pf)
+    words = torch.zeros(runs.shape[:-1], dtype=torch.int64)
+    for i in range(pf):
+        words |= runs[..., order[i] if order else i] << (bits * i)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.movedim(-1, dim).contiguous()
+
+
+def test_unpack_words_against_the_loop_packer():
+    gen = torch.Generator().manual_seed(0)
+    for bits in (4, 8):
+        values = torch.randint(0, 2**bits, (3, 32, 5), generator=gen)
+        for dim in (0, 1, 2):
+            if values.shape[dim] % (32 // bits):
+                continue
+            words = pack_loop(values, bits, dim)
+            assert torch.equal(unpack_words(words, bits, dim).long(), values)
+
+
+def _gptq_tensors(n, k, bits, gs, act_order, gen):
+    groups = -(-k // gs)
+    q = torch.randint(0, 2**bits, (k, n), generator=gen)
+    z = torch.randint(1, 2**bits, (groups, n), generator=gen)
+    s = (torch.rand(groups, n, generator=gen) * 0.01 + 1e-3).half()
+    g_idx = torch.arange(k) // gs
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=gen)]
+    w = (q.double() - z.double()[g_idx]) * s.double()[g_idx]  # [K, N]
+    return q, z, s, g_idx.int(), w.t()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("minus_one", [False, True])
+def test_gptq_layer_unpacks_to_q_minus_z_times_scale(bits, act_order, minus_one):
+    gen = torch.Generator().manual_seed(bits)
+    n, k, gs = 24, 64, 16
+    q, z, s, g_idx, w = _gptq_tensors(n, k, bits, gs, act_order, gen)
+    gw = gptq_grouped(pack_loop(q, bits, 0), pack_loop(z - int(minus_one), bits, 1), s, g_idx,
+                      bits, gs, minus_one)
+    assert gw.bits == bits
+    torch.testing.assert_close(gw.dequantize().double(), w, rtol=0, atol=0)
+
+
+def test_awq_layer_unpacks_with_the_interleaved_order():
+    gen = torch.Generator().manual_seed(3)
+    n, k, gs = 32, 48, 16
+    q = torch.randint(0, 16, (k, n), generator=gen)
+    z = torch.randint(0, 16, (k // gs, n), generator=gen)
+    s = (torch.rand(k // gs, n, generator=gen) * 0.01 + 1e-3).half()
+    g = torch.arange(k) // gs
+    w = ((q.double() - z.double()[g]) * s.double()[g]).t()
+    gw = awq_grouped(pack_loop(q, 4, 1, AWQ_ORDER), pack_loop(z, 4, 1, AWQ_ORDER), s, gs, 0)
+    torch.testing.assert_close(gw.dequantize().double(), w, rtol=0, atol=0)
+    # A row-parallel rank's rows start inside the matrix: its groups continue from there.
+    part = awq_grouped(pack_loop(q[16:], 4, 1, AWQ_ORDER), pack_loop(z, 4, 1, AWQ_ORDER), s,
+                       gs, 16)
+    torch.testing.assert_close(part.dequantize().double(), w[:, 16:], rtol=0, atol=0)
+
+
+def rtn_pack(tensors, fmt, gs, bits=4, act_order=False, seed=0):
+    """Every projection of a float checkpoint as packed `fmt` tensors (round to nearest,
+    asymmetric), and the float64 weights they dequantize to."""
+    gen = torch.Generator().manual_seed(seed)
+    dequant = {}
+    perms = {}  # one act order per input (q|k|v share theirs, as GPTQ's Hessian is theirs)
+    for name in projection_weights(tensors):
+        w = tensors.pop(name).double().t()  # [K, N]
+        k, n = w.shape
+        key = (name.rsplit(".", 2)[0], k)
+        if key not in perms:
+            perms[key] = torch.randperm(k, generator=gen) if act_order else torch.arange(k)
+        perm = perms[key]
+        g_idx = torch.empty(k, dtype=torch.long)
+        g_idx[perm] = torch.arange(k) // gs
+        groups = -(-k // gs)
+        lo = torch.stack([w[g_idx == g].min(0).values for g in range(groups)]).clamp(max=0)
+        hi = torch.stack([w[g_idx == g].max(0).values for g in range(groups)]).clamp(min=0)
+        top = 2**bits - 1
+        s = ((hi - lo) / top).clamp(min=1e-6).half()
+        z = (-lo / s.double()).round().clamp(0, top).long()
+        q = (w / s.double()[g_idx] + z[g_idx]).round().clamp(0, top).long()
+        prefix = name.removesuffix(".weight")
+        if fmt == "gptq":
+            tensors[prefix + ".qweight"] = pack_loop(q, bits, 0)
+            tensors[prefix + ".qzeros"] = pack_loop(z - 1, bits, 1)
+            tensors[prefix + ".g_idx"] = g_idx.int()
+        else:
+            tensors[prefix + ".qweight"] = pack_loop(q, 4, 1, AWQ_ORDER)
+            tensors[prefix + ".qzeros"] = pack_loop(z, 4, 1, AWQ_ORDER)
+        tensors[prefix + ".scales"] = s
+        dequant[name] = ((q.double() - z.double()[g_idx]) * s.double()[g_idx]).t()
+    return dequant
+
+
+def _config(fmt, gs, bits=4, act_order=False):
+    if fmt == "gptq":
+        return {"quant_method": "gptq", "bits": bits, "group_size": gs, "desc_act": act_order,
+                "sym": False, "checkpoint_format": "gptq"}
+    return {"quant_method": "awq", "bits": 4, "group_size": gs, "zero_point": True,
+            "version": "gemm"}
+
+
+@pytest.mark.parametrize("fmt, bits, act_order", [("gptq", 4, False), ("gptq", 4, True),
+                                                  ("gptq", 8, True), ("awq", 4, False)])
+def test_packed_model_equals_the_float_model_on_its_dequantized_weights(tmp_path, fmt, bits,
+                                                                        act_order):
+    src = make_checkpoint("qwen2", tmp_path / "float")
+    tensors = load_file(src / "model.safetensors")
+    dequant = rtn_pack(tensors, fmt, 16, bits, act_order)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    edit_config(src, quantization_config=_config(fmt, 16, bits, act_order))
+    model = load_model(src, dtype=torch.float32, device=CPU, max_model_len=64)
+    ref_dir = make_checkpoint("qwen2", tmp_path / "ref")
+    ref_tensors = load_file(ref_dir / "model.safetensors")
+    ref_tensors.update({n: w.float() for n, w in dequant.items()})
+    save_file(ref_tensors, ref_dir / "model.safetensors", metadata={"format": "pt"})
+    ref = load_model(ref_dir, dtype=torch.float32, device=CPU, max_model_len=64,
+                     keep_plain_weights=True)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    gw, perm = grouped_of(qkv)
+    assert (perm is not None) == act_order and gw.bits == bits and gw.g_idx is None
+    want = ref.model.layers[0].self_attn.qkv_proj.weight.double()
+    got = gw.dequantize().double()
+    if perm is not None:
+        want = want[:, perm]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert qkv.weight.numel() == 0 and not any(
+        n.endswith(("qzeros", "g_idx")) for n, _ in model.named_parameters())
