@@ -28,6 +28,7 @@ import kernels
 from executor_svc.attention import AttentionBackend, default_backend
 from executor_svc.checkpoint import (
     INDEX_FILE,
+    PACKED_DTYPES,
     CheckpointError,
     TensorHeader,
     open_safetensors,
@@ -121,9 +122,13 @@ def plan_weights(model: nn.Module, headers: list[TensorHeader],
     where = files[0] if len(files) == 1 else files[0].parent / INDEX_FILE
     if unexpected:
         names = sorted(h.name for h in unexpected)
+        packed = any(h.dtype in PACKED_DTYPES for h in unexpected)
         raise CheckpointError(where, f"checkpoint tensors with no matching parameter in "
                                      f"{type(model).__name__}: {', '.join(names[:10])}"
-                                     + (" ..." if len(names) > 10 else ""))
+                                     + (" ..." if len(names) > 10 else "")
+                                     + ("; these are packed quantized tensors: config.json "
+                                        "needs the quantization_config they were written "
+                                        "with" if packed else ""))
     if todo:
         missing = sorted(p if s is None else f"{p} (shard {s})" for p, s in todo)
         raise CheckpointError(where, f"checkpoint lacks tensors for {len(missing)} parameter(s) "

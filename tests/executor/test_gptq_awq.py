@@ -7,11 +7,15 @@ tests/quant_checkpoints.py has the RTN checkpoint writers used end to end."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from executor_svc.checkpoint import CheckpointError
 from executor_svc.loader import load_model
+from executor_svc.quantization.config import checkpoint_quant_config, resolve_quant_config
 from executor_svc.quantization.gptq import AWQ_ORDER, awq_grouped, gptq_grouped, unpack_words
 from executor_svc.quantization.grouped import grouped_of
 from tests.checkpoints import make_checkpoint
@@ -154,3 +158,80 @@ def test_packed_model_equals_the_float_model_on_its_dequantized_weights(tmp_path
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     assert qkv.weight.numel() == 0 and not any(
         n.endswith(("qzeros", "g_idx")) for n, _ in model.named_parameters())
+
+
+def _pack_checkpoint(model_dir, fmt, act_order):
+    tensors = load_file(model_dir / "model.safetensors")
+    rtn_pack(tensors, fmt, 16, 4, act_order)
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    edit_config(model_dir, quantization_config=_config(fmt, 16, 4, act_order))
+
+
+def _tp_rank(rank: int, model_dir: str, out_dir: str) -> None:
+    from tests.executor.test_tp_model import greedy_run
+
+    result = greedy_run(Path(model_dir))
+    if rank == 0:
+        torch.save(result, Path(out_dir) / "tp2.pt")
+
+
+@pytest.mark.parametrize("fmt, act_order", [("gptq", True), ("awq", False)])
+def test_tp2_equals_tp1(tmp_path, fmt, act_order):
+    """Column-parallel layers read their words of N, row-parallel ones their rows of K (an
+    act-order rank keeps the groups its columns use, which are no longer whole: the kernel's
+    g_idx path): TP = 2 gives TP = 1's tokens and logits."""
+    from tests.executor.harness import make_hf_model, save_checkpoint
+    from tests.executor.test_tp_model import greedy_run
+    from tests.executor.tp_procs import run_ranks
+
+    model_dir = save_checkpoint(make_hf_model("qwen2"), tmp_path / "ckpt")
+    _pack_checkpoint(model_dir, fmt, act_order)
+    expected = greedy_run(model_dir)
+    run_ranks(_tp_rank, 2, str(model_dir), str(tmp_path))
+    got = torch.load(tmp_path / "tp2.pt")
+    assert got["tokens"] == expected["tokens"]
+    for a, b in zip(got["logits"], expected["logits"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_refusals(tmp_path):
+    """Layouts that cannot load name what is wrong; packed integers outside a quantized
+    layer are refused."""
+    src = make_checkpoint("qwen2", tmp_path / "float")
+    tensors = load_file(src / "model.safetensors")
+    rtn_pack(tensors, "gptq", 16)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"no matching parameter.*qweight.*packed quantized "
+                                              r"tensors: config\.json needs the "
+                                              r"quantization_config"):
+        load_model(src, dtype=torch.float32, device=CPU, max_model_len=64)
+    edit_config(src, quantization_config=_config("gptq", 16))
+    with pytest.raises(ValueError, match=r"--quantization int8 disagrees with the checkpoint"):
+        resolve_quant_config("int8", src)
+    bad = dict(tensors)
+    p = "model.layers.0.self_attn.o_proj."
+    bad[p + "qweight"] = bad[p + "qweight"].float()
+    save_file(bad, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"o_proj\.qweight has dtype F32, but its "
+                                              r"quantized layer stores packed integers"):
+        load_model(src, dtype=torch.float32, device=CPU, max_model_len=64)
+    bad = dict(tensors)
+    bad.pop(p + "qzeros")
+    save_file(bad, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"lacks tensors.*o_proj\.qzeros"):
+        load_model(src, dtype=torch.float32, device=CPU, max_model_len=64)
+    for qc, message in [
+            ({"bits": 3}, r"gptq with bits 3 is not supported \(supported: 4, 8\)"),
+            ({"group_size": 0}, r"group_size must be a positive integer or -1"),
+            ({"desc_act": "yes"}, r"desc_act must be true or false"),
+            ({"checkpoint_format": "marlin"}, r"checkpoint_format 'marlin' is not supported")]:
+        with pytest.raises(ValueError, match=message):
+            checkpoint_quant_config({"quantization_config": _config("gptq", 16) | qc})
+    for qc, message in [({"version": "gemv"}, r"awq version 'gemv' is not supported"),
+                        ({"zero_point": False}, r"without zero points"),
+                        ({"bits": 8}, r"awq with bits 8 is not supported")]:
+        with pytest.raises(ValueError, match=message):
+            checkpoint_quant_config({"quantization_config": _config("awq", 16) | qc})
+    float_dir = make_checkpoint("qwen2", tmp_path / "plain")
+    with pytest.raises(ValueError, match=r"--quantization gptq loads gptq checkpoints"):
+        resolve_quant_config("gptq", float_dir)
