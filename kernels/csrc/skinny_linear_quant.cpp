@@ -13,7 +13,8 @@
 //   (kRowChunk) dequantizes in registers as it streams; more rows dequantize each tile once
 //   into a per-thread fp32 scratch slab (L2-sized) that every row chunk then reads.
 // - skinny_linear_f8: float8 e4m3fn slabs [ceil(N / 16), K, 16], widened exactly on load
-//   (vec.h), one fp32 scale per feature applied to its sum before the bias (as _q8).
+//   (vec.h; staged like the grouped ones past one row chunk), one fp32 scale per feature
+//   applied to its sum before the bias (as _q8).
 
 #include "skinny.h"
 
@@ -169,6 +170,37 @@ struct GroupedKernel {
   }
 };
 
+// run_skinny's Kernel for fp8 slabs: SlabKernel's, but with more rows than a chunk each tile is
+// widened once into `scratch` (exact, so the result is the same bits) for every row chunk.
+struct Fp8Kernel {
+  const float* x;  // [M, K] fp32
+  const c10::Float8_e4m3fn* w;  // [num_blocks, K, 16]
+  int64_t K;
+  bool staged;  // M > kRowChunk
+  std::vector<float> scratch;
+  int64_t staged_block0 = -1;
+
+  void prepare(int64_t block0, int64_t blocks) {
+    if (!staged) return;
+    const int64_t n = blocks * K * kPackN;
+    scratch.resize(n);
+    const c10::Float8_e4m3fn* src = w + block0 * K * kPackN;
+    for (int64_t i = 0; i < n; i += kV) load_f(src + i).store(scratch.data() + i);
+    staged_block0 = block0;
+  }
+
+  template <int NV>
+  void product(int rows, int64_t r0, int64_t block, float* acc) const {
+    if (staged) {
+      tile_rows<float, NV>(rows, x + r0 * K, K, scratch.data() + (block - staged_block0) * K * kPackN,
+                           K * kPackN, K, acc);
+    } else {
+      tile_rows<c10::Float8_e4m3fn, NV>(rows, x + r0 * K, K, w + block * K * kPackN, K * kPackN,
+                                        K, acc);
+    }
+  }
+};
+
 void check_group_args(const char* name, int bits, const at::Tensor& x, const at::Tensor& slabs,
                       const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
                       const std::optional<at::Tensor>& bias, int64_t out_features,
@@ -237,9 +269,10 @@ at::Tensor skinny_linear_f8(const at::Tensor& x, const at::Tensor& packed, const
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == out_features && scale.is_contiguous() &&
                   scale.scalar_type() == at::kFloat && scale.device().is_cpu(),
               "skinny_linear_f8: scale must be [out_features] fp32, contiguous, on the CPU");
+  const bool staged = x.size(0) > kRowChunk;
   return skinny_op(x, packed.size(0), bias, out_features, scale.data_ptr<float>(),
                    [&](const float* xp) {
-    return SlabKernel<c10::Float8_e4m3fn>{xp, packed.data_ptr<c10::Float8_e4m3fn>(), x.size(1)};
+    return Fp8Kernel{xp, packed.data_ptr<c10::Float8_e4m3fn>(), x.size(1), staged};
   });
 }
 
