@@ -236,3 +236,21 @@ def test_fp8_method_runs_the_slabs_on_the_cpu_backend(rows):
     want = x.double() @ dequant.t() + layer.bias.double()
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     assert torch.equal(got, cpu_quant.fp8_linear(x, layer.f8_slabs, layer.qscale, layer.bias))
+
+
+def test_without_the_fused_kernels_nothing_is_packed(monkeypatch):
+    """FOLIO_CPU_EXT=0 or a failed build: pack_* return None and fp8 layers keep `qweight`."""
+    monkeypatch.setattr(cpu_ext, "load", lambda: None)
+    gw = _grouped(16, 64, 4, 32, offsets=True)
+    assert cpu_quant.pack_grouped(gw.q, gw.scales, gw.offsets, 32) is None
+    q, _ = _fp8(16, 64)
+    assert cpu_quant.pack_fp8(q) is None
+    layer = Linear(64, 16, bias=False)
+    layer.method = Fp8WeightOnly()
+    with torch.no_grad():
+        layer.method.process_weights(layer)
+    assert not hasattr(layer, "f8_slabs") and layer.qweight.shape == (16, 64)
+    x = torch.randn(3, 64)
+    want = x.double() @ (layer.qweight.double() * layer.qscale.double()[:, None]).t()
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5)
