@@ -44,7 +44,7 @@ def _unslab(slabs: torch.Tensor, n: int) -> torch.Tensor:
     return slabs.permute(0, 2, 1).reshape(-1, slabs.shape[1])[:n].contiguous()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors: identity, not elementwise ==
 class GroupedSlabs:
     """A grouped layer's matrix as the fused kernels read it (layout: module docstring)."""
 
