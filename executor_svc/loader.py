@@ -16,7 +16,7 @@ shape, and each rank reads only its slices from the files, never a whole sharded
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -254,7 +254,12 @@ def model_weight_bytes(model: nn.Module) -> int:
     holders = [*model.modules(), *(m for m in vars(model).values() if isinstance(m, TiedHead))]
     for holder in holders:  # a tied LM head is no module, but holds its method's forms
         for value in vars(holder).values():
-            tensors = value.values() if isinstance(value, dict) else [value]
+            if isinstance(value, dict):
+                tensors = value.values()
+            elif is_dataclass(value):  # a method's packed form (kernels/cpu_quant.py slabs)
+                tensors = [getattr(value, f.name) for f in fields(value)]
+            else:
+                tensors = [value]
             for t in tensors:
                 if not isinstance(t, torch.Tensor) or t.is_meta:
                     continue

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from kernels import cpu_quant
 
 
 @dataclass
@@ -120,7 +121,10 @@ class GroupedWeightOnly:
     for 8-bit), ``layer.g_idx`` ([K] int32 or None), ``layer.group_size`` and
     ``layer.input_perm`` (None, or the column order the input is taken in) hold the matrix
     `grouped_weight` returned: ``grouped_of(layer)`` rebuilds it. `apply` runs
-    ``kernels.group_quant_linear`` (Triton on CUDA, the twin on the CPU)."""
+    ``kernels.group_quant_linear`` (Triton on CUDA, the twin on the CPU). On the CPU backend
+    with the fused kernels built and whole groups (no g_idx left), the matrix lives in the
+    skinny kernel's slabs instead (``layer.grouped_slabs``, kernels/cpu_quant.py; ``qweight``
+    and the scales then empty) and every product runs skinny_linear_g4 / _g8."""
 
     quantized = True  # use_linear_method leaves a layer with this method alone
 
@@ -138,19 +142,32 @@ class GroupedWeightOnly:
         layer.qscales, layer.qoffsets = gw.scales, gw.offsets
         layer.g_idx, layer.group_size = gw.g_idx, gw.group_size
         layer.quant_in_features = gw.q.shape[1]
+        layer.grouped_slabs = None
+        if gw.g_idx is None and kernels.cpu_backend_active(gw.q):
+            layer.grouped_slabs = cpu_quant.pack_grouped(gw.q, gw.scales, gw.offsets,
+                                                         gw.group_size)
+        if layer.grouped_slabs is not None:  # the slabs hold it all
+            layer.qweight = torch.empty(0, dtype=layer.qweight.dtype)
+            layer.qscales = layer.qoffsets = None
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [num_tokens, in_features]
         if layer.input_perm is not None:
             rows = rows.index_select(1, layer.input_perm)
-        out = kernels.group_quant_linear(rows, layer.qweight, layer.qscales, layer.qoffsets,
-                                         layer.g_idx, layer.group_size, bias)
+        if layer.grouped_slabs is not None:
+            out = cpu_quant.grouped_linear(rows, layer.grouped_slabs, bias)
+        else:
+            out = kernels.group_quant_linear(rows, layer.qweight, layer.qscales,
+                                             layer.qoffsets, layer.g_idx, layer.group_size, bias)
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def grouped_of(layer) -> tuple[GroupedWeight, torch.Tensor | None]:
     """(the layer's matrix as it holds it, its input permutation): W[:, perm] is
     ``grouped_of(layer)[0].dequantize()`` (tests and tools)."""
+    if layer.grouped_slabs is not None:
+        q, scales, offsets = layer.grouped_slabs.unpack()
+        return GroupedWeight(q, scales, offsets, layer.group_size), layer.input_perm
     k = layer.quant_in_features
     q = unpack_int4(layer.qweight, k) if layer.qweight.dtype == torch.uint8 else layer.qweight
     return GroupedWeight(q, layer.qscales, layer.qoffsets, layer.group_size,

@@ -5,7 +5,10 @@ and ``layer.qscale`` [N] fp32 hold the layer's matrix as ``qweight.float() * qsc
 (the dequantized weight, exactly what a float reference model is given); the plain weight and
 any checkpoint scale are released (empty), so the layer holds N*K bytes plus 4*N. ``apply``
 is ``kernels.w8a16_linear``: the Triton kernel on CUDA (upcast in the kernel), the torch twin
-on the CPU (cache-sized dequantized slices, never a full float copy).
+on the CPU (cache-sized dequantized slices, never a full float copy); on the CPU backend with
+the fused kernels built, both schemes instead keep the matrix in 16-feature slabs (``q8_slabs``
+/ ``f8_slabs``, ``qweight`` then empty; `quantized_weight` unpacks either) and run the fused
+skinny kernels.
 
 Quantized at load (from float weights): symmetric, one scale per output channel, scale =
 absmax / qmax (127 for int8, 448 for e4m3), int8 rounded to nearest, e4m3 by torch's cast
@@ -29,6 +32,7 @@ from executor_svc.models.parallel import RowParallelLinear
 from executor_svc.quantization.config import QuantConfig
 from executor_svc.quantization.gptq import AwqWeights, GptqWeights
 from executor_svc.quantization.grouped import GroupedWeightOnly
+from kernels import cpu_quant
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
@@ -111,11 +115,33 @@ class Int8WeightOnly(WeightOnly8Bit):
 
 
 class Fp8WeightOnly(WeightOnly8Bit):
+    """On the CPU backend with the fused kernels built, the e4m3 matrix is kept in 16-feature
+    slabs (``layer.f8_slabs``, kernels/cpu_quant.py; ``qweight`` released) and every product
+    runs skinny_linear_f8: weights widened exactly on load, the scale applied to each feature's
+    fp32 sum, as int8's q8 slabs."""
+
     weight_dtype = torch.float8_e4m3fn
     qmax = FP8_MAX
 
     def cast(self, q: torch.Tensor) -> torch.Tensor:
         return q.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+    def process_weights(self, layer: Linear) -> None:
+        super().process_weights(layer)
+        if kernels.cpu_backend_active(layer.qweight):
+            slabs = cpu_quant.pack_fp8(layer.qweight)
+            if slabs is not None:
+                layer.f8_slabs = slabs
+                layer.qweight = torch.empty(0, dtype=torch.float8_e4m3fn)
+
+    def apply(self, layer: Linear, x: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        slabs = getattr(layer, "f8_slabs", None)
+        if slabs is None:
+            return super().apply(layer, x, bias)
+        rows = x.reshape(-1, x.shape[-1])
+        out = cpu_quant.fp8_linear(rows, slabs, layer.qscale, bias)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
 
 METHODS = {"int8": Int8WeightOnly, "fp8": Fp8WeightOnly, "gptq": GptqWeights,
@@ -158,16 +184,18 @@ def _reduce_over_ranks(layer: Linear):
 
 def quantized_weight(layer: Linear) -> torch.Tensor:
     """The layer's quantized matrix [N, K] as it holds it (`qweight`, or unpacked from the CPU
-    backend's int8 slabs)."""
+    backend's int8 or fp8 slabs)."""
+    n = layer.qscale.numel()
+    if hasattr(layer, "f8_slabs"):
+        return cpu_quant.unpack_fp8(layer.f8_slabs, n)
     slabs = getattr(layer, "q8_slabs", None)
     if slabs is None:
         return layer.qweight
-    n = layer.qscale.numel()
     return slabs.permute(0, 2, 1).reshape(-1, slabs.shape[1])[:n]
 
 
 def quantized_weight_bytes(layer: Linear) -> int:
     """Bytes the layer's quantized weight and scales take."""
-    weight = getattr(layer, "q8_slabs", layer.qweight)
+    weight = getattr(layer, "q8_slabs", getattr(layer, "f8_slabs", layer.qweight))
     return (weight.numel() * weight.element_size()
             + layer.qscale.numel() * layer.qscale.element_size())

@@ -3,7 +3,8 @@
 // Built on first use by kernels/cpu_ext.py (torch.utils.cpp_extension, no pybind) with the
 // vector ISA of the machine it runs on (CPU_CAPABILITY = AVX512, AVX2 or DEFAULT), and checked
 // against the torch twins in tests/kernels/test_cpu_ext.py. The kernels: elementwise.cpp,
-// decode_attention.cpp, prefill_attention.cpp, skinny_linear.cpp; shared helpers and invariants: vec.h.
+// decode_attention.cpp, prefill_attention.cpp, skinny_linear.cpp, skinny_linear_quant.cpp; shared
+// helpers and invariants: vec.h (all), skinny.h (the skinny linears).
 
 #include <torch/library.h>
 
@@ -21,6 +22,12 @@ TORCH_LIBRARY(folio_cpu, m) {
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("skinny_linear_q8(Tensor x, Tensor packed, Tensor scale, Tensor? bias, "
         "int out_features) -> Tensor");
+  m.def("skinny_linear_g4(Tensor x, Tensor slabs, Tensor scales, Tensor? offsets, Tensor? bias, "
+        "int out_features, int group_size) -> Tensor");
+  m.def("skinny_linear_g8(Tensor x, Tensor slabs, Tensor scales, Tensor? offsets, Tensor? bias, "
+        "int out_features, int group_size) -> Tensor");
+  m.def("skinny_linear_f8(Tensor x, Tensor packed, Tensor scale, Tensor? bias, "
+        "int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(folio_cpu, CPU, m) {
@@ -31,4 +38,7 @@ TORCH_LIBRARY_IMPL(folio_cpu, CPU, m) {
   m.impl("prefill_attention", &folio_cpu::prefill_attention);
   m.impl("skinny_linear", &folio_cpu::skinny_linear);
   m.impl("skinny_linear_q8", &folio_cpu::skinny_linear_q8);
+  m.impl("skinny_linear_g4", &folio_cpu::skinny_linear_g4);
+  m.impl("skinny_linear_g8", &folio_cpu::skinny_linear_g8);
+  m.impl("skinny_linear_f8", &folio_cpu::skinny_linear_f8);
 }

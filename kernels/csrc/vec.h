@@ -57,6 +57,34 @@ inline fVec load_f<int8_t>(const int8_t* p) {  // kV int8 values, exactly, as fp
 #endif
 }
 
+// kV float8 e4m3fn values, exactly, as fp32: each byte's sign, exponent and mantissa moved into
+// an fp16 (exponent bias 15 against e4m3's 7, so the value is 2^-8 of the byte's) that F16C
+// widens, subnormals included, then scaled by 2^8 (exact); 0x7f/0xff (e4m3fn's NaN) made NaN.
+template <>
+inline fVec load_f<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i em = _mm256_and_si256(u, _mm256_set1_epi16(0x7f));
+  __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x80)), 8),
+                              _mm256_slli_epi16(em, 7));
+  h = _mm256_or_si256(h, _mm256_and_si256(_mm256_cmpeq_epi16(em, _mm256_set1_epi16(0x7f)),
+                                          _mm256_set1_epi16(0x7c00)));
+  return fVec(_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i u = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i em = _mm_and_si128(u, _mm_set1_epi16(0x7f));
+  __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(u, _mm_set1_epi16(0x80)), 8),
+                           _mm_slli_epi16(em, 7));
+  h = _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(em, _mm_set1_epi16(0x7f)),
+                                    _mm_set1_epi16(0x7c00)));
+  return fVec(_mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f)));
+#else
+  alignas(64) float wide[kV];
+  for (int64_t i = 0; i < kV; ++i) wide[i] = static_cast<float>(p[i]);
+  return fVec::loadu(wide);
+#endif
+}
+
 template <typename T>
 inline void store_f(T* p, const fVec& v) {  // kV elements, rounded to T
   if constexpr (std::is_same_v<T, float>) {
@@ -134,5 +162,15 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed,
 at::Tensor skinny_linear_q8(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scale, const std::optional<at::Tensor>& bias,
                             int64_t out_features);
+at::Tensor skinny_linear_g4(const at::Tensor& x, const at::Tensor& slabs, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& offsets,
+                            const std::optional<at::Tensor>& bias, int64_t out_features,
+                            int64_t group_size);
+at::Tensor skinny_linear_g8(const at::Tensor& x, const at::Tensor& slabs, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& offsets,
+                            const std::optional<at::Tensor>& bias, int64_t out_features,
+                            int64_t group_size);
+at::Tensor skinny_linear_f8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                            const std::optional<at::Tensor>& bias, int64_t out_features);
 
 }  // namespace folio_cpu

@@ -86,14 +86,16 @@ def test_fp8_checkpoint_loads_as_it_is(float_ckpt, tmp_path, per_channel, static
     attn = model.model.layers[1].self_attn
     p = "model.layers.1.self_attn."
     q = torch.cat([tensors[p + f"{s}_proj.weight"] for s in "qkv"])
-    assert attn.qkv_proj.qweight.dtype == torch.float8_e4m3fn
-    assert torch.equal(attn.qkv_proj.qweight.view(torch.uint8), q.view(torch.uint8))
+    qweight = quantized_weight(attn.qkv_proj)  # CPU backend: unpacked from its fp8 slabs
+    assert qweight.dtype == torch.float8_e4m3fn
+    assert torch.equal(qweight.view(torch.uint8), q.view(torch.uint8))
     # One scale per row: each shard's own scalar, or the checkpoint's channel scales.
     scales = torch.cat([tensors[p + f"{s}_proj.weight_scale"].reshape(-1).expand(
         tensors[p + f"{s}_proj.weight"].shape[0]) for s in "qkv"])
     assert torch.equal(attn.qkv_proj.qscale, scales.float())
     assert model.lm_head.method.__class__.__name__ != "Fp8WeightOnly"
-    assert _load(ckpt, "fp8").model.layers[0].mlp.down_proj.qweight.dtype == torch.float8_e4m3fn
+    down = _load(ckpt, "fp8").model.layers[0].mlp.down_proj
+    assert quantized_weight(down).dtype == torch.float8_e4m3fn
 
 
 def _rewrite(model_dir, edit):
