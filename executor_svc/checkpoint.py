@@ -23,6 +23,9 @@ INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names; the loader converts
 # fp8 checkpoints' weights (e4m3); the loader takes them only into layers with a weight_scale.
 FP8_DTYPES = ("F8_E4M3",)
+# a converted GGUF file's raw block rows; the loader takes them only into the layers its
+# quantization_config lists (quantization/gguf_loading.py).
+GGUF_DTYPES = ("U8",)
 
 
 class CheckpointError(ValueError):
@@ -148,12 +151,13 @@ def read_weight_headers(files: list[Path]) -> list[TensorHeader]:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 tensor = f.get_slice(name)
                 header = TensorHeader(file, name, tensor.get_dtype(), tuple(tensor.get_shape()))
-                if header.dtype not in FLOAT_DTYPES + FP8_DTYPES:
+                if header.dtype not in FLOAT_DTYPES + FP8_DTYPES + GGUF_DTYPES:
                     raise CheckpointError(file, f"tensor {name} has dtype {header.dtype}; "
                                                 "weights must be floating point (F32, F16, "
-                                                "BF16, F64) or fp8 (F8_E4M3, with an fp8 "
-                                                "quantization_config); other quantized "
-                                                "checkpoints are not supported")
+                                                "BF16, F64), fp8 (F8_E4M3, with an fp8 "
+                                                "quantization_config) or GGUF blocks (U8, "
+                                                "with a gguf quantization_config); other "
+                                                "quantized checkpoints are not supported")
                 if name in seen:
                     raise CheckpointError(file, f"tensor {name} is also in {seen[name].name}")
                 seen[name] = file

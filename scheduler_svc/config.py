@@ -123,8 +123,8 @@ class SchedulerConfig:
         if self.tensor_parallel_size is not None and not 1 <= self.tensor_parallel_size <= 512:
             raise ValueError("--tensor-parallel-size must be between 1 and 512, got "
                              f"{self.tensor_parallel_size}")
-        if self.quantization not in (None, "int8", "fp8"):
-            raise ValueError("--quantization must be int8 or fp8, got "
+        if self.quantization not in (None, "int8", "fp8", "gguf"):
+            raise ValueError("--quantization must be int8, fp8 or gguf, got "
                              f"{self.quantization!r}")
         if self.device not in (None, "auto", "cpu", "cuda"):
             raise ValueError(f"--device must be one of auto, cpu, cuda, got {self.device!r}")
@@ -232,7 +232,9 @@ def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentPars
                    "(torch.distributed: NCCL on GPUs, gloo on the CPU; executor default 1)")
     g.add_argument("--quantization", "-q",
                    help="int8 or fp8: the executor stores the linear weights in 8 bits, "
-                   "quantized at load (an fp8 checkpoint loads as it is without the flag)")
+                   "quantized at load (an fp8 checkpoint, or a GGUF file's Q8_0/Q4_0/Q4_1/"
+                   "Q4_K/Q6_K linear weights, load as they are without the flag; gguf names "
+                   "the latter)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps: every step runs eagerly")
     add_front_end_flags(p)

@@ -15,6 +15,11 @@ Schemes (methods in quantization/methods.py):
   here always take 16/32-bit activations: static input scales are loaded (every tensor has a
   home) but not applied, which is at least as accurate as the fp8 activations they were
   calibrated for.
+- ``gguf``: a GGUF file's block-quantized linear weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), kept
+  as the converter wrote them (executor_svc/gguf_checkpoint): each such layer's ``weight`` is
+  its raw block rows, uint8 [N, row_bytes], unpacked at load (quantization/gguf_blocks.py).
+  Only from a checkpoint: ``quantization_config = {"quant_method": "gguf", "tensor_types":
+  {hf_weight_name: ggml_type, ...}}``; the layers it does not list hold float weights.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from typing import Any
 
 from executor_svc.checkpoint import CheckpointError, read_json_object
 
-SCHEMES = ("int8", "fp8")
+SCHEMES = ("int8", "fp8", "gguf")
+# GGUF block types kept quantized (the converter writes, quantization/gguf_blocks.py unpacks).
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 ACTIVATION_SCHEMES = ("dynamic", "static")
 
 
@@ -36,6 +43,8 @@ class QuantConfig:
     # are); False: quantize the checkpoint's float weights at load.
     from_checkpoint: bool = False
     activation_scheme: str = "dynamic"  # the checkpoint's; activations stay 16/32-bit here
+    # gguf: checkpoint weight name -> GGUF block type of every layer stored as raw blocks.
+    tensor_types: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -58,6 +67,8 @@ def checkpoint_quant_config(config_json: dict[str, Any]) -> QuantConfig | None:
     if not isinstance(qc, dict):
         raise ValueError(f"quantization_config must be an object, got {qc!r}")
     method = qc.get("quant_method")
+    if method == "gguf":
+        return _gguf_quant_config(qc)
     if method != "fp8":
         raise ValueError(unsupported(method))
     if qc.get("weight_block_size") is not None:
@@ -69,6 +80,18 @@ def checkpoint_quant_config(config_json: dict[str, Any]) -> QuantConfig | None:
         raise ValueError("quantization_config.activation_scheme must be one of "
                          f"{', '.join(ACTIVATION_SCHEMES)}, got {activation_scheme!r}")
     return QuantConfig("fp8", from_checkpoint=True, activation_scheme=activation_scheme)
+
+
+def _gguf_quant_config(qc: dict[str, Any]) -> QuantConfig:
+    types = qc.get("tensor_types")
+    if not isinstance(types, dict) or not types:
+        raise ValueError("quantization_config.tensor_types must be a non-empty object "
+                         f"(weight name -> GGUF type), got {types!r}")
+    for name, kind in types.items():
+        if kind not in GGUF_TYPES:
+            raise ValueError(f"quantization_config.tensor_types[{name!r}] = {kind!r}: GGUF "
+                             f"types kept quantized are {', '.join(GGUF_TYPES)}")
+    return QuantConfig("gguf", from_checkpoint=True, tensor_types=dict(types))
 
 
 def resolve_quant_config(flag: str | None, model_dir: Path) -> QuantConfig | None:
@@ -86,6 +109,11 @@ def resolve_quant_config(flag: str | None, model_dir: Path) -> QuantConfig | Non
     if flag is not None and flag not in SCHEMES:
         raise ValueError(f"--quantization: {unsupported(flag)}")
     if from_checkpoint is None:
+        if flag == "gguf":
+            raise ValueError(f"--quantization gguf loads the block-quantized weights of a "
+                             f"converted GGUF file, and {path} declares none "
+                             f"(quantization_config); serve the .gguf file itself, or leave "
+                             f"the flag out")
         return None if flag is None else QuantConfig(flag)
     if flag is not None and flag != from_checkpoint.scheme:
         raise ValueError(f"--quantization {flag} disagrees with the checkpoint, whose "

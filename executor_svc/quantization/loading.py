@@ -24,6 +24,7 @@ from executor_svc.checkpoint import CheckpointError, TensorHeader
 from executor_svc.models.linear import Linear
 from executor_svc.models.parallel import WeightShard
 from executor_svc.quantization.config import QuantConfig
+from executor_svc.quantization.gguf_loading import check_raw_header
 from executor_svc.quantization.methods import METHODS
 
 log = structlog.get_logger(__name__)
@@ -102,7 +103,9 @@ def scale_shard(layer: Linear, param_name: str, shard_id: int | None) -> WeightS
 
 def check_header_dtype(header: TensorHeader, param: torch.Tensor) -> None:
     """An e4m3 tensor goes only into an e4m3 parameter and back: a silent cast would drop its
-    scale (a float weight in an fp8 layer, an fp8 weight in a float one)."""
+    scale (a float weight in an fp8 layer, an fp8 weight in a float one). The same for GGUF
+    blocks (gguf_loading.py)."""
+    check_raw_header(header, param)
     is_fp8 = param.dtype == torch.float8_e4m3fn
     if (header.dtype == FP8_HEADER_DTYPE) != is_fp8:
         if is_fp8:

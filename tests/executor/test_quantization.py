@@ -144,7 +144,7 @@ def test_refusals_name_the_scheme(float_ckpt, tmp_path):
     shutil.copytree(float_ckpt, ckpt)
     edit_config(ckpt, quantization_config={"quant_method": "gptq", "bits": 4})
     with pytest.raises(CheckpointError, match=r"config\.json: unsupported quantization scheme "
-                                              r"'gptq' \(supported: int8, fp8\)"):
+                                              r"'gptq' \(supported: int8, fp8, gguf\)"):
         _load(ckpt)
     edit_config(ckpt, quantization_config={"quant_method": "fp8",
                                            "weight_block_size": [128, 128]})
@@ -158,7 +158,7 @@ def test_refusals_name_the_scheme(float_ckpt, tmp_path):
         resolve_quant_config("int4", float_ckpt)
     with pytest.raises(ValueError, match=r"--quantization must be one of int8, fp8"):
         ExecutorConfig(model="x", quantization="awq")
-    with pytest.raises(ValueError, match=r"--quantization must be int8 or fp8"):
+    with pytest.raises(ValueError, match=r"--quantization must be int8, fp8 or gguf"):
         SchedulerConfig(quantization="gptq")
     args = build_parser().parse_args(["--quantization", "fp8"])
     assert SchedulerConfig(**vars(args)).executor_flags()[:2] == ["--quantization", "fp8"]
