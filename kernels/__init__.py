@@ -1,7 +1,7 @@
 """Folio's kernels: Triton on CUDA, the CPU backend on the CPU, torch twins as the oracle.
 
 Public entry points (the one dispatch point): store_kv, paged_attention, rms_norm, rotary,
-silu_and_mul, w8a16_linear. Each picks the Triton launcher when its first tensor lives on a
+silu_and_mul, w8a16_linear, group_quant_linear. Each picks the Triton launcher when its first tensor lives on a
 CUDA device and the CPU implementation (kernels/cpu.py) otherwise, so CPU runs never touch Triton. The torch
 twins (kernels/twins.py) are the oracle both are tested against.
 
@@ -25,7 +25,7 @@ _BACKEND = os.environ.get("FOLIO_KERNELS", "auto")
 if _BACKEND not in ("auto", "torch", "triton"):
     raise ValueError(f"FOLIO_KERNELS must be auto, torch or triton, not {_BACKEND!r}")
 
-__all__ = ["cpu", "cpu_backend_active", "cpu_ext", "paged_attention", "rms_norm", "rotary", "silu_and_mul",
+__all__ = ["cpu", "cpu_backend_active", "cpu_ext", "group_quant_linear", "paged_attention", "rms_norm", "rotary", "silu_and_mul",
            "store_kv", "twins", "w8a16_linear"]
 
 
@@ -110,3 +110,11 @@ def w8a16_linear(x, weight, scale, bias) -> torch.Tensor:
     weight [N, K] int8 or float8_e4m3fn, scale [N] fp32 (executor_svc/quantization)."""
     impl = _impl(x)
     return impl.w8a16_linear(x, weight, scale, bias)
+
+
+def group_quant_linear(x, qweight, scales, offsets, g_idx, group_size, bias) -> torch.Tensor:
+    """x [num_tokens, K] @ W^T + bias with group-quantized 4/8-bit W (qweight uint8 nibbles
+    [N, ceil(K/2)] or int8 [N, K], scales/offsets [N, G] fp32, g_idx [K] or None;
+    executor_svc/quantization/grouped.py) -> [num_tokens, N] in x's dtype."""
+    impl = _impl(x)
+    return impl.group_quant_linear(x, qweight, scales, offsets, g_idx, group_size, bias)

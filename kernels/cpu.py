@@ -395,3 +395,4 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * intermedi
 
 # 8-bit weights: the twin is the CPU backend (slices of rows dequantized into fp32 products).
 w8a16_linear = twins.w8a16_linear
+group_quant_linear = twins.group_quant_linear

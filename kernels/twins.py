@@ -152,3 +152,36 @@ def w8a16_linear(
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype)
+
+
+def group_quant_linear(
+    x: torch.Tensor,  # [num_tokens, in_features] fp16/bf16/fp32
+    qweight: torch.Tensor,  # uint8 [N, ceil(K / 2)] two 4-bit values a byte, or int8 [N, K]
+    scales: torch.Tensor,  # [N, G] fp32
+    offsets: torch.Tensor | None,  # [N, G] fp32
+    g_idx: torch.Tensor | None,  # [K] int32 group of each input column; None: k // group_size
+    group_size: int,
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [num_tokens, N] in x's dtype
+    """x @ W^T + bias with W[n, k] = q[n, k] * scales[n, g(k)] + offsets[n, g(k)] in fp32
+    (executor_svc/quantization/grouped.py), dequantizing one cache-sized slice of output rows
+    at a time; 4-bit values sit in the low (even k) and high (odd k) nibble of each byte."""
+    in_features = x.shape[1]
+    out_features = qweight.shape[0]
+    groups = (g_idx.long() if g_idx is not None
+              else torch.arange(in_features, device=x.device) // group_size)
+    rows = max(1, DEQUANT_CHUNK_ELEMS // max(1, in_features))
+    xf = x.float()
+    out = torch.empty((x.shape[0], out_features), dtype=torch.float32, device=x.device)
+    for start in range(0, out_features, rows):
+        end = min(start + rows, out_features)
+        q = qweight[start:end]
+        if q.dtype == torch.uint8:
+            q = torch.stack([q & 0xF, q >> 4], dim=2).reshape(end - start, -1)[:, :in_features]
+        w = q.float() * scales[start:end][:, groups]
+        if offsets is not None:
+            w = w + offsets[start:end][:, groups]
+        out[:, start:end] = xf @ w.t()
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)

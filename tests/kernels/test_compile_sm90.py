@@ -132,6 +132,7 @@ def main() -> None:
              {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": dt},
              dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_BLOCK=16))  # fmt: skip
     _quant_linear()
+    _group_quant_linear()
     print("compiled")
 
 
@@ -154,6 +155,31 @@ def _quant_linear() -> None:
                                   dict(config, HAS_BIAS=True, IEEE=dtype == "fp32"), **options)
                 regs, spills = _registers_and_spills(kernel)
                 case = (weight, dtype, num_tokens)
+                assert dtype == "fp32" or spills == 0, f"{case}: {spills} bytes of spills"
+                print(case, f"{regs} registers, {spills} bytes spilled")
+
+
+def _group_quant_linear() -> None:
+    """group_quant_linear for 4-bit (nibbles, offsets) and 8-bit weights, with and without
+    act-order g_idx, at the decode and prefill configurations; 16-bit tiles never spill."""
+    import torch
+
+    from kernels import grouped_linear as gq
+
+    for bits, weight in ((4, "*u8"), (8, "*i8")):
+        for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16),
+                                   ("fp32", torch.float32)):
+            for num_tokens, has_gidx in ((1, False), (512, False), (1, True)):
+                config = gq.launch_config(num_tokens, torch_dtype)
+                options = {"num_warps": config.pop("num_warps")}
+                pointers = {"x_ptr": "*" + dtype, "w_ptr": weight, "scale_ptr": "*fp32",
+                            "offset_ptr": "*fp32", "gidx_ptr": "*i32", "bias_ptr": "*" + dtype,
+                            "out_ptr": "*" + dtype}
+                constexprs = dict(config, BITS=bits, HAS_OFFSETS=True, HAS_GIDX=has_gidx,
+                                  HAS_BIAS=True, IEEE=dtype == "fp32")
+                kernel = _compile(gq._group_quant_kernel, pointers, constexprs, **options)
+                regs, spills = _registers_and_spills(kernel)
+                case = (bits, dtype, num_tokens, has_gidx)
                 assert dtype == "fp32" or spills == 0, f"{case}: {spills} bytes of spills"
                 print(case, f"{regs} registers, {spills} bytes spilled")
 
