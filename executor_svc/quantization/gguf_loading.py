@@ -10,6 +10,11 @@ Tensor parallelism splits the bytes where the layer splits the elements: a colum
 layer takes whole rows (a block never spans two rows); a row-parallel one (o_proj, down_proj)
 takes a range of each row's input columns, which must be whole blocks, i.e. K / tp a multiple
 of the type's block (32 elements, 256 for the K-quants); otherwise loading is refused.
+
+`GgufWeights` (scheme "gguf" in methods.METHODS) unpacks a layer's raw rows into the grouped
+form (gguf_blocks.py) and multiplies by it through `GroupedWeightOnly`: Q4_0, Q4_1 and Q4_K
+layers hold 4-bit nibbles (K / 2 bytes a row), Q8_0 and Q6_K int8 (K bytes a row), each with
+fp32 scales (and offsets) per group of 32 (Q6_K: 16) inputs.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from torch import nn
 from executor_svc.checkpoint import CheckpointError, TensorHeader
 from executor_svc.models.linear import Linear
 from executor_svc.models.parallel import RowParallelLinear, WeightShard, replicated
-from executor_svc.quantization.gguf_blocks import BLOCK_TYPES, row_bytes
+from executor_svc.quantization.gguf_blocks import BLOCK_TYPES, row_bytes, unpack_blocks
+from executor_svc.quantization.grouped import GroupedWeight, GroupedWeightOnly
 
 RAW_HEADER_DTYPE = "U8"
 
@@ -114,3 +120,18 @@ def check_raw_header(header: TensorHeader, param: torch.Tensor) -> None:
         problem = (f"tensor {header.name} is {RAW_HEADER_DTYPE} but config.json's "
                    "quantization_config.tensor_types does not list it as GGUF blocks")
     raise CheckpointError(header.file, problem)
+
+
+class GgufWeights(GroupedWeightOnly):
+    weight_dtype = torch.uint8  # what quantize_model picks the checkpoint's layers by
+
+    def holds(self, layer) -> bool:
+        return getattr(layer, "gguf_type", None) is not None
+
+    def grouped_weight(self, layer) -> GroupedWeight:
+        raw = layer.weight.detach()
+        if raw.numel() == 0:
+            raise ValueError("GgufWeights: the layer's raw blocks were released")
+        gw = unpack_blocks(raw, layer.gguf_type, layer.in_features)
+        layer.weight.data = torch.empty(0, dtype=raw.dtype, device=raw.device)
+        return gw

@@ -26,6 +26,7 @@ import kernels
 import kernels.cpu
 from executor_svc.models.linear import Linear, pack_skinny_weight
 from executor_svc.models.parallel import RowParallelLinear
+from executor_svc.quantization.gguf_loading import GgufWeights
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
@@ -111,7 +112,7 @@ class Fp8WeightOnly(WeightOnly8Bit):
         return q.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
-METHODS = {"int8": Int8WeightOnly, "fp8": Fp8WeightOnly}
+METHODS = {"int8": Int8WeightOnly, "fp8": Fp8WeightOnly, "gguf": GgufWeights}
 
 
 def per_row_scale(layer: Linear) -> torch.Tensor:
