@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", "-q", choices=SCHEMES, default=None,
                    help="store the linear weights (not the LM head) in 8 bits, quantized at "
                         "load: int8 (W8A16) or fp8 (e4m3), one scale per output channel; "
-                        "an fp8 checkpoint (quantization_config) loads as it is without it")
+                        "an fp8 checkpoint (quantization_config) loads as it is without it, "
+                        "as do a converted GGUF file's raw blocks (gguf names them)")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit (as on SIGTERM) when this process is gone; `folio serve` passes "
                         "its own pid so no executor outlives it")

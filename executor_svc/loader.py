@@ -40,6 +40,7 @@ from executor_svc.models import model_class
 from executor_svc.models.linear import TiedHead, cpu_linear_method, use_linear_method
 from executor_svc.models.parallel import WeightShard, replicated
 from executor_svc.quantization import resolve_quant_config
+from executor_svc.quantization.gguf_loading import gguf_weight_shard, prepare_gguf_params
 from executor_svc.quantization.loading import (
     check_header_dtype,
     prepare_checkpoint_params,
@@ -148,6 +149,8 @@ def weight_shard(model: nn.Module, pname: str, shard_id: int | None,
         return scale_shard(owner, param_name, shard_id)
     if param_name in getattr(owner, "quant_params", ()):  # a GPTQ/AWQ packed tensor
         return owner.quant_shard(param_name, shard_id)
+    if param_name == "weight" and getattr(owner, "gguf_type", None) is not None:
+        return gguf_weight_shard(owner, shard_id)  # raw GGUF blocks: the shard in bytes
     describe = getattr(owner, "weight_shard", None)
     return describe(param_name, shard_id) if describe is not None else replicated(param)
 
@@ -204,8 +207,9 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
     """Build the registered class for the checkpoint in `model_dir` and load its weights.
     `keep_plain_weights`: the CPU backend may release the plain linear weights once it has
     its own forms of them (prepare_for_device); True keeps them readable (tests, tools).
-    `quantization`: --quantization (int8, fp8 or None); an fp8 checkpoint is quantized
-    whatever it says (executor_svc/quantization)."""
+    `quantization`: --quantization (int8, fp8, gguf or None); an fp8 checkpoint or a
+    converted GGUF file's raw blocks are quantized whatever it says
+    (executor_svc/quantization)."""
     cfg = cfg or ModelConfig.from_dir(model_dir)
     qcfg = resolve_quant_config(quantization, model_dir)
     try:
@@ -226,9 +230,13 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
             raise CheckpointError(model_dir / "config.json", str(e)) from None
     if qcfg is not None and qcfg.from_checkpoint:
         packed = getattr(model, "packed_modules", {})
+        targets = [(*(_fused_target(h.name, packed) or (h.name, None)), h) for h in headers]
         try:
-            prepare_checkpoint_params(model, [(*(_fused_target(h.name, packed)
-                                                 or (h.name, None)), h) for h in headers], qcfg)
+            if qcfg.scheme == "gguf":
+                prepare_gguf_params(model, targets, qcfg.tensor_types or {},
+                                    model_dir / "config.json")
+            else:
+                prepare_checkpoint_params(model, targets, qcfg)
         except ValueError as e:
             raise CheckpointError(model_dir / "config.json", str(e)) from None
     placements = plan_weights(model, headers, cfg.tie_word_embeddings)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 # The executor's --quantization schemes (executor_svc/quantization/config.py SCHEMES; the
 # scheduler never imports the executor, so the list lives here too: a test keeps them equal).
-QUANTIZATION_SCHEMES = ("int8", "fp8", "gptq", "awq")
+QUANTIZATION_SCHEMES = ("int8", "fp8", "gptq", "awq", "gguf")
 
 DEFAULT_EXECUTOR_ADDRESS = "tcp://127.0.0.1:5557"
 # Flags `folio serve` hands to the executor child unchanged (dest name -> flag).
@@ -236,8 +236,9 @@ def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentPars
                    "(torch.distributed: NCCL on GPUs, gloo on the CPU; executor default 1)")
     g.add_argument("--quantization", "-q",
                    help="int8 or fp8: the executor stores the linear weights in 8 bits, "
-                   "quantized at load; fp8, gptq and awq checkpoints load as they are "
-                   "without the flag (it may name their scheme)")
+                   "quantized at load; fp8, gptq and awq checkpoints and a GGUF file's "
+                   "Q8_0/Q4_0/Q4_1/Q4_K/Q6_K linear weights (gguf) load as they are without "
+                   "the flag (it may name their scheme)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps: every step runs eagerly")
     add_front_end_flags(p)

@@ -1,7 +1,8 @@
 """GGUF files as ordinary checkpoints: converted once into an HF directory in a cache.
 
 `folio serve --model file.gguf` (or a directory holding exactly one .gguf and no config.json)
-turns the file into config.json + tokenizer files + dequantized safetensors under
+turns the file into config.json + tokenizer files + safetensors (projections of the kept block
+types as raw blocks, everything else dequantized) under
 `$FOLIO_CACHE_DIR/gguf/<sha256>/` (`cache.py`), which the executor's loader and the scheduler's
 tokenizer then read like any other checkpoint. Nothing here imports torch: the scheduler runs it
 as a subprocess and the executor runs it in-process before its torch import.
@@ -9,7 +10,7 @@ as a subprocess and the executor runs it in-process before its torch import.
     python -m executor_svc.gguf_checkpoint PATH [--cache-dir D]   # prints the directory last
 
 Module map: `reader.py` (opening the file, typed metadata), `config.py` (config.json),
-`weights.py` (names, rotary un-permutation, dequantization, safetensors), `tokenizer.py`
+`weights.py` (names, rotary un-permutation, raw blocks or dequantization, safetensors), `tokenizer.py`
 (transformers' GGUF tokenizer conversion), `convert.py` (one conversion), `cache.py` (hash,
 lock, temp dir and rename).
 """

@@ -2,7 +2,16 @@
 
 Everything that can be refused is checked before the slow part: the architecture, the config
 numbers, every tensor's name, shape and type, the tokenizer, and the free disk space. Only then
-are the weights dequantized, and the marker file is written last.
+are the weights written (linear weights of the kept block types as raw blocks, the rest
+dequantized: weights.py), and the marker file is written last.
+
+config.json declares the raw ones, for the executor's loader (executor_svc/quantization):
+
+    "quantization_config": {"quant_method": "gguf",
+                            "tensor_types": {"model.layers.0.self_attn.q_proj.weight": "Q4_1",
+                                             ...}}
+
+present only when at least one tensor is kept quantized.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from executor_svc.checkpoint import CheckpointError
 log = structlog.get_logger("executor_svc.gguf")
 
 MARKER_FILE = "folio-gguf.json"  # written last: a directory without it is not finished
-CONVERTER_VERSION = 1  # bump when the output for the same file changes; old entries rebuild
+CONVERTER_VERSION = 2  # bump when the output for the same file changes; old entries rebuild
 _FREE_SPACE_MARGIN = 1.05
 
 
@@ -34,7 +43,11 @@ def convert(gguf_file: Path, out_dir: Path, sha256: str, progress: bool) -> None
     )
     from executor_svc.gguf_checkpoint.reader import Metadata, open_gguf
     from executor_svc.gguf_checkpoint.tokenizer import write_tokenizer
-    from executor_svc.gguf_checkpoint.weights import plan_tensors, write_safetensors
+    from executor_svc.gguf_checkpoint.weights import (
+        kept_quantized,
+        plan_tensors,
+        write_safetensors,
+    )
 
     reader = open_gguf(gguf_file)
     meta = Metadata(gguf_file, reader)
@@ -48,17 +61,22 @@ def convert(gguf_file: Path, out_dir: Path, sha256: str, progress: bool) -> None
         raise CheckpointError(gguf_file, f"its tokenizer lists {num_tokens} tokens, more than "
                                          f"the model's {config['vocab_size']} embeddings")
     plan = plan_tensors(gguf_file, reader, config)
-    out_bytes = sum(int(t.n_elements) * (2 if t.tensor_type == gguf.GGMLQuantizationType.F16
-                                         else 4) for t, _ in plan)
+    kept = kept_quantized(plan)
+    if kept:
+        config["quantization_config"] = {"quant_method": "gguf", "tensor_types": kept}
+    out_bytes = sum(int(t.n_bytes) if name in kept else
+                    int(t.n_elements) * (2 if t.tensor_type == gguf.GGMLQuantizationType.F16
+                                         else 4) for t, name in plan)
     _check_free_space(gguf_file, out_dir, out_bytes)
     types = sorted({t.tensor_type.name for t, _ in plan})
-    log.info("converting GGUF to a checkpoint (once per file; weights are dequantized)",
+    log.info("converting GGUF to a checkpoint (once per file; linear weights of "
+             "Q8_0/Q4_0/Q4_1/Q4_K/Q6_K stay quantized, the rest is dequantized)",
              file=str(gguf_file), architecture=config["architectures"][0],
-             tensors=len(plan), tensor_types=",".join(types),
+             tensors=len(plan), tensor_types=",".join(types), kept_quantized=len(kept),
              params=sum(int(t.n_elements) for t, _ in plan), out_bytes=out_bytes,
              out_dir=str(out_dir))
     write_tokenizer(meta, out_dir)
-    files = write_safetensors(plan, config, out_dir, progress)
+    files = write_safetensors(plan, config, out_dir, progress, kept)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / "generation_config.json").write_text(
         json.dumps(build_generation_config(meta), indent=2) + "\n")

@@ -1,15 +1,21 @@
-"""GGUF tensors -> dequantized HF-named safetensors shards, without torch.
+"""GGUF tensors -> HF-named safetensors shards, without torch.
 
 Three things happen to each tensor:
 1. its name goes from llama.cpp's (`blk.3.attn_q.weight`) to the HF one the loader expects
    (`model.layers.3.self_attn.q_proj.weight`);
-2. it is dequantized by the `gguf` package: every quantized type comes out float32, F16 stays
-   F16, BF16 becomes float32 (numpy has no bfloat16; the widening is exact). The executor's
-   loader casts to the serving dtype;
+2. a linear weight (q/k/v/o/gate/up/down projection) stored as one of KEPT_TYPES is kept
+   quantized: written as its raw block bytes, uint8 [rows, row_bytes] (each row whole blocks,
+   ggml's layout), its type listed in config.json's quantization_config (`kept_quantized`);
+   the executor unpacks it at load (executor_svc/quantization/gguf_blocks.py). Every other
+   tensor is dequantized by the `gguf` package: every quantized type comes out float32, F16
+   stays F16, BF16 becomes float32 (numpy has no bfloat16; the widening is exact). The
+   executor's loader casts to the serving dtype;
 3. for the llama architecture, q and k (weights and biases) get llama.cpp's rotary permutation
    undone. llama.cpp reorders each head's rows from HF's "rotate half" layout (first half of
    the head, then second half) to interleaved pairs; undoing it restores HF's rows exactly.
-   Qwen2/Qwen3 files are written unpermuted (llama.cpp runs them with NeoX-style RoPE).
+   Qwen2/Qwen3 files are written unpermuted (llama.cpp runs them with NeoX-style RoPE). The
+   permutation moves whole rows, and a block never spans two rows, so raw rows are permuted
+   the same way.
 
 Every tensor the model needs must be there with the shape the config implies, and nothing else
 may be: a mismatch is refused here, naming the GGUF file, before anything is written.
@@ -25,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from executor_svc.checkpoint import INDEX_FILE, CheckpointError
+from executor_svc.quantization.config import GGUF_TYPES
 
 SHARD_BYTES = 2 << 30  # bounds the memory a conversion holds to one shard of float32 tensors
 
@@ -48,6 +55,13 @@ _LAYER_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 CONFIG_TENSORS = {"rope_freqs.weight"}  # read into config.json, not a weight
+
+KEPT_TYPES = GGUF_TYPES  # block types whose linear weights stay quantized
+# Projections the executor fuses into one matrix: kept raw only if all share one type (one
+# parameter of raw rows holds them, and rows of different types differ in length).
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          ("mlp.gate_proj", "mlp.up_proj"))
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -138,6 +152,21 @@ def _check_dequantizable(path: Path, tensor) -> None:
                                     "IQ types)") from None
 
 
+def kept_quantized(plan: list[tuple[Any, str]]) -> dict[str, str]:
+    """HF name -> GGUF type of every linear weight written as raw blocks (see the module
+    docstring): a projection's weight of a KEPT_TYPES type, where the projections fused with
+    it have the same type. The others are dequantized."""
+    types = {name: tensor.tensor_type.name for tensor, name in plan}
+    kept = {name: kind for name, kind in types.items() if kind in KEPT_TYPES
+            and name.endswith(".weight") and name.split(".")[-2] in _LINEARS}
+    for name in list(kept):
+        layer, projection = re.fullmatch(r"(model\.layers\.\d+\.)(.+)\.weight", name).groups()
+        for group in _FUSED:
+            if projection in group and len({types[f"{layer}{m}.weight"] for m in group}) > 1:
+                del kept[name]
+    return kept
+
+
 def unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation: within each head, rows were reordered from
     [first half | second half] to interleaved pairs (h0, h_half, h1, h_half+1, ...)."""
@@ -148,16 +177,19 @@ def unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
     return np.ascontiguousarray(w.swapaxes(1, 2).reshape(weights.shape))
 
 
-def dequantize(tensor, name: str, config: dict[str, Any]) -> np.ndarray:
-    """The tensor's values in HF layout: float32, or float16 where the file holds F16."""
+def dequantize(tensor, name: str, config: dict[str, Any], raw: bool = False) -> np.ndarray:
+    """The tensor's values in HF layout: float32, or float16 where the file holds F16; with
+    `raw`, its block bytes, uint8 [rows, row_bytes]."""
     import gguf
 
-    if tensor.tensor_type == gguf.GGMLQuantizationType.F16:
-        values = np.array(tensor.data, dtype=np.float16)
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    if raw:
+        values = np.array(tensor.data, dtype=np.uint8).reshape(shape[0], -1)
+    elif tensor.tensor_type == gguf.GGMLQuantizationType.F16:
+        values = np.array(tensor.data, dtype=np.float16).reshape(shape)
     else:
         values = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type),
-                            dtype=np.float32)
-    values = values.reshape(tuple(int(d) for d in reversed(tensor.shape.tolist())))
+                            dtype=np.float32).reshape(shape)
     if config["model_type"] == "llama":
         if ".self_attn.q_proj." in name:
             values = unpermute_rotary(values, config["num_attention_heads"])
@@ -167,9 +199,10 @@ def dequantize(tensor, name: str, config: dict[str, Any]) -> np.ndarray:
 
 
 def write_safetensors(plan: list[tuple[Any, str]], config: dict[str, Any], out_dir: Path,
-                      progress: bool) -> list[Path]:
-    """Dequantize every planned tensor into `out_dir`: one model.safetensors, or shards of at
-    most SHARD_BYTES plus the index when the model is larger. Returns the files written."""
+                      progress: bool, kept: dict[str, str]) -> list[Path]:
+    """Write every planned tensor into `out_dir`, the `kept` ones (kept_quantized) as raw
+    blocks, the others dequantized: one model.safetensors, or shards of at most SHARD_BYTES
+    plus the index when the model is larger. Returns the files written."""
     from safetensors.numpy import save_file
     from tqdm import tqdm
 
@@ -185,10 +218,10 @@ def write_safetensors(plan: list[tuple[Any, str]], config: dict[str, Any], out_d
         tmp_files.append(tmp)
         shard, shard_bytes = {}, 0
 
-    with tqdm(plan, desc="dequantizing GGUF tensors", unit="tensor", file=sys.stderr,
+    with tqdm(plan, desc="converting GGUF tensors", unit="tensor", file=sys.stderr,
               disable=not progress, dynamic_ncols=True) as bar:
         for tensor, name in bar:
-            values = dequantize(tensor, name, config)
+            values = dequantize(tensor, name, config, raw=name in kept)
             if shard and shard_bytes + values.nbytes > SHARD_BYTES:
                 flush()
             shard[name] = values

@@ -24,6 +24,11 @@ Schemes (methods in quantization/methods.py):
   ``zero_point`` true, ``version`` "gemm"): ``qweight`` int32 [K, N/8] and ``qzeros`` int32
   [G, N/8] with AWQ's interleaved order inside each int32, ``scales`` [G, N].
   Both load as they are (quantization/gptq.py), never quantized at load.
+- ``gguf``: a GGUF file's block-quantized linear weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), kept
+  as the converter wrote them (executor_svc/gguf_checkpoint): each such layer's ``weight`` is
+  its raw block rows, uint8 [N, row_bytes], unpacked at load (quantization/gguf_blocks.py).
+  Only from a checkpoint: ``quantization_config = {"quant_method": "gguf", "tensor_types":
+  {hf_weight_name: ggml_type, ...}}``; the layers it does not list hold float weights.
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ from typing import Any
 
 from executor_svc.checkpoint import CheckpointError, read_json_object
 
-SCHEMES = ("int8", "fp8", "gptq", "awq")
+SCHEMES = ("int8", "fp8", "gptq", "awq", "gguf")
 LOAD_TIME_SCHEMES = ("int8", "fp8")  # the schemes --quantization can apply to float weights
+# GGUF block types kept quantized (the converter writes, quantization/gguf_blocks.py unpacks).
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 ACTIVATION_SCHEMES = ("dynamic", "static")
 
 
@@ -50,6 +57,8 @@ class QuantConfig:
     group_size: int = -1  # -1: one group spans the whole input row
     desc_act: bool = False  # GPTQ act order
     zeros_minus_one: bool = False  # GPTQ's original format stores zero points minus one
+    # gguf: checkpoint weight name -> GGUF block type of every layer stored as raw blocks.
+    tensor_types: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -74,6 +83,8 @@ def checkpoint_quant_config(config_json: dict[str, Any]) -> QuantConfig | None:
     method = qc.get("quant_method")
     if method in ("gptq", "awq"):
         return _int4_config(method, qc)
+    if method == "gguf":
+        return _gguf_quant_config(qc)
     if method != "fp8":
         raise ValueError(unsupported(method))
     if qc.get("weight_block_size") is not None:
@@ -117,6 +128,18 @@ def _int4_config(method: str, qc: dict[str, Any]) -> QuantConfig:
                        desc_act=desc_act, zeros_minus_one=fmt == "gptq")
 
 
+def _gguf_quant_config(qc: dict[str, Any]) -> QuantConfig:
+    types = qc.get("tensor_types")
+    if not isinstance(types, dict) or not types:
+        raise ValueError("quantization_config.tensor_types must be a non-empty object "
+                         f"(weight name -> GGUF type), got {types!r}")
+    for name, kind in types.items():
+        if kind not in GGUF_TYPES:
+            raise ValueError(f"quantization_config.tensor_types[{name!r}] = {kind!r}: GGUF "
+                             f"types kept quantized are {', '.join(GGUF_TYPES)}")
+    return QuantConfig("gguf", from_checkpoint=True, tensor_types=dict(types))
+
+
 def resolve_quant_config(flag: str | None, model_dir: Path) -> QuantConfig | None:
     """--quantization (None: not given) against the checkpoint's own scheme. A quantized
     checkpoint loads as it is (the flag may name its scheme); a flag asking for another
@@ -132,6 +155,11 @@ def resolve_quant_config(flag: str | None, model_dir: Path) -> QuantConfig | Non
     if flag is not None and flag not in SCHEMES:
         raise ValueError(f"--quantization: {unsupported(flag)}")
     if from_checkpoint is None:
+        if flag == "gguf":
+            raise ValueError(f"--quantization gguf loads the block-quantized weights of a "
+                             f"converted GGUF file, and {path} declares none "
+                             f"(quantization_config); serve the .gguf file itself, or leave "
+                             f"the flag out")
         if flag is not None and flag not in LOAD_TIME_SCHEMES:
             raise ValueError(f"--quantization {flag} loads {flag} checkpoints, and this one's "
                              f"config.json declares no quantization_config; to quantize float "

@@ -25,6 +25,7 @@ from executor_svc.models.linear import Linear
 from executor_svc.models.parallel import WeightShard
 from executor_svc.quantization import gptq
 from executor_svc.quantization.config import QuantConfig
+from executor_svc.quantization.gguf_loading import check_raw_header
 from executor_svc.quantization.methods import make_method
 
 log = structlog.get_logger(__name__)
@@ -112,8 +113,10 @@ def scale_shard(layer: Linear, param_name: str, shard_id: int | None) -> WeightS
 
 def check_header_dtype(header: TensorHeader, param: torch.Tensor) -> None:
     """An e4m3 tensor goes only into an e4m3 parameter and back: a silent cast would drop its
-    scale (a float weight in an fp8 layer, an fp8 weight in a float one); packed integers
-    only into the integer parameters of a layer its scheme declares quantized."""
+    scale (a float weight in an fp8 layer, an fp8 weight in a float one); GGUF blocks only
+    into a layer listed as GGUF blocks (gguf_loading.py); packed integers only into the
+    integer parameters of a layer its scheme declares quantized."""
+    check_raw_header(header, param)
     is_int = not param.dtype.is_floating_point
     if (header.dtype in PACKED_DTYPES) != is_int:
         what = (f"holds packed integers ({header.dtype}), but config.json declares no "

@@ -30,8 +30,8 @@ import kernels.cpu
 from executor_svc.models.linear import Linear, pack_skinny_weight
 from executor_svc.models.parallel import RowParallelLinear
 from executor_svc.quantization.config import QuantConfig
+from executor_svc.quantization.gguf_loading import GgufWeights
 from executor_svc.quantization.gptq import AwqWeights, GptqWeights
-from executor_svc.quantization.grouped import GroupedWeightOnly
 from kernels import cpu_quant
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -145,13 +145,13 @@ class Fp8WeightOnly(WeightOnly8Bit):
 
 
 METHODS = {"int8": Int8WeightOnly, "fp8": Fp8WeightOnly, "gptq": GptqWeights,
-           "awq": AwqWeights}
+           "awq": AwqWeights, "gguf": GgufWeights}
 
 
 def make_method(qcfg: QuantConfig):
     """The linear method for a scheme (the grouped ones read their layout from `qcfg`)."""
     cls = METHODS[qcfg.scheme]
-    return cls(qcfg) if issubclass(cls, GroupedWeightOnly) else cls()
+    return cls(qcfg) if issubclass(cls, (GptqWeights, AwqWeights)) else cls()
 
 
 def per_row_scale(layer: Linear) -> torch.Tensor:

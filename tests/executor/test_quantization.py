@@ -147,7 +147,7 @@ def test_refusals_name_the_scheme(float_ckpt, tmp_path):
     edit_config(ckpt, quantization_config={"quant_method": "bitsandbytes", "bits": 4})
     with pytest.raises(CheckpointError, match=r"config\.json: unsupported quantization scheme "
                                               r"'bitsandbytes' \(supported: int8, fp8, gptq, "
-                                              r"awq"):
+                                              r"awq, gguf"):
         _load(ckpt)
     edit_config(ckpt, quantization_config={"quant_method": "fp8",
                                            "weight_block_size": [128, 128]})
