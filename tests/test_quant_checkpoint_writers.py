@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from scheduler_svc.tokenizer import Tokenizer
@@ -246,3 +250,37 @@ def test_smollm2_checkpoints(smollm2_dir, tmp_path, scheme):
     assert_within_rtn_error(smollm2_dir, dst, 128 if scheme == "gptq" else 64)
     prompt = Tokenizer(smollm2_dir).encode("The capital of France is Paris, and the capital")
     assert_hf_round_trip(smollm2_dir, dst, tmp_path, prompt, min_cosine=0.5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_rtn_error_bound_holds_for_any_weights(data):
+    """Any shape, group size and weights, all-zero, all-positive and all-negative groups and
+    outliers included: every reference weight within half its group's scale."""
+    n, k = 8 * data.draw(st.integers(1, 3)), 8 * data.draw(st.integers(1, 8))
+    scheme = data.draw(st.sampled_from(["gptq-sym", "gptq-asym", "awq"]))
+    if scheme == "awq":
+        group_size = data.draw(st.sampled_from([g for g in (8, 16, 24, 32) if k % g == 0] + [k]))
+    else:
+        group_size = data.draw(st.sampled_from([-1, 8, 16, 24, 40]))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31)))
+    magnitude = 10.0 ** data.draw(st.integers(-4, 2))
+    shift = data.draw(st.sampled_from([0.0, 3.0, -3.0])) * magnitude  # one-signed groups
+    w = torch.randn(n, k, generator=gen) * magnitude + shift
+    w[:, : data.draw(st.integers(0, k))] *= data.draw(st.sampled_from([1.0, 0.0, 100.0]))
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "src"
+        src.mkdir()
+        save_file({"model.layers.0.self_attn.o_proj.weight": w}, src / "model.safetensors")
+        (src / "config.json").write_text("{}")
+        if scheme == "awq":
+            dst = write_awq_checkpoint(src, Path(tmp) / "q", group_size)
+        else:
+            dst = write_gptq_checkpoint(src, Path(tmp) / "q", group_size,
+                                        desc_act=data.draw(st.booleans()),
+                                        sym=scheme == "gptq-sym")
+        t, ref = load_file(dst / "model.safetensors"), int4_reference_weights(dst)
+        (name, got), = ref.items()
+        prefix = name.removesuffix(".weight")
+        scale = t[f"{prefix}.scales"].double()[group_of_rows(t, prefix, k, group_size)].T
+        assert ((got - w.double()).abs() <= scale * (0.5 + 1e-5)).all()
