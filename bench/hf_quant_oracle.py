@@ -18,9 +18,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# This file's folder (bench/) must not shadow installed packages (it has a kernels.py).
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+# Neither this folder nor Folio's root may shadow the venv's packages: both have a `kernels`,
+# which transformers imports as the hub's kernels package when it finds one.
+_SHADOWING = {Path(__file__).resolve().parent, Path(__file__).resolve().parents[1]}
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() not in _SHADOWING]
 
 import argparse  # noqa: E402
 import json  # noqa: E402

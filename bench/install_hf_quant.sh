@@ -22,7 +22,8 @@ PY="$VENV_DIR/bin/python"
 C="$REPO_ROOT/constraints-cpu.txt"
 
 check_import() {
-  "$PY" -c 'import gptqmodel, optimum.gptq, transformers, torch; print("gptqmodel",
+  # -I: the current folder (Folio's root has a `kernels` package) must not shadow the venv's.
+  "$PY" -I -c 'import gptqmodel, optimum.gptq, transformers, torch; print("gptqmodel",
 gptqmodel.__version__, "transformers", transformers.__version__, "torch", torch.__version__)'
 }
 
