@@ -7,6 +7,10 @@
 - `write_dequantized_checkpoint`: the float checkpoint a quantized model equals: every weight
   Folio quantizes replaced by its dequantization ``q.float() * scale``, so HF transformers
   serves as the oracle of the quantized model, token for token.
+- `write_gptq_checkpoint` / `write_awq_checkpoint` (tests/int4_checkpoints.py): 4-bit GPTQ
+  and AWQ checkpoints in the real tools' on-disk layout, by round to nearest (not GPTQ's or
+  AWQ's algorithms); `int4_reference_weights` their float64 dequantization, read back from
+  the files; `write_int4_dequantized_checkpoint` the float checkpoint they equal.
 
 The quantized values come from Folio's own quantizer for quantize-at-load (the function under
 test is the model, not the rounding), and from this file's for fp8 checkpoints.
@@ -89,3 +93,4 @@ def write_dequantized_checkpoint(src: Path, dst: Path, scheme: str) -> Path:
     config.pop("quantization_config", None)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
+
