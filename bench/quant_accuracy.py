@@ -2,8 +2,9 @@
 
     python -m bench.quant_accuracy --schemes none,int8,fp8 --out bench/results [--model M]
 
-For each scheme one real `folio serve` (with `--quantization SCHEME`, none: without) on
-127.0.0.1, driven over gRPC:
+For each scheme one real `folio serve` (with `--quantization SCHEME`, none: without; a
+`LABEL=DIR` entry serves the checkpoint DIR as it is, e.g. a GPTQ or AWQ checkpoint written by
+`python -m bench.rtn_checkpoint`) on 127.0.0.1, driven over gRPC:
 - **perplexity** over a fixed text set: the English corpus Folio's default tokenizer is trained
   on (`executor_svc/default_model.py` CORPUS, ~6 KB of prose and dialogue, versioned with that
   file), tokenized by the served model's tokenizer and cut into windows of `--window` tokens;
@@ -88,7 +89,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def run_scheme(model: str, scheme: str, extra: list[str], args) -> dict:
     from executor_svc.default_model import CORPUS
 
-    serve = [*extra, *([] if scheme == "none" else ["--quantization", scheme]),
+    scheme, _, checkpoint = scheme.partition("=")
+    if checkpoint:  # a quantized checkpoint, served as it is
+        model, flags = checkpoint, []
+    else:
+        flags = [] if scheme == "none" else ["--quantization", scheme]
+    serve = [*extra, *flags,
              "--log-level", "info"]  # the executor's "model loaded" line carries weight_bytes
     peer = FolioPeer(model, serve)
     started = time.monotonic()
@@ -104,7 +110,7 @@ def run_scheme(model: str, scheme: str, extra: list[str], args) -> dict:
         found = re.findall(r"weight_bytes\W+(\d+)", peer.log_tail(2_000_000))
     finally:
         peer.stop()
-    return {"scheme": scheme, "perplexity": ppl, "perplexity_tokens": n, "tokens": tokens,
+    return {"scheme": scheme, "model": model, "perplexity": ppl, "perplexity_tokens": n, "tokens": tokens,
             "model_info": info["model_info"], "command": info["command"],
             "weight_bytes": int(found[-1]) if found else None,
             "seconds": time.monotonic() - started}

@@ -16,7 +16,8 @@ GPTQ (quant_method "gptq", checkpoint format "gptq" = v1), per quantized module 
 - ``prefix.scales`` fp16 [G, N]; ``prefix.g_idx`` int32 [K]: the group of every input row.
 - G = ceil(K / group_size), or 1 for group_size -1 (one group over all of K).
 - Without desc_act g_idx[k] = k // group_size. With desc_act the rows are quantized in an
-  order `perm` (GPTQ's: by Hessian diagonal; here: a seeded random permutation) and groups are
+  order `perm` (GPTQ's: by Hessian diagonal, so shared by the modules that read one input;
+  here: a seeded random permutation per input) and groups are
   taken along it: g_idx[perm[i]] = i // group_size.
 - W[n, k] = (q[k, n] - z[g_idx[k], n]) * scales[g_idx[k], n].
 - sym: z = 8 and scale = 2 max|w| / 15 (GPTQ's quantizer). Asymmetric: the group's range
@@ -128,16 +129,24 @@ def _check_shape(name: str, n: int, k: int, group_size: int, awq: bool) -> None:
 def write_gptq_checkpoint(src: Path, dst: Path, group_size: int = 128, desc_act: bool = False,
                           sym: bool = True, seed: int = 0) -> Path:
     """`src` (a float checkpoint dir) as a 4-bit GPTQ v1 checkpoint in `dst` (RTN values);
-    with desc_act every module gets its own permutation from one generator seeded `seed`."""
+    with desc_act the modules reading one input (q|k|v, gate|up: GPTQ's Hessian, hence its
+    order, comes from the input) share a permutation, each input its own from one generator
+    seeded `seed`."""
     _copy_dir(src, dst)
     tensors = load_file(src / "model.safetensors")
     gen = torch.Generator().manual_seed(seed)
+    perms: dict[tuple[str, int], torch.Tensor] = {}
     for name in projection_weights(tensors):
         prefix = name.removesuffix(".weight")
         w = tensors.pop(name)
         n, k = w.shape
         _check_shape(name, n, k, group_size, awq=False)
-        perm = torch.randperm(k, generator=gen) if desc_act else None
+        block, _, module = prefix.rpartition(".")
+        shared = (block, k) if module in ("q_proj", "k_proj", "v_proj", "gate_proj",
+                                          "up_proj") else (prefix, k)
+        if desc_act and shared not in perms:
+            perms[shared] = torch.randperm(k, generator=gen)
+        perm = perms.get(shared) if desc_act else None
         g_idx = group_index(k, group_size, perm)
         q, scales, zeros = rtn_int4(w, g_idx, sym, steps=15 if sym else 14)
         tensors[f"{prefix}.qweight"] = _pack_along_rows(q.T.contiguous())

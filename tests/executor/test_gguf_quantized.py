@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from executor_svc.checkpoint import CheckpointError
 from executor_svc.gguf_checkpoint import gguf_checkpoint_dir
+from executor_svc.gguf_checkpoint.dequantize import dequantized_copy
 from executor_svc.loader import load_model, model_weight_bytes
 from executor_svc.quantization.config import (
     GGUF_TYPES,
@@ -64,22 +65,6 @@ def build_gguf(arch: str, kind: str, root: Path) -> Path:
     hf_dir, _ = make_gguf(arch, "F32", root, **K_QUANT_DIMS)
     return write_gguf(hf_dir, root / f"tiny-{arch}.{kind}.gguf", "F32",
                       encode=_random_k_blocks(kind, seed=len(kind)))
-
-
-def dequantized_copy(model_dir: Path, dest: Path) -> Path:
-    """The converted directory with every raw tensor dequantized by the gguf package and no
-    quantization_config: what the converter wrote before it kept blocks."""
-    from safetensors.numpy import load_file, save_file
-
-    shutil.copytree(model_dir, dest)
-    config = json.loads((dest / "config.json").read_text())
-    types = config.pop("quantization_config")["tensor_types"]
-    (dest / "config.json").write_text(json.dumps(config))
-    weights = load_file(str(dest / "model.safetensors"))
-    for name, kind in types.items():
-        weights[name] = gguf.quants.dequantize(weights[name], gguf.GGMLQuantizationType[kind])
-    save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
-    return dest
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,9 @@
 against (q - z) * scale computed here from the values packed, whole tiny models loaded from
 packed tensors against the float model on the same dequantized weights, and every refusal.
 
-The packer here is a plain loop over values (an independent writer of the on-disk layout);
-tests/quant_checkpoints.py has the RTN checkpoint writers used end to end."""
+The packer here is a plain loop over values (for the word-level tests, 8-bit GPTQ included);
+whole checkpoints come from tests/int4_checkpoints.py's RTN writers and their independent
+reader."""
 
 from __future__ import annotations
 
@@ -19,7 +20,12 @@ from executor_svc.quantization.config import checkpoint_quant_config, resolve_qu
 from executor_svc.quantization.gptq import AWQ_ORDER, awq_grouped, gptq_grouped, unpack_words
 from executor_svc.quantization.grouped import grouped_of
 from tests.checkpoints import make_checkpoint
-from tests.quant_checkpoints import edit_config, projection_weights
+from tests.int4_checkpoints import (
+    int4_reference_weights,
+    write_awq_checkpoint,
+    write_gptq_checkpoint,
+)
+from tests.quant_checkpoints import edit_config
 
 CPU = torch.device("cpu")
 
@@ -89,82 +95,41 @@ def test_awq_layer_unpacks_with_the_interleaved_order():
     torch.testing.assert_close(part.dequantize().double(), w[:, 16:], rtol=0, atol=0)
 
 
-def rtn_pack(tensors, fmt, gs, bits=4, act_order=False, seed=0):
-    """Every projection of a float checkpoint as packed `fmt` tensors (round to nearest,
-    asymmetric), and the float64 weights they dequantize to."""
-    gen = torch.Generator().manual_seed(seed)
-    dequant = {}
-    perms = {}  # one act order per input (q|k|v share theirs, as GPTQ's Hessian is theirs)
-    for name in projection_weights(tensors):
-        w = tensors.pop(name).double().t()  # [K, N]
-        k, n = w.shape
-        key = (name.rsplit(".", 2)[0], k)
-        if key not in perms:
-            perms[key] = torch.randperm(k, generator=gen) if act_order else torch.arange(k)
-        perm = perms[key]
-        g_idx = torch.empty(k, dtype=torch.long)
-        g_idx[perm] = torch.arange(k) // gs
-        groups = -(-k // gs)
-        lo = torch.stack([w[g_idx == g].min(0).values for g in range(groups)]).clamp(max=0)
-        hi = torch.stack([w[g_idx == g].max(0).values for g in range(groups)]).clamp(min=0)
-        top = 2**bits - 1
-        s = ((hi - lo) / top).clamp(min=1e-6).half()
-        z = (-lo / s.double()).round().clamp(0, top).long()
-        q = (w / s.double()[g_idx] + z[g_idx]).round().clamp(0, top).long()
-        prefix = name.removesuffix(".weight")
-        if fmt == "gptq":
-            tensors[prefix + ".qweight"] = pack_loop(q, bits, 0)
-            tensors[prefix + ".qzeros"] = pack_loop(z - 1, bits, 1)
-            tensors[prefix + ".g_idx"] = g_idx.int()
-        else:
-            tensors[prefix + ".qweight"] = pack_loop(q, 4, 1, AWQ_ORDER)
-            tensors[prefix + ".qzeros"] = pack_loop(z, 4, 1, AWQ_ORDER)
-        tensors[prefix + ".scales"] = s
-        dequant[name] = ((q.double() - z.double()[g_idx]) * s.double()[g_idx]).t()
-    return dequant
-
-
-def _config(fmt, gs, bits=4, act_order=False):
+def write_checkpoint(root: Path, fmt: str, act_order: bool = False, arch: str = "qwen2",
+                     src: Path | None = None) -> Path:
+    """A tiny float checkpoint as an RTN GPTQ (v1, asymmetric) or AWQ checkpoint, group 16."""
+    src = src or make_checkpoint(arch, root / "float")
     if fmt == "gptq":
-        return {"quant_method": "gptq", "bits": bits, "group_size": gs, "desc_act": act_order,
-                "sym": False, "checkpoint_format": "gptq"}
-    return {"quant_method": "awq", "bits": 4, "group_size": gs, "zero_point": True,
-            "version": "gemm"}
+        return write_gptq_checkpoint(src, root / fmt, 16, desc_act=act_order, sym=False)
+    return write_awq_checkpoint(src, root / fmt, 16)
 
 
-@pytest.mark.parametrize("fmt, bits, act_order", [("gptq", 4, False), ("gptq", 4, True),
-                                                  ("gptq", 8, True), ("awq", 4, False)])
-def test_packed_model_equals_the_float_model_on_its_dequantized_weights(tmp_path, fmt, bits,
-                                                                        act_order):
-    src = make_checkpoint("qwen2", tmp_path / "float")
-    tensors = load_file(src / "model.safetensors")
-    dequant = rtn_pack(tensors, fmt, 16, bits, act_order)
-    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
-    edit_config(src, quantization_config=_config(fmt, 16, bits, act_order))
-    model = load_model(src, dtype=torch.float32, device=CPU, max_model_len=64)
-    ref_dir = make_checkpoint("qwen2", tmp_path / "ref")
-    ref_tensors = load_file(ref_dir / "model.safetensors")
-    ref_tensors.update({n: w.float() for n, w in dequant.items()})
-    save_file(ref_tensors, ref_dir / "model.safetensors", metadata={"format": "pt"})
-    ref = load_model(ref_dir, dtype=torch.float32, device=CPU, max_model_len=64,
-                     keep_plain_weights=True)
-    qkv = model.model.layers[0].self_attn.qkv_proj
-    gw, perm = grouped_of(qkv)
-    assert (perm is not None) == act_order and gw.bits == bits and gw.g_idx is None
-    want = ref.model.layers[0].self_attn.qkv_proj.weight.double()
-    got = gw.dequantize().double()
-    if perm is not None:
-        want = want[:, perm]
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
-    assert qkv.weight.numel() == 0 and not any(
-        n.endswith(("qzeros", "g_idx")) for n, _ in model.named_parameters())
+@pytest.mark.parametrize("fmt, act_order", [("gptq", False), ("gptq", True), ("awq", False)])
+def test_packed_model_holds_the_checkpoints_dequantized_weights(tmp_path, fmt, act_order):
+    """Every quantized layer holds, exactly, the weights the checkpoint's files define
+    (tests/int4_checkpoints.py reads them back on its own), the float ones released."""
+    ckpt = write_checkpoint(tmp_path, fmt, act_order)
+    reference = int4_reference_weights(ckpt)
+    model = load_model(ckpt, dtype=torch.float32, device=CPU, max_model_len=64)
+    for i, block in enumerate(model.model.layers):
+        p = f"model.layers.{i}."
+        for layer, names in ((block.self_attn.qkv_proj, ("q", "k", "v")),
+                             (block.mlp.gate_up_proj, ("gate", "up"))):
+            parts = ("self_attn." if len(names) == 3 else "mlp.")
+            want = torch.cat([reference[f"{p}{parts}{n}_proj.weight"] for n in names])
+            gw, perm = grouped_of(layer)
+            assert (perm is not None) == act_order and gw.g_idx is None and gw.bits == 4
+            if perm is not None:
+                want = want[:, perm]
+            assert torch.equal(gw.dequantize().double(), want)
+            assert layer.weight.numel() == 0
+    assert not any(n.endswith(("qweight", "qzeros", "g_idx")) for n, _ in model.named_parameters())
 
 
-def _pack_checkpoint(model_dir, fmt, act_order):
-    tensors = load_file(model_dir / "model.safetensors")
-    rtn_pack(tensors, fmt, 16, 4, act_order)
-    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
-    edit_config(model_dir, quantization_config=_config(fmt, 16, 4, act_order))
+GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": False,
+               "checkpoint_format": "gptq"}
+AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True,
+              "version": "gemm"}
 
 
 def _tp_rank(rank: int, model_dir: str, out_dir: str) -> None:
@@ -184,8 +149,8 @@ def test_tp2_equals_tp1(tmp_path, fmt, act_order):
     from tests.executor.test_tp_model import greedy_run
     from tests.executor.tp_procs import run_ranks
 
-    model_dir = save_checkpoint(make_hf_model("qwen2"), tmp_path / "ckpt")
-    _pack_checkpoint(model_dir, fmt, act_order)
+    float_dir = save_checkpoint(make_hf_model("qwen2"), tmp_path / "ckpt")
+    model_dir = write_checkpoint(tmp_path, fmt, act_order, src=float_dir)
     expected = greedy_run(model_dir)
     run_ranks(_tp_rank, 2, str(model_dir), str(tmp_path))
     got = torch.load(tmp_path / "tp2.pt")
@@ -197,15 +162,15 @@ def test_tp2_equals_tp1(tmp_path, fmt, act_order):
 def test_refusals(tmp_path):
     """Layouts that cannot load name what is wrong; packed integers outside a quantized
     layer are refused."""
-    src = make_checkpoint("qwen2", tmp_path / "float")
+    src = write_checkpoint(tmp_path, "gptq")
     tensors = load_file(src / "model.safetensors")
-    rtn_pack(tensors, "gptq", 16)
-    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    config = (src / "config.json").read_text()
+    edit_config(src, quantization_config=None)
     with pytest.raises(CheckpointError, match=r"no matching parameter.*qweight.*packed quantized "
                                               r"tensors: config\.json needs the "
                                               r"quantization_config"):
         load_model(src, dtype=torch.float32, device=CPU, max_model_len=64)
-    edit_config(src, quantization_config=_config("gptq", 16))
+    (src / "config.json").write_text(config)
     with pytest.raises(ValueError, match=r"--quantization int8 disagrees with the checkpoint"):
         resolve_quant_config("int8", src)
     bad = dict(tensors)
@@ -226,12 +191,12 @@ def test_refusals(tmp_path):
             ({"desc_act": "yes"}, r"desc_act must be true or false"),
             ({"checkpoint_format": "marlin"}, r"checkpoint_format 'marlin' is not supported")]:
         with pytest.raises(ValueError, match=message):
-            checkpoint_quant_config({"quantization_config": _config("gptq", 16) | qc})
+            checkpoint_quant_config({"quantization_config": GPTQ_CONFIG | qc})
     for qc, message in [({"version": "gemv"}, r"awq version 'gemv' is not supported"),
                         ({"zero_point": False}, r"without zero points"),
                         ({"bits": 8}, r"awq with bits 8 is not supported")]:
         with pytest.raises(ValueError, match=message):
-            checkpoint_quant_config({"quantization_config": _config("awq", 16) | qc})
+            checkpoint_quant_config({"quantization_config": AWQ_CONFIG | qc})
     float_dir = make_checkpoint("qwen2", tmp_path / "plain")
     with pytest.raises(ValueError, match=r"--quantization gptq loads gptq checkpoints"):
         resolve_quant_config("gptq", float_dir)
