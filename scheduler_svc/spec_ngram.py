@@ -1,0 +1,31 @@
+"""N-gram (prompt lookup) proposals for speculative decoding: no model, only the request's own
+tokens, which the scheduler holds.
+
+The proposal for a sequence t[0..L) is found by matching its tail: for n from `max_n` down to
+`min_n`, the last n tokens t[L-n..L) are searched for earlier in the sequence; at their most
+recent earlier occurrence, starting at s < L - n, the tokens that followed it,
+t[s+n .. s+n+k), are proposed (fewer when the sequence ends first). The longest matching n
+wins; no match proposes nothing. Repetitive text (quoting a passage of the
+prompt, code that repeats a name) is where the proposals are accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def propose_ngram(tokens: Sequence[int], k: int, min_n: int = 1, max_n: int = 4) -> list[int]:
+    """Up to `k` proposed next tokens for `tokens` (see the module docstring)."""
+    if k < 1 or min_n < 1 or max_n < min_n:
+        raise ValueError(f"need k >= 1 and 1 <= min_n <= max_n, got k={k}, min_n={min_n}, "
+                         f"max_n={max_n}")
+    length = len(tokens)
+    seq = list(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        tail = seq[length - n:]
+        first = tail[0]
+        # Most recent earlier start s (s + n <= length - 1: at least one token follows it).
+        for s in range(length - n - 1, -1, -1):
+            if seq[s] == first and seq[s:s + n] == tail:
+                return seq[s + n:s + n + k]
+    return []
