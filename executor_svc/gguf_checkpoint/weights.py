@@ -5,8 +5,8 @@ Three things happen to each tensor:
    (`model.layers.3.self_attn.q_proj.weight`);
 2. a linear weight (q/k/v/o/gate/up/down projection), the embedding (`token_embd`) or the
    untied LM head (`output`) stored as one of KEPT_TYPES is kept quantized: written as its
-   raw block bytes, uint8 [rows, row_bytes] (each row whole blocks,
-   ggml's layout), its type listed in config.json's quantization_config (`kept_quantized`);
+   raw block bytes, uint8 [rows, row_bytes] (each row whole blocks, ggml's layout), its
+   type listed in config.json's quantization_config (`kept_quantized`);
    the executor unpacks it at load (executor_svc/quantization/gguf_blocks.py). Every other
    tensor is dequantized by the `gguf` package: every quantized type comes out float32, F16
    stays F16, BF16 becomes float32 (numpy has no bfloat16; the widening is exact). The
@@ -57,7 +57,7 @@ _LAYER_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 CONFIG_TENSORS = {"rope_freqs.weight"}  # read into config.json, not a weight
 
-KEPT_TYPES = GGUF_TYPES  # block types whose linear weights (and embedding, LM head) stay quantized
+KEPT_TYPES = GGUF_TYPES  # block types whose linear, embedding and LM head matrices stay raw
 _VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")  # rows: one per token
 # Projections the executor fuses into one matrix: kept raw only if all share one type (one
 # parameter of raw rows holds them, and rows of different types differ in length).
