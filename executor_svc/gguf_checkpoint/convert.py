@@ -2,8 +2,9 @@
 
 Everything that can be refused is checked before the slow part: the architecture, the config
 numbers, every tensor's name, shape and type, the tokenizer, and the free disk space. Only then
-are the weights written (linear weights of the kept block types as raw blocks, the rest
-dequantized: weights.py), and the marker file is written last.
+are the weights written (linear weights, the embedding and the untied LM head of the kept
+block types as raw blocks, the rest dequantized: weights.py), and the marker file is written
+last.
 
 config.json declares the raw ones, for the executor's loader (executor_svc/quantization):
 
@@ -27,7 +28,7 @@ from executor_svc.checkpoint import CheckpointError
 log = structlog.get_logger("executor_svc.gguf")
 
 MARKER_FILE = "folio-gguf.json"  # written last: a directory without it is not finished
-CONVERTER_VERSION = 2  # bump when the output for the same file changes; old entries rebuild
+CONVERTER_VERSION = 3  # bump when the output for the same file changes; old entries rebuild
 _FREE_SPACE_MARGIN = 1.05
 
 
@@ -69,8 +70,8 @@ def convert(gguf_file: Path, out_dir: Path, sha256: str, progress: bool) -> None
                                          else 4) for t, name in plan)
     _check_free_space(gguf_file, out_dir, out_bytes)
     types = sorted({t.tensor_type.name for t, _ in plan})
-    log.info("converting GGUF to a checkpoint (once per file; linear weights of "
-             "Q8_0/Q4_0/Q4_1/Q4_K/Q6_K stay quantized, the rest is dequantized)",
+    log.info("converting GGUF to a checkpoint (once per file; linear weights, embedding and "
+             "LM head of Q8_0/Q4_0/Q4_1/Q4_K/Q6_K stay quantized, the rest is dequantized)",
              file=str(gguf_file), architecture=config["architectures"][0],
              tensors=len(plan), tensor_types=",".join(types), kept_quantized=len(kept),
              params=sum(int(t.n_elements) for t, _ in plan), out_bytes=out_bytes,

@@ -3,9 +3,10 @@
 Three things happen to each tensor:
 1. its name goes from llama.cpp's (`blk.3.attn_q.weight`) to the HF one the loader expects
    (`model.layers.3.self_attn.q_proj.weight`);
-2. a linear weight (q/k/v/o/gate/up/down projection) stored as one of KEPT_TYPES is kept
-   quantized: written as its raw block bytes, uint8 [rows, row_bytes] (each row whole blocks,
-   ggml's layout), its type listed in config.json's quantization_config (`kept_quantized`);
+2. a linear weight (q/k/v/o/gate/up/down projection), the embedding (`token_embd`) or the
+   untied LM head (`output`) stored as one of KEPT_TYPES is kept quantized: written as its
+   raw block bytes, uint8 [rows, row_bytes] (each row whole blocks, ggml's layout), its
+   type listed in config.json's quantization_config (`kept_quantized`);
    the executor unpacks it at load (executor_svc/quantization/gguf_blocks.py). Every other
    tensor is dequantized by the `gguf` package: every quantized type comes out float32, F16
    stays F16, BF16 becomes float32 (numpy has no bfloat16; the widening is exact). The
@@ -56,7 +57,8 @@ _LAYER_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 CONFIG_TENSORS = {"rope_freqs.weight"}  # read into config.json, not a weight
 
-KEPT_TYPES = GGUF_TYPES  # block types whose linear weights stay quantized
+KEPT_TYPES = GGUF_TYPES  # block types whose linear, embedding and LM head matrices stay raw
+_VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")  # rows: one per token
 # Projections the executor fuses into one matrix: kept raw only if all share one type (one
 # parameter of raw rows holds them, and rows of different types differ in length).
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -153,13 +155,14 @@ def _check_dequantizable(path: Path, tensor) -> None:
 
 
 def kept_quantized(plan: list[tuple[Any, str]]) -> dict[str, str]:
-    """HF name -> GGUF type of every linear weight written as raw blocks (see the module
-    docstring): a projection's weight of a KEPT_TYPES type, where the projections fused with
-    it have the same type. The others are dequantized."""
+    """HF name -> GGUF type of every matrix written as raw blocks (see the module docstring):
+    the embedding, the untied LM head and a projection's weight of a KEPT_TYPES type, where
+    the projections fused with it have the same type. The others are dequantized."""
     types = {name: tensor.tensor_type.name for tensor, name in plan}
     kept = {name: kind for name, kind in types.items() if kind in KEPT_TYPES
-            and name.endswith(".weight") and name.split(".")[-2] in _LINEARS}
-    for name in list(kept):
+            and (name in _VOCAB_MATRICES
+                 or name.endswith(".weight") and name.split(".")[-2] in _LINEARS)}
+    for name in [n for n in kept if n not in _VOCAB_MATRICES]:
         layer, projection = re.fullmatch(r"(model\.layers\.\d+\.)(.+)\.weight", name).groups()
         for group in _FUSED:
             if projection in group and len({types[f"{layer}{m}.weight"] for m in group}) > 1:

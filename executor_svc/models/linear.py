@@ -195,13 +195,13 @@ def cpu_linear_method(dtype: torch.dtype, native_bf16: bool,
 
 def use_linear_method(model: nn.Module, method: LinearMethod) -> int:
     """Give every `Linear` in `model` (and its `lm_head` when that is a `TiedHead`) the method
-    and let it prepare the weights; returns how many layers it took. A layer whose method
-    holds quantized weights (``method.quantized``, executor_svc/quantization) keeps it: its
-    plain weight is gone."""
-    layers: list = [m for m in model.modules() if isinstance(m, Linear)
-                    and not getattr(m.method, "quantized", False)]
+    and let it prepare the weights; returns how many layers it took. A layer (or tied head)
+    whose method holds quantized weights (``method.quantized``, executor_svc/quantization)
+    keeps it: its plain weight is gone (a tied head's embedding holds GGUF blocks)."""
+    layers: list = [m for m in model.modules() if isinstance(m, Linear)]
     if isinstance(getattr(model, "lm_head", None), TiedHead):
         layers.append(model.lm_head)
+    layers = [m for m in layers if not getattr(m.method, "quantized", False)]
     for layer in layers:
         layer.method = method
         method.process_weights(layer)

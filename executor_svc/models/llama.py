@@ -146,7 +146,8 @@ class LlamaForCausalLM(nn.Module):
                                  o_bias=cfg.attention_bias)
 
     def lm_head_weight(self) -> torch.Tensor:
-        """This rank's rows of the LM head ([ceil(vocab / tp), hidden]; [vocab, hidden] alone)."""
+        """This rank's rows of the LM head ([ceil(vocab / tp), hidden]; [vocab, hidden] alone;
+        a converted GGUF file's kept head: uint8 [rows, row_bytes] of blocks)."""
         if self.cfg.tie_word_embeddings:
             return self.model.embed_tokens.weight
         return self.lm_head.weight

@@ -33,6 +33,7 @@ from torch import nn
 
 from executor_svc import distributed
 from executor_svc.models.linear import Linear, TiedHead
+from executor_svc.quantization.gguf_blocks import unpack_blocks
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,14 @@ def vocab_range(vocab_size: int, tp_size: int, tp_rank: int) -> tuple[int, int, 
 class VocabParallelEmbedding(nn.Embedding):
     """Rank r holds rows [vocab_start, vocab_end) in a table of ceil(vocab / tp) rows (padding
     rows are zero). Ids in another rank's range look up zeros here; the all_reduce sums the
-    one rank's row that is not zero."""
+    one rank's row that is not zero.
+
+    A converted GGUF file's embedding may stay quantized (quantization/gguf_loading.py):
+    ``gguf_type`` is then set and ``weight`` is uint8 [rows, row_bytes], each row whole GGUF
+    blocks (all-zero bytes, d = 0, for the padding rows); a lookup dequantizes only the rows
+    it gathers, to `out_dtype`."""
+
+    gguf_type: str | None = None
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
         self.tp_size, self.tp_rank = distributed.tp_size(), distributed.tp_rank()
@@ -187,14 +195,22 @@ class VocabParallelEmbedding(nn.Embedding):
                                                                  self.tp_rank)
         super().__init__(per_rank, hidden_size, dtype=dtype)
         self.vocab_size = vocab_size
+        self.out_dtype = dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
-        x = F.embedding(local_ids, self.weight)  # [num_tokens, hidden]
+        x = self._lookup(local_ids)  # [num_tokens, hidden]
         return distributed.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.gguf_type is None:
+            return F.embedding(ids, self.weight)
+        raw = self.weight.index_select(0, ids.reshape(-1))  # [num_tokens, row_bytes]
+        rows = unpack_blocks(raw, self.gguf_type, self.embedding_dim).dequantize()
+        return rows.to(self.out_dtype).view(*ids.shape, self.embedding_dim)
 
     def weight_shard(self, param_name: str, shard_id: int | None) -> WeightShard:
         return _split((self.vocab_size, self.embedding_dim), 0, self.vocab_start,

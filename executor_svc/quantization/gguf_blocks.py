@@ -118,8 +118,8 @@ def _q6_k(blocks: torch.Tensor, n: int, k: int) -> GroupedWeight:
     sc = blocks[..., 192:208].contiguous().view(torch.int8)  # [N, B, 16]
     d = _f16(blocks[..., 208:210])
     low = _nibbles(ql, 64)  # [N, B, 256]: per half of the block, 64 low then 64 high nibbles
-    pairs = qh.reshape(*qh.shape[:-1], 2, 1, 32) >> torch.tensor(
-        [0, 2, 4, 6], dtype=torch.uint8, device=qh.device).reshape(4, 1)
+    pairs = qh.reshape(*qh.shape[:-1], 2, 1, 32) >> torch.arange(
+        0, 8, 2, dtype=torch.uint8, device=qh.device).reshape(4, 1)
     high = (pairs & 0x3).reshape(low.shape)  # per half: bits of 32-value runs 0, 1, 2, 3
     q = ((low | (high << 4)).view(torch.int8) - 32).reshape(n, k)
     scales = (d[..., None] * sc.float()).reshape(n, -1)

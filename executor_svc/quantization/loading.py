@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from executor_svc.checkpoint import PACKED_DTYPES, CheckpointError, TensorHeader
-from executor_svc.models.linear import Linear
+from executor_svc.models.linear import Linear, TiedHead
 from executor_svc.models.parallel import WeightShard
 from executor_svc.quantization import gptq
 from executor_svc.quantization.config import QuantConfig
-from executor_svc.quantization.gguf_loading import check_raw_header
+from executor_svc.quantization.gguf_loading import TiedGgufWeights, check_raw_header
 from executor_svc.quantization.methods import make_method
 
 log = structlog.get_logger(__name__)
@@ -135,18 +135,25 @@ def check_header_dtype(header: TensorHeader, param: torch.Tensor) -> None:
 
 
 def quantize_model(model: nn.Module, qcfg: QuantConfig) -> int:
-    """Give the linear layers (not the LM head, kept in the model dtype) the scheme's method
-    and let it quantize them (or take the checkpoint's quantized weights, and only those);
-    returns how many layers are quantized."""
+    """Give the linear layers the scheme's method and let it quantize them (not the LM head,
+    kept in the model dtype), or take the checkpoint's quantized weights, and only those (the
+    LM head's too, and a tied head's where the embedding is stored as GGUF blocks); returns
+    how many layers are quantized."""
     method = make_method(qcfg)
     lm_head = getattr(model, "lm_head", None)
-    layers = [m for m in model.modules() if isinstance(m, Linear) and m is not lm_head]
+    layers: list = [m for m in model.modules() if isinstance(m, Linear)
+                    and (m is not lm_head or qcfg.from_checkpoint)]
     if qcfg.from_checkpoint:
         layers = [m for m in layers if method.holds(m)]
     with torch.no_grad():
         for layer in layers:
             layer.method = method
             method.process_weights(layer)
+        tied = TiedGgufWeights()
+        if qcfg.scheme == "gguf" and isinstance(lm_head, TiedHead) and tied.holds(lm_head):
+            lm_head.method = tied
+            tied.process_weights(lm_head)
+            layers.append(lm_head)
     log.info("linear layers quantized", scheme=qcfg.scheme, layers=len(layers),
              from_checkpoint=qcfg.from_checkpoint)
     return len(layers)
