@@ -79,8 +79,19 @@ class WeightOnly8Bit:
     def apply(self, layer: Linear, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [num_tokens, in_features]
-        out = kernels.w8a16_linear(rows, layer.qweight, layer.qscale, bias)
+        slabs = getattr(layer, self.slabs_attr, None)
+        if slabs is None:
+            out = kernels.w8a16_linear(rows, layer.qweight, layer.qscale, bias)
+        else:
+            out = self.fused_linear(rows, slabs, layer.qscale, bias)
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    # The CPU backend's form of the matrix (an attribute of the layer) and its product.
+    slabs_attr: str
+
+    def fused_linear(self, rows: torch.Tensor, slabs: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
 
 
 class Int8WeightOnly(WeightOnly8Bit):
@@ -103,15 +114,12 @@ class Int8WeightOnly(WeightOnly8Bit):
             layer.q8_slabs = pack_skinny_weight(layer.qweight)
             layer.qweight = torch.empty(0, dtype=torch.int8)
 
-    def apply(self, layer: Linear, x: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
-        slabs = getattr(layer, "q8_slabs", None)
-        if slabs is None:
-            return super().apply(layer, x, bias)
-        rows = x.reshape(-1, x.shape[-1])
-        out = kernels.cpu.fused_kernels().skinny_linear_q8(rows, slabs, layer.qscale, bias,
-                                                           layer.qscale.numel())
-        return out.view(*x.shape[:-1], out.shape[-1])
+    slabs_attr = "q8_slabs"
+
+    def fused_linear(self, rows: torch.Tensor, slabs: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+        return kernels.cpu.fused_kernels().skinny_linear_q8(rows, slabs, scale, bias,
+                                                            scale.numel())
 
 
 class Fp8WeightOnly(WeightOnly8Bit):
@@ -134,14 +142,11 @@ class Fp8WeightOnly(WeightOnly8Bit):
                 layer.f8_slabs = slabs
                 layer.qweight = torch.empty(0, dtype=torch.float8_e4m3fn)
 
-    def apply(self, layer: Linear, x: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
-        slabs = getattr(layer, "f8_slabs", None)
-        if slabs is None:
-            return super().apply(layer, x, bias)
-        rows = x.reshape(-1, x.shape[-1])
-        out = cpu_quant.fp8_linear(rows, slabs, layer.qscale, bias)
-        return out.view(*x.shape[:-1], out.shape[-1])
+    slabs_attr = "f8_slabs"
+
+    def fused_linear(self, rows: torch.Tensor, slabs: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+        return cpu_quant.fp8_linear(rows, slabs, scale, bias)
 
 
 METHODS = {"int8": Int8WeightOnly, "fp8": Fp8WeightOnly, "gptq": GptqWeights,
