@@ -59,13 +59,11 @@ def gptq_grouped(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tens
     q = unpack_words(qweight, bits, 0).t()  # [N, K]
     z = unpack_words(qzeros, bits, 1)[:, :scales.shape[1]] + int(zeros_minus_one)  # [G, N]
     s = scales.float()
-    offsets = (-z.float() * s).t().contiguous()  # [N, G]
-    if bits == 8:
-        offsets = ((128 - z).float() * s).t().contiguous()
-        qv = (q - 128).to(torch.int8)
+    if bits == 8:  # unsigned 0..255 stored as int8 q - 128: the offset absorbs the 128
+        qv, offsets = (q - 128).to(torch.int8), (128 - z).float() * s
     else:
-        qv = q.to(torch.uint8)
-    return GroupedWeight(qv.contiguous(), s.t().contiguous(), offsets,
+        qv, offsets = q.to(torch.uint8), -z.float() * s
+    return GroupedWeight(qv.contiguous(), s.t().contiguous(), offsets.t().contiguous(),
                          group_size if group_size > 0 else q.shape[1], g_idx.to(torch.int32))
 
 
