@@ -1,6 +1,6 @@
 """Quantized-linear benchmark: the weight-only kernels against a 16-bit torch matmul on a GPU.
 
-    python -m bench.quant_kernels --out DIR [--dtype bfloat16] [--smoke]
+    python -m bench.quant_kernels --out DIR [--dtype bfloat16] [--smoke] [--sweep]
 
 At Llama-3.1-8B's linear shapes (o_proj 4096x4096, up 14336x4096, down 4096x14336) and 1, 16
 and 128 rows: F.linear on 16-bit weights, w8a16_linear (int8 and e4m3 per channel) and
@@ -9,11 +9,15 @@ checked against its fp32 twin on the same quantized weights before it is timed. 
 microseconds, bytes moved (weights, scales, activations in and out) per microsecond next to the
 measured copy bandwidth, and the speedup over the 16-bit matmul. Writes DIR/quant-kernels.json and
 .md with the commit, device, versions and command. `--smoke` runs tiny shapes on any device.
+`--sweep` first times a grid of decode launch configurations (tile sizes, pipeline stages,
+split-K waves) at one row and writes the fastest per case to DIR/quant-sweep.json: the data the
+launchers' decode heuristics are set from.
 """
 
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -55,7 +59,13 @@ def _weights(variant: str, n: int, k: int, gen: torch.Generator):
     return (qweight, scales, offsets, g_idx, group), side + (k * 4 if g_idx is not None else 0)
 
 
-def _call(variant: str, x, weight_args):
+def _call(variant: str, x, weight_args, config=None):
+    if config is not None:  # the Triton launchers themselves (kernels.* takes no config)
+        from kernels import triton_ops
+
+        if variant in ("int8", "e4m3"):
+            return triton_ops.w8a16_linear(x, *weight_args, None, config=config)
+        return triton_ops.group_quant_linear(x, *weight_args, None, config=config)
     if variant in ("int8", "e4m3"):
         return kernels.w8a16_linear(x, *weight_args, None)
     return kernels.group_quant_linear(x, *weight_args, None)
@@ -94,6 +104,63 @@ def case(n: int, k: int, device, dtype) -> list[dict]:
     return rows_out
 
 
+def _sweep_configs(variant: str):
+    """Candidate decode configurations (whole-group tiles where the group allows)."""
+    group = {"g4-128": 128, "g8-32": 32}.get(variant)
+    for bn in (32, 64, 128):
+        for bk in (32, 64, 128, 256):
+            tile = group is None or group % bk == 0
+            if (group is None and bk == 32) or (variant == "g4-128" and not tile):
+                continue
+            for stages in (2, 3, 4):
+                for waves in (2, 4, 8):
+                    config = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+                                  num_stages=stages, WAVES=waves)
+                    if group is not None:
+                        config["TILE_GROUPS"] = tile
+                    yield config
+
+
+def sweep(device, dtype, shapes, budget_s: float) -> list[dict]:
+    """The fastest decode configuration per (variant, shape), within budget_s seconds."""
+    def quick_ms(fn) -> float:
+        if device.type != "cuda":
+            return time_ms(fn, device)
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=5, rep=25, return_mode="median")
+
+    deadline = time.monotonic() + budget_s
+    best = []
+    for n, k in shapes:
+        gen = torch.Generator().manual_seed(n + k)
+        x = torch.randn(1, k, generator=gen).to(device, dtype)
+        for variant in ("int8", "g4-128", "g8-32"):
+            host_args, _ = _weights(variant, n, k, gen)
+            dev_args = tuple(t.to(device) if isinstance(t, torch.Tensor) else t
+                             for t in host_args)  # fmt: skip
+            want = _twin(variant, x.float().cpu(), host_args)
+            rows = []
+            for config in _sweep_configs(variant):
+                if time.monotonic() > deadline:
+                    break
+
+                def fn(c=config, a=dev_args, v=variant, x=x):
+                    return _call(v, x, a, c)
+
+                err = ((fn().float().cpu() - want).abs().max() / want.abs().max()).item()
+                rows.append((quick_ms(fn) * 1e3,
+                             err, config))  # fmt: skip
+            if rows:
+                us, err, config = min(rows, key=lambda r: r[0])
+                default_us = time_ms(lambda a=dev_args, v=variant, x=x: _call(v, x, a), device) * 1e3
+                best.append({"n": n, "k": k, "variant": variant, "us": us, "max_rel_err": err,
+                             "config": config, "default_us": default_us, "tried": len(rows),
+                             "top5": [(r[0], r[2]) for r in sorted(rows, key=lambda r: r[0])[:5]]})  # fmt: skip
+                print("sweep", json.dumps(best[-1]), flush=True)
+    return best
+
+
 def markdown(result: dict) -> str:
     env, copy = result["environment"], result["limits"]["copy_gbps"]
     lines = [f"# Quantized linears on {env['device']} ({result['dtype']} activations)", "",
@@ -116,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, any device")
+    parser.add_argument("--sweep", type=float, default=0.0, metavar="SECONDS",
+                        help="first sweep decode launch configurations for at most SECONDS")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
@@ -124,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
     limits = measure_limits(device, dtype, args.smoke)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.sweep:
+        found = sweep(device, dtype, SMOKE_SHAPES if args.smoke else SHAPES, args.sweep)
+        (args.out / "quant-sweep.json").write_text(json.dumps(found, indent=1) + "\n")
     cases = []
     for n, k in SMOKE_SHAPES if args.smoke else SHAPES:
         cases += case(n, k, device, dtype)

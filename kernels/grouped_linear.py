@@ -1,13 +1,19 @@
 """group_quant_linear: y = x @ W^T + bias with group-quantized 4- or 8-bit weights (Triton).
 
 W[n, k] = q[n, k] * scales[n, g(k)] + offsets[n, g(k)] (executor_svc/quantization/grouped.py:
-GPTQ, AWQ and GGUF's block types all unpack to it). Each weight tile is dequantized in
-registers, inside the matmul: the packed bytes are loaded, 4-bit values taken from their
-nibble (even k low, odd k high), the tile's groups looked up (k // group_size, or g_idx[k] for
-GPTQ's act order) to gather their scale and offset, the fp32 value cast to x's dtype and fed
-to tl.dot with fp32 accumulation; no dequantized copy of W exists in memory. The torch twin
-(kernels/twins.py group_quant_linear) dequantizes slices of rows in fp32 instead; it is the
-oracle.
+GPTQ, AWQ and GGUF's block types all unpack to it). No dequantized copy of W exists in memory.
+Two ways through a K tile, chosen by the launcher:
+- whole-group tiles (no g_idx and group_size a multiple of BLOCK_K: the tile lies in one
+  group): the integer codes, exact in x's dtype, go straight into tl.dot, and the group's
+  scale and offset are applied to the tile's fp32 partial product,
+  sum_k x q s + o sum_k x = s (x . q) + o (sum x); 4-bit bytes are loaded once and their low
+  and high nibbles (even and odd k) multiplied by x's even and odd columns;
+- any other grouping (g_idx from GPTQ's act order, groups that split a tile): each code is
+  dequantized in fp32 with its gathered scale and offset, cast to x's dtype, then tl.dot.
+Few rows (decode) split K across programs (split-K) so the grid covers the device; the
+splits' fp32 partial sums are added in a fixed order (deterministic), then bias and cast.
+The torch twin (kernels/twins.py group_quant_linear) dequantizes slices of rows in fp32; it is
+the oracle.
 
 Shapes: x [M, K] (unit column stride), qweight uint8 [N, ceil(K / 2)] (bits 4) or int8 [N, K]
 (bits 8), scales/offsets [N, G] fp32 (offsets may be None for 8-bit), g_idx [K] int32 or None,
@@ -18,67 +24,128 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.split_k import finish_split, launch_shape
+
 
 @triton.jit
 def _group_quant_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, gidx_ptr, bias_ptr, out_ptr,
-                        M, N, K, G, group_size, stride_xm, stride_wn, stride_om,
+                        M, N, K, G, group_size, k_per_split, stride_xm, stride_wn,
+                        stride_os, stride_om,
                         BITS: tl.constexpr, HAS_OFFSETS: tl.constexpr, HAS_GIDX: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        TILE_GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
     w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # [1, BLOCK_N]
-    # [1, BLOCK_N]: row n of scales/offsets (int32: the launcher checks N * G fits)
-    group_cols = offs_n[None, :] * G
+    group_rows = offs_n * G  # row n of scales/offsets (int32: the launcher checks N * G fits)
+    dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + offs_k
-        mask_k = ks < K
-        a = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        mask_w = mask_k[:, None] & mask_n[None, :]  # [BLOCK_K, BLOCK_N]: W^T's tile
-        if BITS == 4:
-            packed = tl.load(w_cols + (ks // 2)[:, None], mask=mask_w, other=0)
-            q = (packed >> ((ks % 2) * 4).to(tl.uint8)[:, None]) & 0xF
+    k_start = pid_k * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+        if TILE_GROUPS:
+            where = group_rows + k0 // group_size  # [BLOCK_N]: the tile's one group
+            scale = tl.load(scale_ptr + where, mask=mask_n, other=0.0)
+            if BITS == 4:
+                half = tl.arange(0, BLOCK_K // 2)
+                k_even = k0 + 2 * half
+                packed = tl.load(w_cols + (k0 // 2 + half)[:, None],
+                                 mask=(k_even < K)[:, None] & mask_n[None, :], other=0)
+                a_even = tl.load(x_rows + k_even[None, :],
+                                 mask=mask_m[:, None] & (k_even < K)[None, :], other=0.0)
+                a_odd = tl.load(x_rows + (k_even + 1)[None, :],
+                                mask=mask_m[:, None] & (k_even + 1 < K)[None, :], other=0.0)
+                lo = (packed & 0xF).to(dtype)
+                hi = (packed >> 4).to(dtype)
+                if IEEE:
+                    part = tl.dot(a_even, lo, input_precision="ieee")
+                    part = tl.dot(a_odd, hi, part, input_precision="ieee")
+                else:
+                    part = tl.dot(a_odd, hi, tl.dot(a_even, lo))
+                if HAS_OFFSETS:
+                    a_sum = tl.sum(a_even.to(tl.float32), 1) + tl.sum(a_odd.to(tl.float32), 1)
+            else:
+                ks = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :],
+                            other=0.0)
+                q = tl.load(w_cols + ks[:, None], mask=(ks < K)[:, None] & mask_n[None, :],
+                            other=0)
+                if IEEE:
+                    part = tl.dot(a, q.to(dtype), input_precision="ieee")
+                else:
+                    part = tl.dot(a, q.to(dtype))
+                if HAS_OFFSETS:
+                    a_sum = tl.sum(a.to(tl.float32), 1)
+            acc += part * scale[None, :]
+            if HAS_OFFSETS:
+                offset = tl.load(offset_ptr + where, mask=mask_n, other=0.0)
+                acc += a_sum[:, None] * offset[None, :]
         else:
-            q = tl.load(w_cols + ks[:, None], mask=mask_w, other=0)
-        if HAS_GIDX:
-            groups = tl.load(gidx_ptr + ks, mask=mask_k, other=0)
-        else:
-            groups = ks // group_size
-        where = group_cols + groups[:, None]
-        w = q.to(tl.float32) * tl.load(scale_ptr + where, mask=mask_w, other=0.0)
-        if HAS_OFFSETS:
-            w += tl.load(offset_ptr + where, mask=mask_w, other=0.0)
-        b = w.to(x_ptr.dtype.element_ty)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+            ks = k0 + tl.arange(0, BLOCK_K)
+            mask_k = ks < K
+            a = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            mask_w = mask_k[:, None] & mask_n[None, :]  # [BLOCK_K, BLOCK_N]: W^T's tile
+            if BITS == 4:
+                packed = tl.load(w_cols + (ks // 2)[:, None], mask=mask_w, other=0)
+                q = (packed >> ((ks % 2) * 4).to(tl.uint8)[:, None]) & 0xF
+            else:
+                q = tl.load(w_cols + ks[:, None], mask=mask_w, other=0)
+            if HAS_GIDX:
+                groups = tl.load(gidx_ptr + ks, mask=mask_k, other=0)
+            else:
+                groups = ks // group_size
+            where = group_rows[None, :] + groups[:, None]
+            w = q.to(tl.float32) * tl.load(scale_ptr + where, mask=mask_w, other=0.0)
+            if HAS_OFFSETS:
+                w += tl.load(offset_ptr + where, mask=mask_w, other=0.0)
+            if IEEE:
+                acc = tl.dot(a, w.to(dtype), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w.to(dtype), acc)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    out = (out_ptr + pid_k.to(tl.int64) * stride_os + offs_m.to(tl.int64)[:, None] * stride_om
+           + offs_n[None, :])
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def launch_config(num_tokens: int, dtype: torch.dtype) -> dict:
-    """Decode rows: the smallest M tile tl.dot takes and wide N tiles (a weight stream).
-    Prefill: wider M tiles. fp32 keeps smaller tiles (ieee dots hold more registers)."""
-    block_k = 32 if dtype == torch.float32 else 64
-    if num_tokens <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)
-    return dict(BLOCK_M=32 if dtype == torch.float32 else 64, BLOCK_N=64, BLOCK_K=block_k,
-                num_warps=4)
+def tile_k(group_size: int, bits: int, g_idx, limit: int) -> int:
+    """The K tile for whole-group tiles (the largest power of two <= limit dividing
+    group_size, at least 16 codes per tl.dot operand), or 0 where tiles must gather."""
+    if g_idx is not None:
+        return 0
+    smallest = 32 if bits == 4 else 16
+    block_k = limit
+    while block_k >= smallest:
+        if group_size % block_k == 0:
+            return block_k
+        block_k //= 2
+    return 0
+
+
+def launch_config(num_tokens: int, dtype: torch.dtype, bits: int, group_size: int,
+                  g_idx) -> dict:
+    """Decode rows: the smallest M tile tl.dot takes, K tiles of whole groups where they fit,
+    split-K decided by the launcher. Prefill: wider M tiles. fp32 keeps smaller tiles (ieee
+    dots hold more registers)."""
+    fp32 = dtype == torch.float32
+    decode = num_tokens <= 16
+    block_k = tile_k(group_size, bits, g_idx, 32 if fp32 else 128 if decode else 64)
+    config = dict(BLOCK_M=16 if decode else 32 if fp32 else 64, BLOCK_N=64,
+                  BLOCK_K=block_k or (32 if fp32 else 64), TILE_GROUPS=block_k > 0,
+                  num_warps=4, num_stages=3 if decode else 2)
+    return config
 
 
 def group_quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                        offsets: torch.Tensor | None, g_idx: torch.Tensor | None,
-                       group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+                       group_size: int, bias: torch.Tensor | None,
+                       config: dict | None = None) -> torch.Tensor:
     assert x.dim() == 2 and qweight.dim() == 2, "x and qweight must be 2-D"
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), x.dtype
     num_tokens, in_features = x.shape
@@ -98,18 +165,19 @@ def group_quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         x = x.contiguous()
     assert qweight.stride(1) == 1 and scales.is_contiguous()
     assert offsets is None or offsets.is_contiguous()
-    out = torch.empty((num_tokens, out_features), dtype=x.dtype, device=x.device)
     if num_tokens == 0 or out_features == 0:
-        return out
-    config = launch_config(num_tokens, x.dtype)
-    grid = (triton.cdiv(num_tokens, config["BLOCK_M"]),
-            triton.cdiv(out_features, config["BLOCK_N"]))
+        return torch.empty((num_tokens, out_features), dtype=x.dtype, device=x.device)
+    config = dict(config or launch_config(num_tokens, x.dtype, bits, group_size, g_idx))
+    if config.get("TILE_GROUPS"):  # a K tile lies in one group: k0 // group_size names it
+        assert g_idx is None and group_size % config["BLOCK_K"] == 0, config
+        assert config["BLOCK_K"] >= (32 if bits == 4 else 16), config
+    grid, k_per_split, out = launch_shape(x, out_features, in_features, config)
     _group_quant_kernel[grid](
         x, qweight, scales, offsets if offsets is not None else scales,
         g_idx if g_idx is not None else scales, bias if bias is not None else scales, out,
-        num_tokens, out_features, in_features, num_groups, group_size,
-        x.stride(0), qweight.stride(0), out.stride(0),
+        num_tokens, out_features, in_features, num_groups, group_size, k_per_split,
+        x.stride(0), qweight.stride(0), out.stride(0) if grid[2] > 1 else 0, out.stride(-2),
         BITS=bits, HAS_OFFSETS=offsets is not None, HAS_GIDX=g_idx is not None,
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, **config,
+        HAS_BIAS=bias is not None and grid[2] == 1, IEEE=x.dtype == torch.float32, **config,
     )
-    return out  # [num_tokens, out_features]
+    return finish_split(out, bias, x.dtype)  # [num_tokens, out_features]

@@ -15,16 +15,19 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.split_k import finish_split, launch_shape
+
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
 @triton.jit
-def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K,
-                  stride_xm, stride_wn, stride_om,
+def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, k_per_split,
+                  stride_xm, stride_wn, stride_os, stride_om,
                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -33,7 +36,8 @@ def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K,
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
     w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # [1, BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = pid_k * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         ks = k0 + offs_k
         mask_k = ks < K
         a = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -50,23 +54,26 @@ def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K,
     acc = acc * scale[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    out = (out_ptr + pid_k.to(tl.int64) * stride_os + offs_m.to(tl.int64)[:, None] * stride_om
+           + offs_n[None, :])
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def launch_config(num_tokens: int, dtype: torch.dtype) -> dict:
-    """Decode rows (few tokens): the smallest M tile tl.dot takes and wide N tiles, so the
-    grid covers the weight matrix (the step is a weight stream). Prefill: square tiles."""
-    block_k = 32 if dtype == torch.float32 else 64
+    """Decode rows (few tokens): the smallest M tile tl.dot takes, long K tiles and split-K
+    (kernels/split_k.py), so the grid covers the device (the step is a weight stream).
+    Prefill: square tiles. fp32 tiles of 64 x 64 spill on sm_90 (ieee dots hold more
+    registers)."""
+    fp32 = dtype == torch.float32
     if num_tokens <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)
-    # fp32 tiles of 64 x 64 spill on sm_90 (ieee dots hold more registers).
-    return dict(BLOCK_M=32 if dtype == torch.float32 else 64, BLOCK_N=64, BLOCK_K=block_k,
-                num_warps=4)
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32 if fp32 else 128, num_warps=4,
+                    num_stages=3)
+    return dict(BLOCK_M=32 if fp32 else 64, BLOCK_N=64, BLOCK_K=32 if fp32 else 64,
+                num_warps=4, num_stages=2)
 
 
 def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                 bias: torch.Tensor | None) -> torch.Tensor:
+                 bias: torch.Tensor | None, config: dict | None = None) -> torch.Tensor:
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], \
         f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [M, K] and [N, K]"
     assert weight.dtype in WEIGHT_DTYPES, f"weight dtype {weight.dtype} is not int8 or e4m3"
@@ -79,15 +86,14 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if x.stride(1) != 1:
         x = x.contiguous()
     assert weight.stride(1) == 1, "weight rows must be contiguous"
-    out = torch.empty((num_tokens, out_features), dtype=x.dtype, device=x.device)
     if num_tokens == 0 or out_features == 0:
-        return out
-    config = launch_config(num_tokens, x.dtype)
-    grid = (triton.cdiv(num_tokens, config["BLOCK_M"]), triton.cdiv(out_features,
-                                                                    config["BLOCK_N"]))
+        return torch.empty((num_tokens, out_features), dtype=x.dtype, device=x.device)
+    config = dict(config or launch_config(num_tokens, x.dtype))
+    grid, k_per_split, out = launch_shape(x, out_features, in_features, config)
     _w8a16_kernel[grid](
         x, weight, scale, bias if bias is not None else scale, out,
-        num_tokens, out_features, in_features, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, **config,
+        num_tokens, out_features, in_features, k_per_split, x.stride(0), weight.stride(0),
+        out.stride(0) if grid[2] > 1 else 0, out.stride(-2),
+        HAS_BIAS=bias is not None and grid[2] == 1, IEEE=x.dtype == torch.float32, **config,
     )
-    return out  # [num_tokens, out_features]
+    return finish_split(out, bias, x.dtype)  # [num_tokens, out_features]

@@ -148,7 +148,7 @@ def _quant_linear() -> None:
                                    ("fp32", torch.float32)):
             for num_tokens in (1, 512):
                 config = quant_linear.launch_config(num_tokens, torch_dtype)
-                options = {"num_warps": config.pop("num_warps")}
+                options = {key: config.pop(key) for key in ("num_warps", "num_stages")}
                 pointers = {"x_ptr": "*" + dtype, "w_ptr": weight, "scale_ptr": "*fp32",
                             "bias_ptr": "*" + dtype, "out_ptr": "*" + dtype}
                 kernel = _compile(quant_linear._w8a16_kernel, pointers,
@@ -160,8 +160,10 @@ def _quant_linear() -> None:
 
 
 def _group_quant_linear() -> None:
-    """group_quant_linear for 4-bit (nibbles, offsets) and 8-bit weights, with and without
-    act-order g_idx, at the decode and prefill configurations; 16-bit tiles never spill."""
+    """group_quant_linear for 4-bit (nibbles, offsets) and 8-bit weights: whole-group K tiles
+    (group 128), tiles that gather (act-order g_idx; GGUF-like groups of 32 under 4-bit fp32's
+    smallest tile do not), at the decode and prefill configurations; 16-bit tiles never
+    spill."""
     import torch
 
     from kernels import grouped_linear as gq
@@ -169,9 +171,11 @@ def _group_quant_linear() -> None:
     for bits, weight in ((4, "*u8"), (8, "*i8")):
         for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16),
                                    ("fp32", torch.float32)):
-            for num_tokens, has_gidx in ((1, False), (512, False), (1, True)):
-                config = gq.launch_config(num_tokens, torch_dtype)
-                options = {"num_warps": config.pop("num_warps")}
+            for num_tokens, has_gidx, group in ((1, False, 128), (512, False, 128),
+                                                (1, True, 128), (1, False, 32), (1, False, 24)):
+                g_idx = torch.zeros(1) if has_gidx else None
+                config = gq.launch_config(num_tokens, torch_dtype, bits, group, g_idx)
+                options = {key: config.pop(key) for key in ("num_warps", "num_stages")}
                 pointers = {"x_ptr": "*" + dtype, "w_ptr": weight, "scale_ptr": "*fp32",
                             "offset_ptr": "*fp32", "gidx_ptr": "*i32", "bias_ptr": "*" + dtype,
                             "out_ptr": "*" + dtype}
@@ -179,7 +183,7 @@ def _group_quant_linear() -> None:
                                   HAS_BIAS=True, IEEE=dtype == "fp32")
                 kernel = _compile(gq._group_quant_kernel, pointers, constexprs, **options)
                 regs, spills = _registers_and_spills(kernel)
-                case = (bits, dtype, num_tokens, has_gidx)
+                case = (bits, dtype, num_tokens, has_gidx, group, config["TILE_GROUPS"])
                 assert dtype == "fp32" or spills == 0, f"{case}: {spills} bytes of spills"
                 print(case, f"{regs} registers, {spills} bytes spilled")
 

@@ -100,3 +100,38 @@ def test_triton_refuses_bad_operands(triton_ops):
         triton_ops.group_quant_linear(x, qweight, scales, None, g_idx, gs, None)
     with pytest.raises(AssertionError, match="qweight dtype"):
         triton_ops.group_quant_linear(x, qweight.float(), scales, offsets, g_idx, gs, None)
+
+
+# Launch configurations the heuristic may not pick on these shapes: whole-group K tiles with and
+# without split-K, gathered tiles split, one split; K tiles shorter than the groups.
+CONFIGS = [dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, TILE_GROUPS=True, SPLIT_K=3),
+           dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, TILE_GROUPS=True, SPLIT_K=1),
+           dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, TILE_GROUPS=False, SPLIT_K=5),
+           dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, TILE_GROUPS=False)]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_launch_configs(triton_ops, device, config, bits, dtype):
+    n, k, gs = 70, 328, 64  # K: five whole groups and a short one; N: a partial tile
+    gw = grouped(n, k, bits, gs, offsets=True, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    on_device = [t.to(device) if isinstance(t, torch.Tensor) else t for t in args(gw)]
+    for rows in (1, 19):
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        expected = twins.group_quant_linear(x, *args(gw), bias)
+        got = triton_ops.group_quant_linear(x.to(device), *on_device, bias.to(device),
+                                            config=config).cpu()
+        assert got.dtype == dtype and got.shape == (rows, n)
+        tol = 2e-5 if dtype == torch.float32 else 4e-3
+        torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol * 10)
+
+
+def test_triton_refuses_tiles_across_groups(triton_ops):
+    gw = grouped(8, 96, 8, 48)
+    x = torch.randn(2, 96)
+    config = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, TILE_GROUPS=True)
+    with pytest.raises(AssertionError, match="TILE_GROUPS"):
+        triton_ops.group_quant_linear(x, *args(gw), None, config=config)

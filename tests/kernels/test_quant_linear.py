@@ -69,6 +69,26 @@ def test_triton_against_twin(triton_ops, device, weight_dtype, dtype, shape):
     torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol * 10)
 
 
+@pytest.mark.parametrize("split_k", [1, 3, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_split_k(triton_ops, device, split_k, dtype):
+    """Forced and heuristic K splits (fp32 partial sums added after the kernel, then bias)."""
+    n, k = 45, 300
+    weight, scale = quantized(n, k, torch.int8, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
+    if split_k:
+        config["SPLIT_K"] = split_k
+    for rows in (1, 17):
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        expected = twins.w8a16_linear(x, weight, scale, bias)
+        got = triton_ops.w8a16_linear(x.to(device), weight.to(device), scale.to(device),
+                                      bias.to(device), config=config).cpu()
+        tol = 2e-5 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol * 10)
+
+
 def test_triton_refuses_bad_operands(triton_ops):
     weight, scale = quantized(8, 16, torch.int8)
     x = torch.randn(2, 16)
