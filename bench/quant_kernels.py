@@ -112,8 +112,8 @@ def _sweep_configs(variant: str):
             tile = group is None or group % bk == 0
             if (group is None and bk == 32) or (variant == "g4-128" and not tile):
                 continue
-            for stages in (2, 3, 4):
-                for waves in (2, 4, 8):
+            for stages in (2, 4):
+                for waves in (4, 8):
                     config = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
                                   num_stages=stages, WAVES=waves)
                     if group is not None:
