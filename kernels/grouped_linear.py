@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.quant_gemv import GEMV_ROWS, gemv_config, launch_gemv
 from kernels.split_k import finish_split, launch_shape
 
 
@@ -130,10 +131,14 @@ def tile_k(group_size: int, bits: int, g_idx, limit: int) -> int:
 
 def launch_config(num_tokens: int, dtype: torch.dtype, bits: int, group_size: int,
                   g_idx) -> dict:
-    """Decode rows: the smallest M tile tl.dot takes, K tiles of whole groups where they fit,
+    """One to GEMV_ROWS rows with whole-group K tiles: the GEMV kernel (kernels/quant_gemv.py).
+    Other decode rows: the smallest M tile tl.dot takes, K tiles of whole groups where they fit,
     split-K decided by the launcher. Prefill: wider M tiles. fp32 keeps smaller tiles (ieee
     dots hold more registers)."""
     fp32 = dtype == torch.float32
+    gemv = gemv_config(bits, group_size) if g_idx is None and num_tokens <= GEMV_ROWS else None
+    if gemv is not None:
+        return dict(gemv, GEMV=True)
     decode = num_tokens <= 16
     block_k = tile_k(group_size, bits, g_idx, 32 if fp32 else 128 if decode else 64)
     config = dict(BLOCK_M=16 if decode else 32 if fp32 else 64, BLOCK_N=64,
@@ -168,6 +173,10 @@ def group_quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     if num_tokens == 0 or out_features == 0:
         return torch.empty((num_tokens, out_features), dtype=x.dtype, device=x.device)
     config = dict(config or launch_config(num_tokens, x.dtype, bits, group_size, g_idx))
+    if config.pop("GEMV", False):  # whole-group K tiles, on the CUDA cores
+        assert g_idx is None and group_size % config["BLOCK_K"] == 0, config
+        return launch_gemv(x, qweight, scales, offsets, bias, bits, group_size, num_groups,
+                           config)
     if config.get("TILE_GROUPS"):  # a K tile lies in one group: k0 // group_size names it
         assert g_idx is None and group_size % config["BLOCK_K"] == 0, config
         assert config["BLOCK_K"] >= (32 if bits == 4 else 16), config

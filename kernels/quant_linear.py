@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.quant_gemv import GEMV_ROWS, gemv_config, launch_gemv
 from kernels.split_k import finish_split, launch_shape
 
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -60,11 +61,13 @@ def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, k_per_spl
 
 
 def launch_config(num_tokens: int, dtype: torch.dtype) -> dict:
-    """Decode rows (few tokens): the smallest M tile tl.dot takes, long K tiles and split-K
-    (kernels/split_k.py), so the grid covers the device (the step is a weight stream).
-    Prefill: square tiles. fp32 tiles of 64 x 64 spill on sm_90 (ieee dots hold more
+    """One to GEMV_ROWS rows: the GEMV kernel (kernels/quant_gemv.py). More decode rows: the
+    smallest M tile tl.dot takes, long K tiles and split-K (kernels/split_k.py), so the grid
+    covers the device (the step is a weight stream). Prefill: square tiles. fp32 tiles of 64 x 64 spill on sm_90 (ieee dots hold more
     registers)."""
     fp32 = dtype == torch.float32
+    if num_tokens <= GEMV_ROWS:
+        return dict(gemv_config(0), GEMV=True)
     if num_tokens <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32 if fp32 else 128, num_warps=4,
                     num_stages=3)
@@ -89,6 +92,8 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if num_tokens == 0 or out_features == 0:
         return torch.empty((num_tokens, out_features), dtype=x.dtype, device=x.device)
     config = dict(config or launch_config(num_tokens, x.dtype))
+    if config.pop("GEMV", False):
+        return launch_gemv(x, weight, scale, None, bias, 0, 0, 0, config)
     grid, k_per_split, out = launch_shape(x, out_features, in_features, config)
     _w8a16_kernel[grid](
         x, weight, scale, bias if bias is not None else scale, out,

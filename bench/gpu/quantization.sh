@@ -36,5 +36,6 @@ for q in ${LAT:-}; do
     --name h200-latency-qwen0.5b-bf16-b1-$q > /tmp/res/log-$q.txt 2>&1
   echo "$q rc $?"; grep -E "TPOT p50|output tok/s" /tmp/res/*b1-$q.md 2>/dev/null
   tail -c 300 /tmp/res/log-$q.txt | tr '\r' '\n' | tail -2
+  cp /tmp/res/*.md /tmp/res/*.json $OUT/ 2>/dev/null
 done
 cp /tmp/res/*.md /tmp/res/*.json $OUT/ 2>/dev/null; ls $OUT

@@ -133,6 +133,7 @@ def main() -> None:
              dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_BLOCK=16))  # fmt: skip
     _quant_linear()
     _group_quant_linear()
+    _quant_gemv()
     print("compiled")
 
 
@@ -146,7 +147,7 @@ def _quant_linear() -> None:
     for weight in ("*i8", "*fp8e4nv"):
         for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16),
                                    ("fp32", torch.float32)):
-            for num_tokens in (1, 512):
+            for num_tokens in (16, 512):  # tensor-core decode and prefill (1 row: the GEMV)
                 config = quant_linear.launch_config(num_tokens, torch_dtype)
                 options = {key: config.pop(key) for key in ("num_warps", "num_stages")}
                 pointers = {"x_ptr": "*" + dtype, "w_ptr": weight, "scale_ptr": "*fp32",
@@ -171,8 +172,8 @@ def _group_quant_linear() -> None:
     for bits, weight in ((4, "*u8"), (8, "*i8")):
         for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16),
                                    ("fp32", torch.float32)):
-            for num_tokens, has_gidx, group in ((1, False, 128), (512, False, 128),
-                                                (1, True, 128), (1, False, 32), (1, False, 24)):
+            for num_tokens, has_gidx, group in ((16, False, 128), (512, False, 128),
+                                                (1, True, 128), (16, False, 32), (1, False, 24)):
                 g_idx = torch.zeros(1) if has_gidx else None
                 config = gq.launch_config(num_tokens, torch_dtype, bits, group, g_idx)
                 options = {key: config.pop(key) for key in ("num_warps", "num_stages")}
@@ -186,6 +187,25 @@ def _group_quant_linear() -> None:
                 case = (bits, dtype, num_tokens, has_gidx, group, config["TILE_GROUPS"])
                 assert dtype == "fp32" or spills == 0, f"{case}: {spills} bytes of spills"
                 print(case, f"{regs} registers, {spills} bytes spilled")
+
+
+def _quant_gemv() -> None:
+    """The decode GEMV (kernels/quant_gemv.py) for every weight kind at its own tile sizes
+    (group 128 for the grouped kinds) and 16-bit and fp32 rows; it never spills."""
+    from kernels import quant_gemv
+
+    for kind, weight in ((0, "*i8"), (0, "*fp8e4nv"), (4, "*u8"), (8, "*i8")):
+        for dtype in ("bf16", "fp16", "fp32"):
+            config = quant_gemv.gemv_config(kind, 128)
+            options = {key: config.pop(key) for key in ("num_warps", "num_stages")}
+            pointers = {"x_ptr": "*" + dtype, "w_ptr": weight, "scale_ptr": "*fp32",
+                        "offset_ptr": "*fp32", "bias_ptr": "*" + dtype, "out_ptr": "*" + dtype}
+            constexprs = dict(config, KIND=kind, HAS_OFFSETS=kind == 4, HAS_BIAS=True)
+            kernel = _compile(quant_gemv._quant_gemv_kernel, pointers, constexprs, **options)
+            regs, spills = _registers_and_spills(kernel)
+            case = ("gemv", kind, weight, dtype)
+            assert spills == 0, f"{case}: {spills} bytes of spills"
+            print(case, f"{regs} registers, {spills} bytes spilled")
 
 
 def test_kernels_compile_for_sm90():

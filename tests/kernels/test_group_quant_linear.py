@@ -103,11 +103,14 @@ def test_triton_refuses_bad_operands(triton_ops):
 
 
 # Launch configurations the heuristic may not pick on these shapes: whole-group K tiles with and
-# without split-K, gathered tiles split, one split; K tiles shorter than the groups.
+# without split-K, gathered tiles split, one split; K tiles shorter than the groups; the GEMV
+# kernel (kernels/quant_gemv.py) split and not, also on more rows than it is picked for.
 CONFIGS = [dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, TILE_GROUPS=True, SPLIT_K=3),
            dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, TILE_GROUPS=True, SPLIT_K=1),
            dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, TILE_GROUPS=False, SPLIT_K=5),
-           dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, TILE_GROUPS=False)]
+           dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, TILE_GROUPS=False),
+           dict(BLOCK_N=16, BLOCK_K=64, GEMV=True, SPLIT_K=2),
+           dict(BLOCK_N=64, BLOCK_K=32, GEMV=True)]
 
 
 @pytest.mark.parametrize("config", CONFIGS)

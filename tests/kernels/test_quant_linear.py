@@ -70,14 +70,17 @@ def test_triton_against_twin(triton_ops, device, weight_dtype, dtype, shape):
 
 
 @pytest.mark.parametrize("split_k", [1, 3, None])
+@pytest.mark.parametrize("gemv", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_split_k(triton_ops, device, split_k, dtype):
-    """Forced and heuristic K splits (fp32 partial sums added after the kernel, then bias)."""
+def test_triton_split_k(triton_ops, device, split_k, gemv, dtype):
+    """Forced and heuristic K splits (fp32 partial sums added after the kernel, then bias), in
+    the tensor-core kernel and the GEMV one (kernels/quant_gemv.py), on e4m3 and int8."""
     n, k = 45, 300
-    weight, scale = quantized(n, k, torch.int8, seed=6)
+    weight, scale = quantized(n, k, torch.float8_e4m3fn if gemv else torch.int8, seed=6)
     gen = torch.Generator().manual_seed(7)
     bias = torch.randn(n, generator=gen).to(dtype)
-    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
+    config = dict(BLOCK_N=16, BLOCK_K=64, GEMV=True) if gemv else dict(BLOCK_M=16, BLOCK_N=32,
+                                                                         BLOCK_K=32)
     if split_k:
         config["SPLIT_K"] = split_k
     for rows in (1, 17):
