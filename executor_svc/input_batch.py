@@ -49,7 +49,7 @@ INITIAL_CAPACITY = 32
 _ROW_ARRAYS = ("token_ids", "block_table", "num_tokens", "num_prompt", "num_blocks",
                "num_computed", "temperature", "top_p", "top_k", "seed", "has_seed",
                "num_logprobs", "append_sampled", "sampled_logprob", "prompt_logprobs",
-               "processed_logprobs")
+               "processed_logprobs", "num_spec")
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,9 @@ class InputBatch(Mapping[str, RequestState]):
         self.sampled_logprob = np.zeros(capacity, bool)
         self.prompt_logprobs = np.full(capacity, -1, np.int64)  # -1 = off
         self.processed_logprobs = np.zeros(capacity, bool)
+        # Speculative decoding: proposals appended to token_ids for this step's verification
+        # (the row's last num_spec tokens are not its own yet; runner_spec.py settles them).
+        self.num_spec = np.zeros(capacity, np.int64)
         self.processors = ProcessorRows(capacity)
 
     def _grow(self) -> None:
@@ -163,6 +166,7 @@ class InputBatch(Mapping[str, RequestState]):
             return False
         self.block_table[row, :self.num_blocks[row]] = 0
         self.num_blocks[row] = self.num_tokens[row] = self.num_computed[row] = 0
+        self.num_spec[row] = 0
         self.processors.remove(row)
         self.req_ids[row] = self.specs[row] = None
         heapq.heappush(self.free_rows, row)

@@ -55,6 +55,7 @@ class StepInputs:
     sampled_lp_rows_host: np.ndarray  # [num_slp] int64: the same, on the host
     prompt_targets: torch.Tensor  # [num_prompt_positions] int64: the next token of each
     prompt_lp: PromptPositions | None  # None when no row asks for prompt logprobs
+    spec: SpecPositions | None = None  # None when no row verifies proposals
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,19 @@ class PromptPositions:
     starts: np.ndarray  # [num_pl_seqs] int64: index of the first prompt token covered (>= 1)
     counts: np.ndarray  # [num_pl_seqs] int64 >= 0: positions of each
     num_top: np.ndarray  # [num_pl_seqs] int64: alternatives each asked for
+
+
+@dataclass(frozen=True)
+class SpecPositions:
+    """Rows verifying speculative proposals: the logits of their first `counts` query
+    positions (each predicts one proposal) follow the sampling and prompt rows' in
+    ``logits_indices``, from row `start`, row after row; the row's own sampling row predicts
+    the token after its last proposal."""
+
+    rows: np.ndarray  # [num_spec_seqs] int64: persistent-batch rows
+    logits_rows: np.ndarray  # [num_spec_seqs] int64: their sampling rows (into sample_rows)
+    counts: np.ndarray  # [num_spec_seqs] int64 >= 1: proposals of each
+    start: int  # first logits row of the proposals' positions
 
 
 ALIGN = 16  # bytes, of every staging segment's start
@@ -112,12 +126,15 @@ def build_step_inputs(ib: InputBatch, rows: np.ndarray, query_lens: np.ndarray,
     pl_seqs = np.flatnonzero(ib.prompt_logprobs[rows] >= 0)  # [num_pl_seqs] into rows
     pl_counts = query_lens[pl_seqs] - samples[pl_seqs]  # the sampling position has no next
     num_pl = int(pl_counts.sum())
+    spec_seqs = np.flatnonzero(ib.num_spec[rows])  # [num_spec_seqs] into rows: all sample
+    spec_counts = ib.num_spec[rows[spec_seqs]]
+    num_spec = int(spec_counts.sum())
     processors = ib.processors.gather(sample_rows, ib.token_ids, ib.num_tokens, ib.num_prompt)
     i64, i32, f32 = torch.int64, torch.int32, torch.float32
     extra = _processor_segments(processors) if processors is not None else []
     stage = _Staging(extra + [
         ("input_ids", i64, num_tokens), ("positions", i64, num_tokens),
-        ("slot_mapping", i64, num_tokens), ("logits_indices", i64, num_logits + num_pl),
+        ("slot_mapping", i64, num_tokens), ("logits_indices", i64, num_logits + num_pl + num_spec),
         ("top_k", i64, num_logits), ("seeded_rows", i64, len(seeded)),
         ("seeds", i64, len(seeded)), ("token_indices", i64, len(seeded)),
         ("logprob_rows", i64, len(logprob_rows)), ("sampled_lp_rows", i64, len(sampled_lp)),
@@ -150,6 +167,14 @@ def build_step_inputs(ib: InputBatch, rows: np.ndarray, query_lens: np.ndarray,
                                               np.repeat(computed[pl_seqs], pl_counts) + within + 1]
         prompt_lp = PromptPositions(rows[pl_seqs], computed[pl_seqs] + 1, pl_counts,
                                     ib.prompt_logprobs[rows[pl_seqs]])
+    spec = None
+    if num_spec:
+        within = np.arange(num_spec) - np.repeat(np.cumsum(spec_counts) - spec_counts,
+                                                 spec_counts)
+        h["logits_indices"][num_logits + num_pl:] = np.repeat(
+            query_start_loc[:-1][spec_seqs], spec_counts) + within
+        spec = SpecPositions(rows[spec_seqs], (np.cumsum(samples) - 1)[spec_seqs],
+                             spec_counts, num_logits + num_pl)
     h["seq_lens"][:] = seq_lens
 
     temperature = h["temperature"]
@@ -185,7 +210,7 @@ def build_step_inputs(ib: InputBatch, rows: np.ndarray, query_lens: np.ndarray,
     return StepInputs(d["input_ids"], d["positions"], batch, sample_rows, sampling,
                       d["logprob_rows"], logprob_rows,
                       ib.num_logprobs[sample_rows[logprob_rows]],
-                      d["sampled_lp_rows"], sampled_lp, d["prompt_targets"], prompt_lp)
+                      d["sampled_lp_rows"], sampled_lp, d["prompt_targets"], prompt_lp, spec)
 
 
 def _processor_segments(p: ProcessorInputs) -> list[tuple[str, torch.dtype, int]]:

@@ -22,7 +22,6 @@ swap-out through ``preempted_req_ids``).
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +35,8 @@ from executor_svc.graph_runner import DecodeGraphRunner
 from executor_svc.input_batch import InputBatch, RequestState
 from executor_svc.inputs import StepInputs, build_step_inputs
 from executor_svc.kv_cache import KVCache, to_device
+from executor_svc.runner_checks import PlanChecks, PlanError
+from executor_svc.runner_spec import refusal, settle, verify
 from executor_svc.sampler import (
     prompt_logprobs_records,
     sample,
@@ -47,15 +48,11 @@ from executor_svc.sampler import (
 from executor_svc.structured import StructuredRows, apply_bitmask
 from executor_svc.swap import SwapPool
 from executor_svc.tp_worker import collectives, share_sampled
-from protos.plan import CachedRequest, NewRequest, PromptLogprobs, SamplingSpec, StepPlan
+from protos.plan import CachedRequest, NewRequest, PromptLogprobs, StepPlan
 
 __all__ = ["ModelRunner", "PlanError", "RequestState", "Scheduled", "StepOutput"]
 
 log = structlog.get_logger(__name__)
-
-
-class PlanError(ValueError):
-    """A plan that contradicts what the executor holds (a scheduler bug, or lost state)."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +85,7 @@ class _Sampled:
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
-class ModelRunner:
+class ModelRunner(PlanChecks):
     def __init__(self, model: nn.Module, kv_cache: KVCache, block_size: int,
                  max_model_len: int, vocab_size: int, device: torch.device,
                  swap_pool: SwapPool | None = None, tokenizer_json: Path | None = None,
@@ -192,6 +189,16 @@ class ModelRunner:
             batch.append_tokens(row, cached.new_token_ids)
             if self.structured.active:
                 self.structured.advance([row], batch.req_ids, [cached.new_token_ids])
+        if cached.spec_token_ids:  # verified this step (runner_spec.py)
+            why = refusal(batch, row, len(self.structured.constrained(np.array([row]))) > 0)
+            if why is not None:
+                raise PlanError(f"request {cached.req_id}: {why}")
+            self._check_token_ids(cached.req_id, cached.spec_token_ids)
+            self._check_capacity(cached.req_id,
+                                 int(batch.num_tokens[row]) + len(cached.spec_token_ids),
+                                 int(batch.num_blocks[row]))
+            batch.append_tokens(row, cached.spec_token_ids)
+            batch.num_spec[row] = len(cached.spec_token_ids)
         return row
 
     def _move_blocks(self, plan: StepPlan) -> None:
@@ -200,104 +207,6 @@ class ModelRunner:
             self.swap_pool.swap_out(self.kv_cache, plan.swap_out)
             self.swap_pool.swap_in(self.kv_cache, plan.swap_in)
         self.kv_cache.copy_blocks(plan.block_copies)
-
-    def _check_pairs(self, plan: StepPlan) -> None:
-        """Every pair names blocks that exist, and no block is written twice in one list (a
-        repeated destination would make the batched scatter's result undefined)."""
-        if (plan.swap_out or plan.swap_in) and self.swap_pool is None:
-            raise PlanError("the plan swaps blocks, but this executor has no CPU swap pool "
-                            "(started with --swap-space 0; num_swap_blocks = 0)")
-        num_gpu, num_cpu = self.kv_cache.num_blocks, self.num_swap_blocks
-        for what, pairs, src_space, dst_space in (
-                ("swap out", plan.swap_out, ("device", num_gpu), ("cpu", num_cpu)),
-                ("swap in", plan.swap_in, ("cpu", num_cpu), ("device", num_gpu)),
-                ("block copy", plan.block_copies, ("device", num_gpu), ("device", num_gpu))):
-            for pair in pairs:
-                for block, (space, num) in zip(pair, (src_space, dst_space), strict=True):
-                    if not 0 <= block < num:
-                        raise PlanError(f"{what} {pair} names {space} block {block}, outside "
-                                        f"0..{num - 1}")
-            dsts = [dst for _, dst in pairs]
-            if len(set(dsts)) != len(dsts):
-                twice = next(d for d in dsts if dsts.count(d) > 1)
-                raise PlanError(f"{what} writes {dst_space[0]} block {twice} more than once")
-
-    def _check_block_ids(self, req_id: str, block_ids: list[int]) -> None:
-        # Checked once, when the ids arrive: an id out of range would index past the cache.
-        if any(not (0 <= b < self.kv_cache.num_blocks) for b in block_ids):
-            raise PlanError(f"request {req_id}: block table names a block outside "
-                            f"0..{self.kv_cache.num_blocks - 1}")
-
-    def _check_token_ids(self, req_id: str, token_ids: list[int]) -> None:
-        # An id past the embedding table would be a device-side assert on CUDA.
-        if token_ids and not (0 <= min(token_ids) and max(token_ids) < self.vocab_size):
-            raise PlanError(f"request {req_id}: token ids outside the model's "
-                            f"vocabulary of {self.vocab_size}")
-
-    def _check_sampling(self, req_id: str, s: SamplingSpec) -> None:
-        """What the scheduler validated, checked again where a bad value would fail a step
-        for every request in it (an id past the vocabulary indexes out of bounds)."""
-        if not 0 <= s.num_logprobs <= self.vocab_size:
-            raise PlanError(f"request {req_id}: num_logprobs {s.num_logprobs} is outside "
-                            f"0..{self.vocab_size} (the model's vocabulary)")
-        for what, ids in (("min_tokens_stop_ids", s.min_tokens_stop_ids),
-                          ("logit_bias", [t for t, _ in s.logit_bias]),
-                          ("allowed_token_ids", s.allowed_token_ids),
-                          ("bad_words", [t for word in s.bad_words for t in word])):
-            if ids and max(ids) >= self.vocab_size:
-                raise PlanError(f"request {req_id}: {what} names token id {max(ids)}, outside "
-                                f"the model's vocabulary of {self.vocab_size}")
-        values = (s.repetition_penalty, s.presence_penalty, s.frequency_penalty, s.min_p,
-                  *(b for _, b in s.logit_bias))
-        if not all(math.isfinite(v) for v in values) or s.repetition_penalty <= 0:
-            raise PlanError(f"request {req_id}: penalties, min_p and logit_bias must be finite "
-                            f"and repetition_penalty > 0")
-        if not -1 <= s.prompt_logprobs <= self.vocab_size:
-            raise PlanError(f"request {req_id}: prompt_logprobs {s.prompt_logprobs} is "
-                            f"outside -1..{self.vocab_size} (-1 = off; the model's vocabulary)")
-
-    def _check_capacity(self, req_id: str, num_tokens: int, num_blocks: int) -> None:
-        # A row holds max_model_len + 1 tokens (the last one sampled, never computed) and the
-        # blocks max_model_len tokens need.
-        batch = self.input_batch
-        if num_tokens > batch.max_num_tokens:
-            raise PlanError(f"request {req_id}: {num_tokens} tokens held exceed max_model_len "
-                            f"{self.max_model_len} (+1 sampled)")
-        if num_blocks > batch.max_num_blocks:
-            raise PlanError(f"request {req_id}: {num_blocks} blocks exceed the "
-                            f"{batch.max_num_blocks} that max_model_len {self.max_model_len} "
-                            f"needs at block size {self.block_size}")
-
-    def _check_scheduled(self, rows: np.ndarray, counts: np.ndarray) -> None:
-        """Every entry's scheduled tokens are held, fit its blocks and max_model_len; no request
-        is scheduled twice. Vectorised; the first offending entry (plan order) is reported."""
-        batch = self.input_batch
-        if len(np.unique(rows)) != len(rows):
-            seen: set[int] = set()
-            twice = next(r for r in rows.tolist() if r in seen or seen.add(r))
-            raise PlanError(f"request {batch.req_ids[twice]} appears twice in one plan")
-        computed, held = batch.num_computed[rows], batch.num_tokens[rows]  # [num_entries]
-        num_blocks = batch.num_blocks[rows]
-        end = computed + counts
-        over_tokens = (counts < 0) | (end > held)
-        over_blocks = end > num_blocks * self.block_size
-        over_len = end > self.max_model_len
-        bad = over_tokens | over_blocks | over_len
-        if not bad.any():
-            return
-        i = int(np.argmax(bad))
-        row, req_id = int(rows[i]), batch.req_ids[int(rows[i])]
-        if over_tokens[i]:
-            hint = ("" if batch.append_sampled[row] else
-                    "; it does not append its samples (append_sampled is False), so the plan "
-                    "must send the next tokens in new_token_ids")
-            raise PlanError(f"request {req_id}: {computed[i]} computed + {counts[i]} scheduled "
-                            f"exceeds its {held[i]} tokens{hint}")
-        if over_blocks[i]:
-            raise PlanError(f"request {req_id}: {end[i]} tokens do not fit its "
-                            f"{num_blocks[i]} blocks of {self.block_size}")
-        raise PlanError(f"request {req_id}: {end[i]} tokens exceed max_model_len "
-                        f"{self.max_model_len}")
 
     def prepare(self, scheduled: Scheduled) -> StepInputs:
         """The step's flattened inputs on the device, gathered from the scheduled rows."""
@@ -316,7 +225,13 @@ class ModelRunner:
         sampled = out.token_ids
         batch = self.input_batch
         batch.num_computed[scheduled.rows] += scheduled.query_lens
+        spec, emitted = inputs.spec, None
+        if spec is not None:  # proposals verified, the rows settled to what they keep
+            emitted = verify(logits, spec, inputs.sampling, batch)
+            settle(batch, spec, emitted)
         appends = batch.append_sampled[sample_rows]  # [num_logits] bool
+        if spec is not None:
+            appends[spec.logits_rows] = False
         appended_rows, appended_ids = sample_rows[appends], np.array(sampled, np.int64)[appends]
         batch.append_sampled_tokens(appended_rows, appended_ids)
         if self.structured.active:  # each constrained row's matcher takes its new token
@@ -326,7 +241,11 @@ class ModelRunner:
         log.debug("step computed", num_seqs=len(scheduled.rows), num_tokens=len(inputs.input_ids),
                   num_sampled=len(sampled), num_logprobs=len(out.logprobs))
         req_ids = [batch.req_ids[r] for r in sample_rows.tolist()]
-        return [(r, [t]) for r, t in zip(req_ids, sampled, strict=True)], out
+        tokens = [[t] for t in sampled]
+        if emitted is not None:
+            for i, ids in zip(spec.logits_rows.tolist(), emitted, strict=True):
+                tokens[i] = ids
+        return list(zip(req_ids, tokens, strict=True)), out
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Pure-decode steps that fit a captured size replay the decoder graph, then the LM
@@ -374,7 +293,8 @@ class ModelRunner:
         pl = inputs.prompt_lp
         pl_k = int(pl.num_top.max()) if pl is not None else 0
         if pl is not None:
-            own, ranks, lsm = token_logprobs(logits[num_rows:], inputs.prompt_targets)
+            own, ranks, lsm = token_logprobs(logits[num_rows:num_rows + len(inputs.prompt_targets)],
+                                             inputs.prompt_targets)
             pl_lps, pl_ids = lsm.topk(pl_k, dim=-1)  # [num_pl, pl_k]
             parts += [own.double(), ranks.double(), pl_ids.flatten().double(),
                       pl_lps.flatten().double()]

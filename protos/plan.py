@@ -62,7 +62,7 @@ from protos.wire import (
     _strs,
 )
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,11 @@ class CachedRequest(NamedTuple):
     # with SamplingSpec.append_sampled False, e.g. a beam's chosen token). The default list is
     # shared, like every list a plan holds it is only ever read.
     new_token_ids: list[int] = []  # noqa: RUF012
+    # Speculative decoding: proposed next tokens, computed after the last real token in the
+    # same step (num_scheduled_tokens = 1 + len). The executor verifies them and reports the
+    # accepted ones plus one more token (1..len + 1 in StepResult.sampled); its computed count
+    # then covers only the tokens it kept. Only for append_sampled requests.
+    spec_token_ids: list[int] = []  # noqa: RUF012
 
 
 _NUM_CACHED_COLUMNS = len(CachedRequest._fields)
@@ -117,29 +122,30 @@ _NUM_CACHED_COLUMNS = len(CachedRequest._fields)
 
 def _cached_to_wire(cached_reqs: list[CachedRequest]) -> list:
     """Columns: [req_ids, new_block_ids lists, num_computed, num_scheduled, new_token_ids
-    lists]; msgpack packs zip's tuples as arrays."""
+    lists, spec_token_ids lists]; msgpack packs zip's tuples as arrays."""
     return list(zip(*cached_reqs, strict=True)) if cached_reqs else [[]] * _NUM_CACHED_COLUMNS
 
 
 def _cached_from_wire(w: object) -> list[CachedRequest]:
     # Checked column by column with C-level loops: one entry per running request.
-    req_ids, block_ids, computed, scheduled, token_ids = _list(w, _NUM_CACHED_COLUMNS)
+    req_ids, block_ids, computed, scheduled, token_ids, spec_ids = _list(w, _NUM_CACHED_COLUMNS)
     n = len(_list(req_ids))
-    for col in (block_ids, computed, scheduled, token_ids):
+    for col in (block_ids, computed, scheduled, token_ids, spec_ids):
         if type(col) is not list or len(col) != n:
             raise ValueError(f"cached requests: columns of {n} entries expected")
     if not _only(req_ids, str):
         raise TypeError("cached requests: request ids must be strings")
     if not (_only(computed, int) and _only(scheduled, int)) or (n and min(*computed, *scheduled) < 0):
         raise TypeError("cached requests: token counts must be ints >= 0")
-    for col in (block_ids, token_ids):
+    for col in (block_ids, token_ids, spec_ids):
         if not _only(col, list):
             raise TypeError("cached requests: block and token ids must be lists")
         for ids in filter(None, col):
             _nats(ids)
-    # tuple.__new__ straight from the columns (zip yields exactly the five fields).
+    # tuple.__new__ straight from the columns (zip yields exactly the six fields).
     return list(map(tuple.__new__, repeat(CachedRequest, n),
-                    zip(req_ids, block_ids, computed, scheduled, token_ids, strict=True)))
+                    zip(req_ids, block_ids, computed, scheduled, token_ids, spec_ids,
+                        strict=True)))
 
 
 @dataclass(frozen=True)

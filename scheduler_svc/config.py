@@ -33,6 +33,9 @@ EXECUTOR_PASSTHROUGH = {
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 
 
+DEFAULT_SPECULATIVE_TOKENS = 4
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     model: str | None = None  # dir, .gguf, hub id or folio: name; None = the default model
@@ -52,6 +55,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "auto"  # see preemption.preemption_mode
     overlap_scheduling: bool = True  # plan step N+1 while step N runs (engine.py)
+    speculative_method: str | None = None  # "ngram": speculative decoding (speculation.py)
+    num_speculative_tokens: int | None = None  # proposals per step (default 4 with a method)
     # Fault tolerance: how long requests of a lost executor wait for the next one; the
     # executor channel's secret (None: $FOLIO_CHANNEL_SECRET, else an unauthenticated channel,
     # allowed on loopback only unless insecure_channel); serve: restarts of a crashed executor.
@@ -119,6 +124,13 @@ class SchedulerConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError("--preemption-mode must be one of auto, recompute, swap, "
                              f"got {self.preemption_mode!r}")
+        if self.speculative_method not in (None, "ngram"):
+            raise ValueError("--speculative-method must be ngram (draft models are not "
+                             f"supported yet), got {self.speculative_method!r}")
+        if self.num_speculative_tokens is not None and (
+                self.speculative_method is None or not 1 <= self.num_speculative_tokens <= 16):
+            raise ValueError("--num-speculative-tokens needs --speculative-method and must be "
+                             f"between 1 and 16, got {self.num_speculative_tokens}")
         if self.swap_space is not None and not self.swap_space >= 0:
             raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space:g}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
@@ -206,6 +218,12 @@ def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentPars
                    action=argparse.BooleanOptionalAction, default=True,
                    help="plan the next step while the executor runs this one (default on; "
                    "--no-overlap-scheduling runs schedule, step and result in lockstep)")
+    p.add_argument("--speculative-method", choices=["ngram"],
+                   help="speculative decoding: ngram proposes the tokens that followed the "
+                   "latest earlier occurrence of the sequence's tail (prompt lookup); the model "
+                   "verifies them in one step, so greedy output is unchanged (default off)")
+    p.add_argument("--num-speculative-tokens", type=int,
+                   help="tokens proposed per request per step (1-16, default 4)")
     f = p.add_argument_group("fault tolerance and the executor channel")
     f.add_argument("--resume-timeout", dest="resume_timeout_s", type=float, default=120.0,
                    help="seconds the requests of a lost executor wait for the next one before "
@@ -291,3 +309,10 @@ def config_from_argv(argv: list[str] | None, prog: str | None = None) -> Schedul
     except ValueError as e:
         parser.error(str(e))
         raise  # unreachable: parser.error exits
+
+
+def num_speculative_tokens(config: SchedulerConfig) -> int:
+    """Proposals per request per step: 0 without speculative decoding."""
+    if config.speculative_method is None:
+        return 0
+    return config.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS

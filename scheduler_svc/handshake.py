@@ -15,7 +15,7 @@ import structlog
 
 from protos.plan import PROTOCOL_VERSION, Hello, Reject, Welcome
 from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.config import SchedulerConfig, num_speculative_tokens
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.tokenizer import Tokenizer
 
@@ -83,13 +83,19 @@ def new_scheduler(info: ExecutorInfo, hello: Hello, config: SchedulerConfig, *,
                   first_step_id: int = 0, reset_executor: bool = False) -> Scheduler:
     """A scheduler for the executor `info`: its KV pool and CPU swap pool, empty. Step ids
     continue from `first_step_id`, so a late answer to an older plan never matches a new
-    one; `reset_executor` makes the first plan tell the executor to drop what it holds."""
+    one; `reset_executor` makes the first plan tell the executor to drop what it holds.
+    Speculative decoding runs on one rank only (ranks > 1 would each have to verify)."""
+    spec_k = num_speculative_tokens(config)
+    if spec_k and hello.tensor_parallel_size > 1:
+        log.warning("speculative decoding is off: not supported with tensor parallelism yet",
+                    tensor_parallel_size=hello.tensor_parallel_size)
+        spec_k = 0
     return Scheduler(
         BlockManager(info.num_kv_blocks, info.block_size, max(0, hello.num_swap_blocks)),
         config.max_num_seqs, config.max_num_batched_tokens, info.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
         preemption_mode=config.preemption_mode, first_step_id=first_step_id,
-        reset_executor=reset_executor)
+        reset_executor=reset_executor, num_speculative_tokens=spec_k)
 
 
 def log_connected(info: ExecutorInfo, hello: Hello, config: SchedulerConfig) -> None:

@@ -123,6 +123,9 @@ class Request:
     # ids the scheduler does not know yet. num_tokens counts known tokens only; the next plan
     # schedules from num_tokens + num_placeholders (scheduler.py, "Overlap").
     num_placeholders: int = 0
+    # Speculative decoding: the proposals the step in flight verifies (scheduler counts them
+    # as computed until its result says how many the executor kept; speculation.py).
+    spec_token_ids: list[int] = field(default_factory=list)
     # Set when it finishes STOPPED: the stop token id (EOS or stop_token_ids, the last output
     # token), or for a beam search's result, the stop string its text completed.
     matched_stop: int | str | None = None

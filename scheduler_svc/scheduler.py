@@ -68,6 +68,7 @@ from scheduler_svc.prefix_cache import cached_prefix
 from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.scheduler_state import InFlight
 from scheduler_svc.sequence_group import BeamGroup, num_seq_slots
+from scheduler_svc.speculation import proposal
 from scheduler_svc.step_results import StepResults
 
 log = structlog.get_logger("folio.scheduler.scheduler")
@@ -87,6 +88,7 @@ class _Step:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swapped_out: list[Request] = field(default_factory=list)  # victims of this step's swap_out
     preempted: bool = False
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # speculation.py's proposals
     num_seq_slots: int = 0  # of max_num_seqs, held by the running requests (num_seq_slots)
 
 
@@ -100,7 +102,7 @@ class Scheduler(StepResults):
         flight: also when this step must wait for its result, see "Overlap")."""
         assert len(self._in_flight) < MAX_IN_FLIGHT, "schedule() with two plans in flight"
         overlapping = bool(self._in_flight)
-        if overlapping and self.has_beam_search():
+        if overlapping and (self.num_speculative_tokens or self.has_beam_search()):
             return None
         step = _Step(budget=self.max_num_batched_tokens)
         # 1-2. Running requests get their tokens: decodes first, then prompt chunks.
@@ -184,10 +186,15 @@ class Scheduler(StepResults):
             elif num_lacking > 1:
                 prefills.append((req, num_lacking))
         wants: list[tuple[Request, int]] = []
-        for req, num_lacking in decodes + prefills:
+        k = self.num_speculative_tokens
+        for i, (req, num_lacking) in enumerate(decodes + prefills):
             if step.budget == 0:
                 break
             num_new = min(num_lacking, step.budget)
+            if k and i < len(decodes) and (
+                    drafts := proposal(req, k, self.max_model_len, step.budget)):
+                step.drafts[req.req_id] = drafts
+                num_new += len(drafts)
             wants.append((req, num_new))
             step.budget -= num_new
         return wants
@@ -267,11 +274,14 @@ class Scheduler(StepResults):
             assert alloc is not None, "make_room left too few blocks"
             if alloc.copy is not None:
                 step.block_copies.append(alloc.copy)
+            drafts = step.drafts.get(req.req_id, [])
             if alloc.copy is None and req.req_id in held:
                 cached_reqs.append(CachedRequest(req.req_id, alloc.new_block_ids, num_computed,
-                                                 num_new, req.pending_token_ids))
+                                                 num_new, req.pending_token_ids, drafts))
                 req.pending_token_ids = []
+                req.spec_token_ids = drafts  # (their blocks stay allocated as lookahead)
             else:  # forked, or copy-on-write replaced a block the executor has: the whole table
+                num_new -= len(drafts)  # a NewRequest proposes nothing
                 step.new_reqs.append(self._new_request(req, num_new))
             self._advance(req, num_new)  # budget: taken in _budget_running
 
@@ -331,7 +341,8 @@ class Scheduler(StepResults):
             prompt_end = min(req.num_computed_tokens + num_new, len(req.prompt_token_ids))
             self.num_prompt_tokens += prompt_end - req.num_computed_tokens
         req.num_computed_tokens += num_new
-        if (req.num_computed_tokens == req.num_tokens + req.num_placeholders
+        if (req.num_computed_tokens - len(req.spec_token_ids)
+                == req.num_tokens + req.num_placeholders
                 and req.sampling.append_sampled
                 and (req.group is None or req in req.group.outputs)):
             req.num_placeholders += 1  # it samples this step; the executor appends the token

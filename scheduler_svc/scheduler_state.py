@@ -31,7 +31,8 @@ class SchedulerState:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, *,
                  enable_prefix_caching: bool = True, preemption_mode: str = "auto",
-                 first_step_id: int = 0, reset_executor: bool = False):
+                 first_step_id: int = 0, reset_executor: bool = False,
+                 num_speculative_tokens: int = 0):
         assert preemption_mode in PREEMPTION_MODES, preemption_mode
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -39,6 +40,7 @@ class SchedulerState:
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
         self.preemption_mode = preemption_mode
+        self.num_speculative_tokens = num_speculative_tokens  # 0: no speculative decoding
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -60,6 +62,8 @@ class SchedulerState:
         self.num_steps = 0
         self.prefix_cache_queries = 0  # tokens of admitted requests looked up in the cache
         self.prefix_cache_hits = 0  # of those, tokens found cached
+        self.num_draft_tokens = 0  # proposals verified (speculative decoding)
+        self.num_accepted_tokens = 0  # of those, accepted
 
     # ---- requests in and out -------------------------------------------------------------
 

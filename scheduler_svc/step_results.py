@@ -34,6 +34,8 @@ class StepResults(SchedulerState):
         plan = self._in_flight.popleft().plan
         self.num_steps += 1
         requests, running = self.requests, RequestStatus.RUNNING
+        if self.num_speculative_tokens:
+            self._settle_proposals(plan, result)
         if self.enable_prefix_caching:
             # The step wrote its blocks: full ones become reusable, before anything is freed.
             cache_computed_blocks_many(self.block_manager, [
@@ -85,6 +87,27 @@ class StepResults(SchedulerState):
                 self.groups.pop(req.group.req_id, None)
         self.num_generated_tokens += num_generated
         return outputs
+
+    def _settle_proposals(self, plan, result: StepResult) -> None:
+        """Speculative decoding: each request's computed count, which counted its proposals,
+        rolled back to what the executor kept (the accepted proposals and the token before
+        them), before prefix caching keys a block and the tokens are appended. The block
+        table keeps its tail: the next steps' lookahead."""
+        emitted = None
+        for scheduled in plan.cached_reqs:
+            if not scheduled.spec_token_ids:
+                continue
+            req = self.requests.get(scheduled.req_id)
+            if req is None or not req.spec_token_ids:
+                continue
+            if emitted is None:
+                emitted = {r: len(ids) for r, ids in result.sampled}
+            num_drafts = len(req.spec_token_ids)
+            num_accepted = max(0, min(emitted.get(req.req_id, 1) - 1, num_drafts))
+            req.num_computed_tokens -= num_drafts - num_accepted
+            req.spec_token_ids = []
+            self.num_draft_tokens += num_drafts
+            self.num_accepted_tokens += num_accepted
 
     def _token_logprobs(self, req: Request, token_ids: list[int],
                         sampled_lps: dict[str, tuple[float, int]],

@@ -1,0 +1,78 @@
+"""Speculative decoding (n-gram proposals) through real processes: `folio serve` (scheduler +
+executor child) on tiny random checkpoints, HF transformers as the oracle.
+
+- Greedy output with speculation equals HF's greedy token for token, on every architecture,
+  with the prefix cache on and a pool small enough that requests are preempted (by recompute
+  and by swap). Prompts repeat a random phrase, so proposals are found and partly accepted:
+  the server took fewer steps than it generated tokens.
+- Seeded sampling with speculation repeats itself exactly; requests that may not speculate
+  (logprobs, penalties) run beside speculating ones and still get what they asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from client import AsyncFolioClient
+from tests.checkpoints import ARCHS, make_checkpoint
+from tests.e2e.e2e_util import wait_idle
+from tests.e2e.hf_oracle import NUM_SPECIAL_TOKENS, hf_greedy, load_hf_model, mismatch_report
+
+BLOCK_SIZE = 16
+MAX_TOKENS = 40
+SPEC = ["--speculative-method", "ngram", "--num-speculative-tokens", "3"]
+
+
+def repetitive_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a random phrase a few times (n-gram proposals find it), one of
+    them long enough to fill several blocks."""
+    rng = random.Random(seed)
+    prompts = []
+    for phrase_len, repeats in ((3, 4), (5, 3), (8, 5), (2, 9), (6, 12), (4, 2)):
+        phrase = [rng.randrange(NUM_SPECIAL_TOKENS, vocab_size) for _ in range(phrase_len)]
+        prompts.append(phrase * repeats + phrase[:1])
+    return prompts
+
+
+async def _generate(address: str, prompts, **kwargs):
+    async with AsyncFolioClient(address, timeout=120) as client:
+        return await asyncio.gather(*(client.generate_text(token_ids=p, max_tokens=MAX_TOKENS,
+                                                           ignore_eos=True, **kwargs)
+                                      for p in prompts))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_equals_hf_with_speculation(folio_server, tmp_path_factory, arch, mode):
+    checkpoint = make_checkpoint(arch, tmp_path_factory.mktemp(f"spec-{arch}"))
+    hf = load_hf_model(checkpoint)
+    prompts = repetitive_prompts(hf.config.vocab_size)
+    expected = hf_greedy(hf, prompts, MAX_TOKENS)
+    args = ["--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "14", "--preemption-mode",
+            mode, *SPEC]
+    if mode == "swap":
+        args += ["--swap-space", "0.002"]
+    with folio_server(model=checkpoint, args=args) as server:
+        completions = asyncio.run(_generate(server.address, prompts, temperature=0.0))
+        before = wait_idle(server.address)
+        alone = asyncio.run(_generate(server.address, prompts[4:5], temperature=0.0))
+        stats = wait_idle(server.address)
+        # Again: its prompt's blocks now come from the prefix cache.
+        again = asyncio.run(_generate(server.address, prompts[4:5], temperature=0.0))
+        after = wait_idle(server.address)
+    reports = [mismatch_report(hf, p, e, c.token_ids)
+               for p, e, c in zip(prompts, expected, completions, strict=True)
+               if e != c.token_ids]
+    assert not reports, "\n".join(reports)
+    assert again[0].token_ids == expected[4]
+    assert after["prefix_cache_hits"] > stats["prefix_cache_hits"]
+    assert stats["num_preemptions"] > 0, "the pool was meant to run short"
+    assert alone[0].token_ids == expected[4]
+    assert stats["num_generated_tokens"] == MAX_TOKENS * (len(prompts) + 1)
+    # Alone, a request takes one step per token without speculation (its first token comes
+    # with its prompt's last chunk): fewer steps mean accepted proposals.
+    steps = stats["num_steps"] - before["num_steps"]
+    assert steps < MAX_TOKENS, f"{steps} steps for {MAX_TOKENS} tokens: nothing accepted"
