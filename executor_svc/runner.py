@@ -11,7 +11,9 @@ Invariants (checked every step, a violation fails the step with a message):
 - a request samples exactly when that sum equals ``num_tokens``. With ``append_sampled`` (the
   default) the sampled id is appended, so the next decode step schedules it without the
   scheduler resending any token ids; otherwise the scheduler picks the next token (beam search)
-  and sends it in ``CachedRequest.new_token_ids``, appended before computing.
+  and sends it in ``CachedRequest.new_token_ids``, appended before computing;
+- a row verifying speculative proposals (``CachedRequest.spec_token_ids``) holds them for the
+  step only: ``runner_spec.py`` verifies them and settles the row to what it keeps.
 
 Order within a step, after the plan is validated and request state updated:
 ``swap_out`` (device -> CPU pool), then ``swap_in`` (CPU pool -> device), then ``block_copies``

@@ -8,6 +8,9 @@ vLLM, and not on HF). Warm-up prompts come from a stream of their own, for the s
     random         every request input_len in / output_len out
     sharegpt-like  log-normal lengths with ShareGPT's means (about 202 in / 179 out), capped so
                    prompt + output fits the model's context
+    repeat         random's lengths, each prompt one random 16-token phrase repeated: a model
+                   continues the pattern, the repetitive text speculative decoding's n-gram
+                   proposals are for (like quoting a passage)
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-DATASETS = ("random", "sharegpt-like")
+DATASETS = ("random", "sharegpt-like", "repeat")
+REPEAT_PHRASE_LEN = 16
 SHAREGPT_MEAN_INPUT = 202
 SHAREGPT_MEAN_OUTPUT = 179
 SHAREGPT_SIGMA = 1.0  # log-space spread: ShareGPT's lengths span two orders of magnitude
@@ -44,7 +48,8 @@ class WorkloadSpec:
             raise ValueError("the workload needs at least one prompt")
         if self.input_len < 1 or self.output_len < 1:
             raise ValueError("--input-len and --output-len must be at least 1")
-        if self.dataset == "random" and self.input_len + self.output_len > self.max_model_len:
+        if self.dataset != "sharegpt-like" and (
+                self.input_len + self.output_len > self.max_model_len):
             raise ValueError(f"input_len + output_len = {self.input_len + self.output_len} "
                              f"exceeds the model's context of {self.max_model_len} tokens")
         if not self.request_rate > 0:
@@ -69,7 +74,7 @@ class Request:
 
 def _lengths(spec: WorkloadSpec) -> tuple[list[int], list[int]]:
     n = spec.num_prompts
-    if spec.dataset == "random":
+    if spec.dataset in ("random", "repeat"):
         return [spec.input_len] * n, [spec.output_len] * n
     rng = np.random.default_rng([spec.seed, 0])
 
@@ -98,6 +103,9 @@ def _arrivals(spec: WorkloadSpec) -> list[float]:
 
 def _prompt_ids(spec: WorkloadSpec, stream: int, lengths: list[int]) -> list[list[int]]:
     rng = np.random.default_rng([spec.seed, 2, stream])
+    if spec.dataset == "repeat":
+        phrases = [rng.integers(0, spec.vocab_size, size=REPEAT_PHRASE_LEN) for _ in lengths]
+        return [np.resize(p, n).tolist() for p, n in zip(phrases, lengths, strict=True)]
     return [rng.integers(0, spec.vocab_size, size=n).tolist() for n in lengths]
 
 

@@ -76,3 +76,36 @@ def test_greedy_equals_hf_with_speculation(folio_server, tmp_path_factory, arch,
     # with its prompt's last chunk): fewer steps mean accepted proposals.
     steps = stats["num_steps"] - before["num_steps"]
     assert steps < MAX_TOKENS, f"{steps} steps for {MAX_TOKENS} tokens: nothing accepted"
+
+
+def test_seeded_sampling_repeats_and_others_unaffected(folio_server, tmp_path_factory):
+    """With speculation on: a seeded sampled request gives the same tokens every time, alone
+    or beside others; greedy requests that may not speculate (logprobs, a penalty) run in the
+    same steps and still equal HF's greedy where no penalty applies."""
+    checkpoint = make_checkpoint("qwen2", tmp_path_factory.mktemp("spec-seeded"))
+    hf = load_hf_model(checkpoint)
+    prompts = repetitive_prompts(hf.config.vocab_size, seed=1)
+    seeded = dict(temperature=0.8, top_k=50, top_p=0.95, seed=1234)
+    with folio_server(model=checkpoint, args=["--block-size", str(BLOCK_SIZE), *SPEC]) as server:
+        first = asyncio.run(_generate(server.address, prompts[:1], **seeded))[0]
+
+        async def mixed():
+            async with AsyncFolioClient(server.address, timeout=120) as client:
+                return await asyncio.gather(
+                    client.generate_text(token_ids=prompts[0], max_tokens=MAX_TOKENS,
+                                         ignore_eos=True, **seeded),
+                    client.generate_text(token_ids=prompts[1], max_tokens=MAX_TOKENS,
+                                         ignore_eos=True, temperature=0.0, logprobs=2),
+                    client.generate_text(token_ids=prompts[2], max_tokens=MAX_TOKENS,
+                                         ignore_eos=True, temperature=0.0,
+                                         repetition_penalty=1.3),
+                    client.generate_text(token_ids=prompts[3], max_tokens=MAX_TOKENS,
+                                         ignore_eos=True, temperature=0.0))
+
+        again, with_logprobs, penalised, plain = asyncio.run(mixed())
+        wait_idle(server.address)
+    assert again.token_ids == first.token_ids and len(first.token_ids) == MAX_TOKENS
+    expected = hf_greedy(hf, [prompts[1], prompts[3]], MAX_TOKENS)
+    assert with_logprobs.token_ids == expected[0] and plain.token_ids == expected[1]
+    assert len(with_logprobs.logprobs) == MAX_TOKENS
+    assert len(penalised.token_ids) == MAX_TOKENS

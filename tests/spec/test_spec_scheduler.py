@@ -1,0 +1,63 @@
+"""The scheduler's side of speculative decoding without an executor: which requests propose,
+how many tokens, and the config's refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from protos.plan import SamplingSpec
+from scheduler_svc.config import SchedulerConfig, num_speculative_tokens
+from scheduler_svc.request import Request
+from scheduler_svc.speculation import proposal, speculates
+
+LOOP = [5, 6, 7, 8] * 6  # a proposal for it is always the loop's continuation
+GREEDY = SamplingSpec(temperature=0.0)
+
+
+def _req(sampling: SamplingSpec = GREEDY, max_tokens: int = 100,
+         outputs: int = 0) -> Request:
+    req = Request("r", LOOP, sampling, max_tokens, 0)
+    req.output_token_ids = LOOP[:outputs]
+    return req
+
+
+def test_proposal_follows_the_loop_and_its_limits():
+    assert proposal(_req(), 3, 1000, 100) == [5, 6, 7]
+    # max_tokens: 2 left, one of them the token the step samples anyway.
+    assert proposal(_req(max_tokens=10, outputs=8), 3, 1000, 100) == [5]
+    assert proposal(_req(max_tokens=10, outputs=9), 3, 1000, 100) == []
+    # max_model_len: positions up to num_tokens - 1 + proposals are computed.
+    num_tokens = len(LOOP) + 4
+    assert proposal(_req(outputs=4), 3, num_tokens + 2, 100) == [5, 6]
+    # The step's budget: the real token's position first.
+    assert proposal(_req(), 3, 1000, 2) == [5]
+    assert proposal(_req(), 3, 1000, 1) == []
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingSpec(num_logprobs=2), SamplingSpec(sampled_logprob=True),
+    SamplingSpec(repetition_penalty=1.2), SamplingSpec(presence_penalty=0.5),
+    SamplingSpec(min_p=0.1), SamplingSpec(logit_bias=((3, 1.0),)),
+    SamplingSpec(allowed_token_ids=(5, 6)), SamplingSpec(bad_words=((5,),)),
+    SamplingSpec(min_tokens=4, min_tokens_stop_ids=(2,)), SamplingSpec(append_sampled=False),
+])
+def test_requests_with_per_token_logits_work_do_not_speculate(sampling):
+    assert not speculates(_req(sampling))
+    assert proposal(_req(sampling), 3, 1000, 100) == []
+
+
+def test_plain_sampling_speculates():
+    assert speculates(_req(SamplingSpec(temperature=0.7, top_k=20, top_p=0.9, seed=3)))
+
+
+def test_config_flags():
+    assert num_speculative_tokens(SchedulerConfig()) == 0
+    assert num_speculative_tokens(SchedulerConfig(speculative_method="ngram")) == 4
+    assert num_speculative_tokens(SchedulerConfig(speculative_method="ngram",
+                                                  num_speculative_tokens=2)) == 2
+    with pytest.raises(ValueError, match="--speculative-method"):
+        SchedulerConfig(speculative_method="draft")
+    with pytest.raises(ValueError, match="--num-speculative-tokens"):
+        SchedulerConfig(num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="--num-speculative-tokens"):
+        SchedulerConfig(speculative_method="ngram", num_speculative_tokens=0)
