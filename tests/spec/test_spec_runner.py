@@ -1,0 +1,89 @@
+"""The executor's side of speculative decoding on a real tiny model: proposals verified in
+one step against plain greedy decoding, rows settled so decoding goes on exactly, and plans
+that propose for rows that may not speculate refused without harming the next plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from executor_svc.runner import PlanError
+from protos.plan import CachedRequest, SamplingSpec
+from tests.executor.harness import PlanDriver, make_hf_model, make_runner, save_checkpoint
+
+PROMPT = [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11, 12, 13]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_cache(tmp_path_factory):
+    """arch -> (HF model, checkpoint dir), built once per module."""
+    built = {}
+
+    def get(arch: str):
+        if arch not in built:
+            model = make_hf_model(arch)
+            built[arch] = (model, save_checkpoint(model, tmp_path_factory.mktemp(arch)))
+        return built[arch]
+
+    return get
+
+
+def _greedy(model_dir, num_tokens: int) -> list[int]:
+    runner, driver = make_runner(model_dir), PlanDriver(seed=3)
+    out = runner.execute(driver.plan(new_reqs=[driver.new("x", PROMPT, len(PROMPT))]))
+    driver.record(out.sampled)
+    tokens = list(out.sampled[0][1])
+    while len(tokens) < num_tokens:
+        out = runner.execute(driver.plan(cached_reqs=driver.decode_all(["x"])))
+        driver.record(out.sampled)
+        tokens += out.sampled[0][1]
+    return tokens
+
+
+def _propose(driver: PlanDriver, req_id: str, proposals: list[int]) -> CachedRequest:
+    computed = driver.num_computed[req_id]
+    new = driver._grow(req_id, computed + 1 + len(proposals))
+    return CachedRequest(req_id, new, computed, 1 + len(proposals), [], proposals)
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+def test_verified_proposals_continue_greedy_exactly(checkpoint_cache, arch):
+    _, model_dir = checkpoint_cache(arch)
+    expected = _greedy(model_dir, 12)
+    runner, driver = make_runner(model_dir), PlanDriver(seed=4)
+    out = runner.execute(driver.plan(new_reqs=[driver.new("x", PROMPT, len(PROMPT))]))
+    driver.record(out.sampled)
+    got = list(out.sampled[0][1])
+    # Right proposals: all accepted, plus the next token. Wrong ones: only the target's token.
+    # A partly right one: the right prefix, then the target's token.
+    for proposals in (expected[1:4], [(expected[5] + 1) % 64, 0],
+                      expected[6:8] + [(expected[8] + 1) % 64, 0]):
+        plan = driver.plan(cached_reqs=[_propose(driver, "x", proposals)])
+        out = runner.execute(plan)
+        emitted = out.sampled[0][1]
+        driver.record(out.sampled)
+        driver.num_computed["x"] += len(emitted)
+        got += emitted
+        assert runner.requests["x"].num_computed_tokens == driver.num_computed["x"]
+    assert len(got) == 1 + 4 + 1 + 3
+    while len(got) < len(expected):  # plain decoding after the settled rows
+        out = runner.execute(driver.plan(cached_reqs=driver.decode_all(["x"])))
+        driver.record(out.sampled)
+        got += out.sampled[0][1]
+    assert got == expected
+
+
+def test_refused_proposals_and_the_runner_goes_on(checkpoint_cache):
+    _, model_dir = checkpoint_cache("llama3")
+    runner, driver = make_runner(model_dir), PlanDriver(seed=5)
+    lp = SamplingSpec(temperature=0.0, num_logprobs=2)
+    out = runner.execute(driver.plan(new_reqs=[driver.new("a", PROMPT, len(PROMPT), lp),
+                                               driver.new("b", PROMPT, len(PROMPT))]))
+    driver.record(out.sampled)
+    with pytest.raises(PlanError, match="logprobs"):
+        runner.execute(driver.plan(cached_reqs=[_propose(driver, "a", [1, 2])]))
+    with pytest.raises(PlanError, match="vocabulary"):
+        runner.execute(driver.plan(cached_reqs=[_propose(driver, "b", [1, 10**6])]))
+    # A failed plan drops the requests it touched; a fresh one runs.
+    assert "a" not in runner.requests and "b" not in runner.requests
+    out = runner.execute(driver.plan(new_reqs=[driver.new("c", PROMPT, len(PROMPT))]))
+    assert [r for r, _ in out.sampled] == ["c"]
