@@ -86,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "load: int8 (W8A16) or fp8 (e4m3), one scale per output channel; "
                         "an fp8 checkpoint (quantization_config) loads as it is without it, "
                         "as do a converted GGUF file's raw blocks (gguf names them)")
+    p.add_argument("--num-draft-tokens", type=int, default=0,
+                   help="speculative decoding: run a draft model that proposes this many "
+                        "tokens per request per step (0 = none; `folio serve "
+                        "--speculative-method draft` sets it)")
+    p.add_argument("--draft-model", default=None,
+                   help="the draft model's checkpoint directory (default: the served model)")
+    p.add_argument("--draft-layers", type=int, default=None,
+                   help="keep only the draft model's first N decoder layers")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit (as on SIGTERM) when this process is gone; `folio serve` passes "
                         "its own pid so no executor outlives it")
@@ -116,6 +124,9 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
+        num_draft_tokens=args.num_draft_tokens,
+        draft_model=args.draft_model,
+        draft_layers=args.draft_layers,
     )
 
 

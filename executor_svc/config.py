@@ -59,6 +59,11 @@ class ExecutorConfig:
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     tensor_parallel_size: int = 1  # ranks sharding the model (distributed.py, tp_launch.py)
     quantization: str | None = None  # int8 | fp8: quantize linear weights at load
+    # Speculative decoding's draft model (draft.py): proposals per step (0 = none), its
+    # checkpoint (None: the served model) and the decoder layers kept (None: all).
+    num_draft_tokens: int = 0
+    draft_model: str | None = None
+    draft_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not self.model.strip():
@@ -104,3 +109,10 @@ class ExecutorConfig:
                              f"got {self.quantization!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+        if not 0 <= self.num_draft_tokens <= 16:
+            raise ValueError("--num-draft-tokens must be between 0 and 16, got "
+                             f"{self.num_draft_tokens}")
+        if self.num_draft_tokens == 0 and (self.draft_model or self.draft_layers):
+            raise ValueError("--draft-model and --draft-layers need --num-draft-tokens")
+        if self.draft_layers is not None and self.draft_layers < 1:
+            raise ValueError(f"--draft-layers must be at least 1, got {self.draft_layers}")

@@ -49,7 +49,7 @@ INITIAL_CAPACITY = 32
 _ROW_ARRAYS = ("token_ids", "block_table", "num_tokens", "num_prompt", "num_blocks",
                "num_computed", "temperature", "top_p", "top_k", "seed", "has_seed",
                "num_logprobs", "append_sampled", "sampled_logprob", "prompt_logprobs",
-               "processed_logprobs", "num_spec")
+               "processed_logprobs", "num_spec", "draft_computed")
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,8 @@ class InputBatch(Mapping[str, RequestState]):
         # Speculative decoding: proposals appended to token_ids for this step's verification
         # (the row's last num_spec tokens are not its own yet; runner_spec.py settles them).
         self.num_spec = np.zeros(capacity, np.int64)
+        # The draft model's KV positions of the row's real tokens (executor_svc/draft.py).
+        self.draft_computed = np.zeros(capacity, np.int64)
         self.processors = ProcessorRows(capacity)
 
     def _grow(self) -> None:
@@ -166,7 +168,7 @@ class InputBatch(Mapping[str, RequestState]):
             return False
         self.block_table[row, :self.num_blocks[row]] = 0
         self.num_blocks[row] = self.num_tokens[row] = self.num_computed[row] = 0
-        self.num_spec[row] = 0
+        self.num_spec[row] = self.draft_computed[row] = 0
         self.processors.remove(row)
         self.req_ids[row] = self.specs[row] = None
         heapq.heappush(self.free_rows, row)

@@ -49,12 +49,13 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
 
 def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
                    num_kv_blocks: int | None, kv_cache_memory: int | None,
-                   profiled_budget: int | None = None) -> int:
+                   profiled_budget: int | None = None, extra_bytes_per_block: int = 0) -> int:
     """How many blocks to allocate: the explicit count, else what the memory budget holds:
-    --kv-cache-memory, else on CUDA what the profiling step left (memory.py), else 1 GiB."""
+    --kv-cache-memory, else on CUDA what the profiling step left (memory.py), else 1 GiB.
+    `extra_bytes_per_block`: another cache with the same blocks (a draft model's) shares it."""
     if num_kv_blocks is not None:
         return num_kv_blocks
-    per_block = bytes_per_block(cfg, block_size, dtype)
+    per_block = bytes_per_block(cfg, block_size, dtype) + extra_bytes_per_block
     if kv_cache_memory is not None:
         budget = kv_cache_memory
     elif device.type == "cuda":

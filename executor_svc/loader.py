@@ -15,6 +15,8 @@ shape, and each rank reads only its slices from the files, never a whole sharded
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
@@ -200,17 +202,30 @@ def effective_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
     return max_len
 
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _layer_index(name: str) -> int:
+    """The decoder layer a checkpoint tensor belongs to (-1: none, e.g. the embedding)."""
+    match = _LAYER.search(name)
+    return int(match.group(1)) if match else -1
+
+
 def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
                max_model_len: int, backend: AttentionBackend | None = None,
                cfg: ModelConfig | None = None, keep_plain_weights: bool = False,
-               quantization: str | None = None) -> nn.Module:
+               quantization: str | None = None, num_layers: int | None = None) -> nn.Module:
     """Build the registered class for the checkpoint in `model_dir` and load its weights.
     `keep_plain_weights`: the CPU backend may release the plain linear weights once it has
     its own forms of them (prepare_for_device); True keeps them readable (tests, tools).
     `quantization`: --quantization (int8, fp8, gguf or None); an fp8 checkpoint or a
     converted GGUF file's raw blocks are quantized whatever it says
-    (executor_svc/quantization)."""
+    (executor_svc/quantization). `num_layers`: keep only the first N decoder layers (a
+    draft model cut from the served one, executor_svc/draft.py); the others' tensors are
+    skipped, every kept parameter is still filled."""
     cfg = cfg or ModelConfig.from_dir(model_dir)
+    if num_layers is not None and num_layers < cfg.num_layers:
+        cfg = dataclasses.replace(cfg, num_layers=num_layers)
     qcfg = resolve_quant_config(quantization, model_dir)
     try:
         cls = model_class(cfg.architecture)
@@ -218,6 +233,8 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
         raise CheckpointError(model_dir / "config.json", str(e)) from None
     files = safetensors_files(model_dir)
     headers = read_weight_headers(files)
+    if num_layers is not None:
+        headers = [h for h in headers if _layer_index(h.name) < cfg.num_layers]
     log.info("loading model", model_dir=str(model_dir), architecture=cfg.architecture,
              files=len(files), bytes=sum(f.stat().st_size for f in files))
     # Parameters start on the meta device so no time goes into a random init we overwrite,

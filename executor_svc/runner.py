@@ -33,6 +33,7 @@ import structlog
 import torch
 from torch import nn
 
+from executor_svc.draft import DraftProposer
 from executor_svc.graph_runner import DecodeGraphRunner
 from executor_svc.input_batch import InputBatch, RequestState
 from executor_svc.inputs import StepInputs, build_step_inputs
@@ -75,6 +76,7 @@ class StepOutput:
     # (req_id, sampled token's logprob, its rank) for requests with sampled_logprob
     sampled_logprobs: list[tuple[str, float, int]] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    proposals: list[tuple[str, list[int]]] = field(default_factory=list)  # draft model's
 
 
 @dataclass
@@ -91,7 +93,8 @@ class ModelRunner(PlanChecks):
     def __init__(self, model: nn.Module, kv_cache: KVCache, block_size: int,
                  max_model_len: int, vocab_size: int, device: torch.device,
                  swap_pool: SwapPool | None = None, tokenizer_json: Path | None = None,
-                 graph_runner: DecodeGraphRunner | None = None):
+                 graph_runner: DecodeGraphRunner | None = None,
+                 draft: DraftProposer | None = None):
         self.model = model
         self.vocab_size = vocab_size
         self.kv_cache = kv_cache
@@ -104,6 +107,8 @@ class ModelRunner(PlanChecks):
         self.structured = StructuredRows(tokenizer_json, vocab_size)
         # Replays pure-decode steps from captured graphs (None: every step eager).
         self.graph_runner = graph_runner
+        # Speculative decoding's draft model: proposals after each step (None: no draft).
+        self.draft = draft
 
     @property
     def requests(self) -> InputBatch:
@@ -128,13 +133,25 @@ class ModelRunner(PlanChecks):
                 scheduled = self.apply(plan)
                 self._move_blocks(plan)
                 sampled, out = self._run(scheduled) if len(scheduled.rows) else ([], _Sampled([]))
+                proposals = self._propose(sampled) if self.draft is not None else []
         except Exception:
             for req_id in [r.req_id for r in plan.new_reqs] + [r.req_id for r in plan.cached_reqs]:
                 self.input_batch.remove(req_id)
             raise
         num_tokens = int(scheduled.query_lens.sum())
         return StepOutput(sampled, num_tokens, time.perf_counter() - start, out.logprobs,
-                          out.sampled_logprobs, out.prompt_logprobs)
+                          out.sampled_logprobs, out.prompt_logprobs, proposals)
+
+    def _propose(self, sampled: list[tuple[str, list[int]]]) -> list[tuple[str, list[int]]]:
+        """The draft model's proposals for the rows that sampled and may speculate."""
+        batch = self.input_batch
+        rows = [batch.row_of[r] for r, _ in sampled if r in batch.row_of]
+        rows = np.array([r for r in rows if refusal(
+            batch, r, len(self.structured.constrained(np.array([r]))) > 0) is None], np.int64)
+        if not len(rows):
+            return []
+        ids = self.draft.propose(batch, rows)
+        return [(batch.req_ids[r], p) for r, p in zip(rows.tolist(), ids, strict=True) if p]
 
     def apply(self, plan: StepPlan) -> Scheduled:
         """Validate the plan and write its diff into the persistent batch; return the rows to
@@ -231,6 +248,9 @@ class ModelRunner(PlanChecks):
         if spec is not None:  # proposals verified, the rows settled to what they keep
             emitted = verify(logits, spec, inputs.sampling, batch)
             settle(batch, spec, emitted)
+        # The draft model's KV is valid only where the target's is (rejected positions drop).
+        batch.draft_computed[scheduled.rows] = np.minimum(batch.draft_computed[scheduled.rows],
+                                                          batch.num_computed[scheduled.rows])
         appends = batch.append_sampled[sample_rows]  # [num_logits] bool
         if spec is not None:
             appends[spec.logits_rows] = False

@@ -24,8 +24,10 @@ from pathlib import Path
 import structlog
 import torch
 
+from executor_svc.checkpoint import resolve_model_dir
 from executor_svc.config import ExecutorConfig
 from executor_svc.distributed import all_reduce_min, init_tp, tp_rank, tp_size
+from executor_svc.draft import DraftProposer, load_draft
 from executor_svc.graph_runner import DecodeGraphRunner
 from executor_svc.kv_cache import KVCache, bytes_per_block, num_blocks_for
 from executor_svc.loader import (
@@ -93,6 +95,12 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
     max_model_len = effective_max_model_len(model_cfg, cfg.max_model_len)
     model = load_model(model_dir, dtype=dtype, device=device, max_model_len=max_model_len,
                        cfg=model_cfg, quantization=cfg.quantization)
+    draft_model = draft_cfg = None
+    if cfg.num_draft_tokens:  # speculative decoding's draft model (draft.py)
+        draft_dir = resolve_model_dir(cfg.draft_model, cfg.hub_cache_dir) if cfg.draft_model \
+            else model_dir
+        draft_model, draft_cfg = load_draft(draft_dir, model_cfg, cfg.draft_layers, dtype=dtype,
+                                            device=device, max_model_len=max_model_len)
     # Measured after the weights are in place, by a step of the largest shape (memory.py).
     profiled = None
     if device.type == "cuda" and cfg.num_kv_blocks is None and cfg.kv_cache_memory is None:
@@ -102,11 +110,19 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
             max_num_seqs=cfg.max_num_seqs, gpu_memory_utilization=cfg.gpu_memory_utilization,
             graph_reserve_bytes=0 if cfg.enforce_eager else DEFAULT_GRAPH_RESERVE_BYTES)
     # Block ids are shared by every rank: the pool is the smallest rank's.
+    # The draft model's KV cache has the target's blocks: the budget holds both.
+    extra = bytes_per_block(draft_cfg, cfg.block_size, dtype) if draft_cfg is not None else 0
     num_blocks = all_reduce_min(num_blocks_for(model_cfg, cfg.block_size, dtype, device,
-                                               cfg.num_kv_blocks, cfg.kv_cache_memory, profiled),
+                                               cfg.num_kv_blocks, cfg.kv_cache_memory, profiled,
+                                               extra),
                                 device)
     kv_cache = KVCache.allocate(model_cfg, num_blocks, cfg.block_size, dtype, device)
     model.bind_kv_cache(kv_cache.per_layer())
+    draft = None
+    if draft_model is not None:
+        draft_kv = KVCache.allocate(draft_cfg, num_blocks, cfg.block_size, dtype, device)
+        draft_model.bind_kv_cache(draft_kv.per_layer())
+        draft = DraftProposer(draft_model, draft_kv, cfg.num_draft_tokens, max_model_len, device)
     if device.type == "cuda":  # every attention variant compiled before the first request
         from executor_svc.warmup import warm_attention  # imports triton: CUDA only
 
@@ -126,7 +142,8 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
         graph_runner.capture()
     runner = ModelRunner(model, kv_cache, cfg.block_size, max_model_len,
                          model_cfg.vocab_size, device, swap_pool,
-                         tokenizer_json if tokenizer_json.is_file() else None, graph_runner)
+                         tokenizer_json if tokenizer_json.is_file() else None, graph_runner,
+                         draft)
     hello = Hello(
         protocol_version=PROTOCOL_VERSION,
         executor_id=f"{socket.gethostname()}-{os.getpid()}",
@@ -141,6 +158,7 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
         device=str(device),
         random_weights=has_random_weights(model_dir),
         tensor_parallel_size=tp_size(),
+        num_draft_tokens=cfg.num_draft_tokens if draft is not None else 0,
     )
     return Executor(runner, hello)
 
@@ -278,7 +296,7 @@ def _step(runner: ModelRunner, plan: StepPlan, stats: _Stats,
     log.debug("step done", step=plan.step_id, num_tokens=out.num_tokens,
               num_sampled=len(out.sampled), execute_time_s=round(out.execute_time_s, 6))
     return StepResult(plan.step_id, out.sampled, out.execute_time_s, out.logprobs, idle_s,
-                      out.sampled_logprobs, out.prompt_logprobs)
+                      out.sampled_logprobs, out.prompt_logprobs, out.proposals)
 
 
 class _Stats:

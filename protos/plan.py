@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import ClassVar, NamedTuple
 
+from protos.plan_logprobs import PromptLogprobs, _prompt_logprobs_from_wire
 from protos.sampling_spec import SamplingSpec
 from protos.wire import (
     _bool,
@@ -166,19 +167,22 @@ class Hello:
     device: str
     random_weights: bool = False
     tensor_parallel_size: int = 1  # ranks behind this executor (KV blocks: the minimum of theirs)
+    # Speculative decoding with a draft model: proposals it makes per request per step
+    # (StepResult.proposals); 0 = no draft model.
+    num_draft_tokens: int = 0
 
     def to_wire(self) -> list:
         return [self.TAG, self.protocol_version, self.executor_id, self.model_name,
                 self.architecture, self.vocab_size, self.max_model_len, self.block_size,
                 self.num_kv_blocks, self.num_swap_blocks, self.dtype, self.device,
-                self.random_weights, self.tensor_parallel_size]
+                self.random_weights, self.tensor_parallel_size, self.num_draft_tokens]
 
     @classmethod
     def from_wire(cls, w: list) -> Hello:
-        _list(w, 14)
+        _list(w, 15)
         return cls(_int(w[1]), _str(w[2]), _str(w[3]), _str(w[4]), _nat(w[5]), _nat(w[6]),
                    _nat(w[7]), _nat(w[8]), _nat(w[9]), _str(w[10]), _str(w[11]), _bool(w[12]),
-                   _nat(w[13]))
+                   _nat(w[13]), _nat(w[14]))
 
 
 @dataclass(frozen=True)
@@ -263,42 +267,12 @@ class StepPlan:
         )
 
 
-class PromptLogprobs(NamedTuple):
-    """Logprobs of consecutive prompt tokens ``start .. start + len(token_logprobs) - 1`` of one
-    request, each given the tokens before it (so start >= 1), computed in one step."""
-
-    req_id: str
-    start: int  # index of the first prompt token covered
-    token_logprobs: list[float]  # [m] each token's own logprob
-    ranks: list[int]  # [m] 1 + the number of tokens strictly more likely
-    top_ids: list[list[int]]  # [m][k] the k most likely tokens at each position, best first
-    top_logprobs: list[list[float]]  # [m][k] their logprobs
-
-
-def _prompt_logprobs_from_wire(w: object) -> list[PromptLogprobs]:
-    out = []
-    for entry in _list(w):
-        req_id, start, lps, ranks, top_ids, top_lps = _list(entry, 6)
-        lps, ranks = _floats(lps), _nats(ranks)
-        top_ids = [_nats(ids) for ids in _list(top_ids)]
-        top_lps = [_floats(x) for x in _list(top_lps)]
-        m = len(lps)
-        if not (len(ranks) == len(top_ids) == len(top_lps) == m):
-            raise ValueError("prompt logprobs: as many ranks and top lists as positions")
-        if any(len(a) != len(b) for a, b in zip(top_ids, top_lps, strict=True)):
-            raise ValueError("prompt logprobs: as many top ids as top values")
-        if _nat(start) < 1 or (m and min(ranks) < 1):
-            raise ValueError("prompt logprobs: start and ranks must be >= 1")
-        out.append(PromptLogprobs(_str(req_id), start, lps, ranks, top_ids, top_lps))
-    return out
-
-
 @dataclass(frozen=True)
 class StepResult:
     """Executor -> scheduler: the tokens sampled in step `step_id`.
 
-    `sampled` holds (req_id, token_ids) for each request that sampled this step (one id per
-    request today; a list leaves room for speculative decoding). Requests in the middle of a
+    `sampled` holds (req_id, token_ids) for each request that sampled this step (one id, or
+    with speculative proposals the accepted ones and one more). Requests in the middle of a
     chunked prefill are absent. `logprobs` holds (req_id, top token ids, their logprobs), best
     first, for each sampled request whose SamplingSpec.num_logprobs > 0. `sampled_logprobs`
     holds (req_id, the sampled token's logprob, its rank) for each sampled request whose
@@ -316,6 +290,10 @@ class StepResult:
     idle_time_s: float = 0.0
     sampled_logprobs: list[tuple[str, float, int]] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    # The draft model's proposals for each request's next step (Hello.num_draft_tokens > 0):
+    # (req_id, token ids), computed after this step's tokens; the scheduler may send them back
+    # as CachedRequest.spec_token_ids, trimmed, and only in the very next plan.
+    proposals: list[tuple[str, list[int]]] = field(default_factory=list)
 
     def to_wire(self) -> list:
         # `sampled` as two columns, [req_ids, token id lists]: one entry per sampled request.
@@ -325,11 +303,12 @@ class StepResult:
                        else [[]] * 3)
         return [self.TAG, self.step_id, sampled,
                 self.execute_time_s, [[r, ids, lps] for r, ids, lps in self.logprobs],
-                self.idle_time_s, sampled_lps, [list(p) for p in self.prompt_logprobs]]
+                self.idle_time_s, sampled_lps, [list(p) for p in self.prompt_logprobs],
+                [[r, ids] for r, ids in self.proposals]]
 
     @classmethod
     def from_wire(cls, w: list) -> StepResult:
-        _list(w, 8)
+        _list(w, 9)
         req_ids, token_ids = _list(w[2], 2)
         if type(token_ids) is not list or len(token_ids) != len(_strs(req_ids)):
             raise ValueError("sampled: as many token id lists as request ids")
@@ -354,8 +333,12 @@ class StepResult:
         if lp_ranks and min(lp_ranks) < 1:
             raise ValueError("sampled logprobs: ranks must be >= 1")
         sampled_logprobs = list(zip(lp_req_ids, lp_values, lp_ranks, strict=True))
+        proposals = []
+        for entry in _list(w[8]):
+            req_id, ids = _list(entry, 2)
+            proposals.append((_str(req_id), _nats(ids)))
         return cls(_nat(w[1]), sampled, _float(w[3]), logprobs, _float(w[5]), sampled_logprobs,
-                   _prompt_logprobs_from_wire(w[7]))
+                   _prompt_logprobs_from_wire(w[7]), proposals)
 
 
 @dataclass(frozen=True)

@@ -55,8 +55,12 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "auto"  # see preemption.preemption_mode
     overlap_scheduling: bool = True  # plan step N+1 while step N runs (engine.py)
-    speculative_method: str | None = None  # "ngram": speculative decoding (speculation.py)
+    speculative_method: str | None = None  # ngram | draft: speculative decoding (speculation.py)
     num_speculative_tokens: int | None = None  # proposals per step (default 4 with a method)
+    # draft: the draft model (default: the served model) and the layers of it kept (default
+    # all); serve hands both to the executor child.
+    speculative_model: str | None = None
+    speculative_draft_layers: int | None = None
     # Fault tolerance: how long requests of a lost executor wait for the next one; the
     # executor channel's secret (None: $FOLIO_CHANNEL_SECRET, else an unauthenticated channel,
     # allowed on loopback only unless insecure_channel); serve: restarts of a crashed executor.
@@ -124,9 +128,16 @@ class SchedulerConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError("--preemption-mode must be one of auto, recompute, swap, "
                              f"got {self.preemption_mode!r}")
-        if self.speculative_method not in (None, "ngram"):
-            raise ValueError("--speculative-method must be ngram (draft models are not "
-                             f"supported yet), got {self.speculative_method!r}")
+        if self.speculative_method not in (None, "ngram", "draft"):
+            raise ValueError("--speculative-method must be ngram or draft, "
+                             f"got {self.speculative_method!r}")
+        if self.speculative_method != "draft" and (
+                self.speculative_model is not None or self.speculative_draft_layers is not None):
+            raise ValueError("--speculative-model and --speculative-draft-layers need "
+                             "--speculative-method draft")
+        if self.speculative_draft_layers is not None and self.speculative_draft_layers < 1:
+            raise ValueError("--speculative-draft-layers must be at least 1, got "
+                             f"{self.speculative_draft_layers}")
         if self.num_speculative_tokens is not None and (
                 self.speculative_method is None or not 1 <= self.num_speculative_tokens <= 16):
             raise ValueError("--num-speculative-tokens needs --speculative-method and must be "
@@ -177,6 +188,12 @@ class SchedulerConfig:
         # profiles a step of the largest shape (both limits) before sizing the KV cache.
         flags += ["--max-num-seqs", str(self.max_num_seqs),
                   "--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.speculative_method == "draft":  # the executor runs the draft model
+            flags += ["--num-draft-tokens", str(num_speculative_tokens(self))]
+            if self.speculative_model is not None:
+                flags += ["--draft-model", self.speculative_model]
+            if self.speculative_draft_layers is not None:
+                flags += ["--draft-layers", str(self.speculative_draft_layers)]
         return flags + (["--enforce-eager"] if self.enforce_eager else [])
 
 
@@ -218,12 +235,18 @@ def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentPars
                    action=argparse.BooleanOptionalAction, default=True,
                    help="plan the next step while the executor runs this one (default on; "
                    "--no-overlap-scheduling runs schedule, step and result in lockstep)")
-    p.add_argument("--speculative-method", choices=["ngram"],
+    p.add_argument("--speculative-method", choices=["ngram", "draft"],
                    help="speculative decoding: ngram proposes the tokens that followed the "
-                   "latest earlier occurrence of the sequence's tail (prompt lookup); the model "
+                   "latest earlier occurrence of the sequence's tail (prompt lookup), draft "
+                   "the greedy tokens of a smaller draft model run by the executor; the model "
                    "verifies them in one step, so greedy output is unchanged (default off)")
     p.add_argument("--num-speculative-tokens", type=int,
                    help="tokens proposed per request per step (1-16, default 4)")
+    p.add_argument("--speculative-model",
+                   help="draft: the draft model's checkpoint (sharing the served model's "
+                   "tokenizer; default: the served model itself)")
+    p.add_argument("--speculative-draft-layers", type=int,
+                   help="draft: keep only the draft model's first N decoder layers")
     f = p.add_argument_group("fault tolerance and the executor channel")
     f.add_argument("--resume-timeout", dest="resume_timeout_s", type=float, default=120.0,
                    help="seconds the requests of a lost executor wait for the next one before "

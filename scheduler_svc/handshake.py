@@ -86,6 +86,11 @@ def new_scheduler(info: ExecutorInfo, hello: Hello, config: SchedulerConfig, *,
     one; `reset_executor` makes the first plan tell the executor to drop what it holds.
     Speculative decoding runs on one rank only (ranks > 1 would each have to verify)."""
     spec_k = num_speculative_tokens(config)
+    if config.speculative_method == "draft" and hello.num_draft_tokens < spec_k:
+        log.warning("speculative decoding is off: the executor runs no draft model making "
+                    f"{spec_k} proposals (start it with --num-draft-tokens {spec_k})",
+                    num_draft_tokens=hello.num_draft_tokens)
+        spec_k = 0
     if spec_k and hello.tensor_parallel_size > 1:
         log.warning("speculative decoding is off: not supported with tensor parallelism yet",
                     tensor_parallel_size=hello.tensor_parallel_size)
@@ -95,7 +100,8 @@ def new_scheduler(info: ExecutorInfo, hello: Hello, config: SchedulerConfig, *,
         config.max_num_seqs, config.max_num_batched_tokens, info.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
         preemption_mode=config.preemption_mode, first_step_id=first_step_id,
-        reset_executor=reset_executor, num_speculative_tokens=spec_k)
+        reset_executor=reset_executor, num_speculative_tokens=spec_k,
+        speculative_method=config.speculative_method or "ngram")
 
 
 def log_connected(info: ExecutorInfo, hello: Hello, config: SchedulerConfig) -> None:

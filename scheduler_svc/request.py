@@ -126,6 +126,9 @@ class Request:
     # Speculative decoding: the proposals the step in flight verifies (scheduler counts them
     # as computed until its result says how many the executor kept; speculation.py).
     spec_token_ids: list[int] = field(default_factory=list)
+    # The executor's draft-model proposals for the next step, with the token count they
+    # follow (StepResult.proposals): used only while no token has been added since.
+    draft_proposals: tuple[int, list[int]] | None = None
     # Set when it finishes STOPPED: the stop token id (EOS or stop_token_ids, the last output
     # token), or for a beam search's result, the stop string its text completed.
     matched_stop: int | str | None = None

@@ -68,7 +68,7 @@ from scheduler_svc.prefix_cache import cached_prefix
 from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.scheduler_state import InFlight
 from scheduler_svc.sequence_group import BeamGroup, num_seq_slots
-from scheduler_svc.speculation import proposal
+from scheduler_svc.speculation import proposal, speculates
 from scheduler_svc.step_results import StepResults
 
 log = structlog.get_logger("folio.scheduler.scheduler")
@@ -89,6 +89,7 @@ class _Step:
     swapped_out: list[Request] = field(default_factory=list)  # victims of this step's swap_out
     preempted: bool = False
     drafts: dict[str, list[int]] = field(default_factory=dict)  # speculation.py's proposals
+    lookahead: dict[str, int] = field(default_factory=dict)  # draft model's KV slots, by req
     num_seq_slots: int = 0  # of max_num_seqs, held by the running requests (num_seq_slots)
 
 
@@ -107,7 +108,7 @@ class Scheduler(StepResults):
         step = _Step(budget=self.max_num_batched_tokens)
         # 1-2. Running requests get their tokens: decodes first, then prompt chunks.
         wants = self._budget_running(step)
-        num_needed = self._num_blocks_needed(wants)
+        num_needed = self._num_blocks_needed(wants, step.lookahead)
         if overlapping and num_needed > self.block_manager.num_free_blocks:
             return None  # someone must be preempted: only with nothing in flight
         # 3. Blocks for them, preempting the newest running requests if need be.
@@ -191,10 +192,14 @@ class Scheduler(StepResults):
             if step.budget == 0:
                 break
             num_new = min(num_lacking, step.budget)
-            if k and i < len(decodes) and (
-                    drafts := proposal(req, k, self.max_model_len, step.budget)):
-                step.drafts[req.req_id] = drafts
-                num_new += len(drafts)
+            if k and i < len(decodes):
+                drafts = proposal(req, k, self.max_model_len, step.budget,
+                                  self.speculative_method)
+                if drafts:
+                    step.drafts[req.req_id] = drafts
+                    num_new += len(drafts)
+                if self.speculative_method == "draft" and speculates(req):
+                    step.lookahead[req.req_id] = k
             wants.append((req, num_new))
             step.budget -= num_new
         return wants
@@ -205,10 +210,14 @@ class Scheduler(StepResults):
         now) are free; returns the wants of the requests still running."""
         bm = self.block_manager
         while num_needed > bm.num_free_blocks:
+            if step.lookahead:  # the draft model's slots are the first to go
+                step.lookahead.clear()
+                num_needed = self._num_blocks_needed(wants, step.lookahead)
+                continue
             self._preempt(self.running[-1], step)  # non-empty: wants holds running requests
             # Not just the victim: preempting a beam ends all beams of its search.
             wants = [(r, n) for r, n in wants if r.status is RequestStatus.RUNNING]
-            num_needed = self._num_blocks_needed(wants)
+            num_needed = self._num_blocks_needed(wants, step.lookahead)
         return wants
 
     def _preempt(self, req: Request, step: _Step) -> None:
@@ -268,9 +277,11 @@ class Scheduler(StepResults):
         plan entry (a loop over every running request at every step)."""
         allocate, held = self.block_manager.allocate, self._executor_req_ids
         cached_reqs = step.cached_reqs
+        lookahead, max_len = step.lookahead, self.max_model_len
         for req, num_new in wants:
             num_computed = req.num_computed_tokens
-            alloc = allocate(req.req_id, num_computed + num_new)
+            alloc = allocate(req.req_id, min(num_computed + num_new + lookahead.get(req.req_id, 0),
+                                             max_len))
             assert alloc is not None, "make_room left too few blocks"
             if alloc.copy is not None:
                 step.block_copies.append(alloc.copy)
@@ -314,9 +325,12 @@ class Scheduler(StepResults):
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _num_blocks_needed(self, wants: list[tuple[Request, int]]) -> int:
+    def _num_blocks_needed(self, wants: list[tuple[Request, int]],
+                           lookahead: dict[str, int]) -> int:
         return self.block_manager.num_blocks_needed_many(
-            [r.req_id for r, _ in wants], [r.num_computed_tokens + n for r, n in wants])
+            [r.req_id for r, _ in wants],
+            [min(r.num_computed_tokens + n + lookahead.get(r.req_id, 0), self.max_model_len)
+             for r, n in wants])
 
     def _new_request(self, req: Request, num_new: int) -> NewRequest:
         # The executor's copy is replaced by the known tokens: nothing may be in flight for it.

@@ -32,7 +32,7 @@ class SchedulerState:
                  max_num_batched_tokens: int, max_model_len: int, *,
                  enable_prefix_caching: bool = True, preemption_mode: str = "auto",
                  first_step_id: int = 0, reset_executor: bool = False,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, speculative_method: str = "ngram"):
         assert preemption_mode in PREEMPTION_MODES, preemption_mode
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -41,6 +41,7 @@ class SchedulerState:
         self.enable_prefix_caching = enable_prefix_caching
         self.preemption_mode = preemption_mode
         self.num_speculative_tokens = num_speculative_tokens  # 0: no speculative decoding
+        self.speculative_method = speculative_method  # ngram | draft (speculation.py)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: list[Request] = []

@@ -9,6 +9,10 @@ tokens, min_tokens with stop ids to mask, structured output, min_p). Those reque
 per step as before. Proposals never reach past max_tokens or max_model_len, and take from the
 step's token budget like any token.
 
+With a draft model (method draft) the executor proposes after each step
+(StepResult.proposals) for the next; every speculating decode then also gets k lookahead KV
+slots, the positions the draft model writes while proposing (executor_svc/draft.py).
+
 Steps that carry proposals run in lockstep (schedule() waits for the previous result): the
 next proposal reads the tokens the last step accepted.
 """
@@ -32,12 +36,18 @@ def speculates(req: Request) -> bool:
             and not (s.min_tokens and s.min_tokens_stop_ids))
 
 
-def proposal(req: Request, k: int, max_model_len: int, budget: int) -> list[int]:
+def proposal(req: Request, k: int, max_model_len: int, budget: int,
+             method: str = "ngram") -> list[int]:
     """Up to k proposed tokens for a decoding request with nothing in flight: at most what
     max_tokens and max_model_len leave after the token this step samples anyway, and what the
-    budget leaves after that token's own position."""
+    budget leaves after that token's own position. ngram looks them up; draft takes the
+    executor's last proposals, if they follow the request's current tokens."""
     room = min(k, req.max_tokens - len(req.output_token_ids) - 1,
                max_model_len - req.num_tokens, budget - 1)
     if room < 1 or not speculates(req):
         return []
+    if method == "draft":
+        if req.draft_proposals is None or req.draft_proposals[0] != req.num_tokens:
+            return []
+        return req.draft_proposals[1][:room]
     return propose_ngram(req.all_token_ids, room)

@@ -86,6 +86,9 @@ class StepResults(SchedulerState):
             if req.group is not None and req.group.is_done():
                 self.groups.pop(req.group.req_id, None)
         self.num_generated_tokens += num_generated
+        for req_id, ids in result.proposals:  # the draft model's, for the next step
+            if (req := requests.get(req_id)) is not None:
+                req.draft_proposals = (req.num_tokens, ids)
         return outputs
 
     def _settle_proposals(self, plan, result: StepResult) -> None:

@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 MESSAGES = [
     Hello(PROTOCOL_VERSION, "exec-1", "tiny", "LlamaForCausalLM", 32000, 4096, 16, 1234, 64,
-          "bfloat16", "cuda:0", random_weights=True, tensor_parallel_size=4),
+          "bfloat16", "cuda:0", random_weights=True, tensor_parallel_size=4,
+          num_draft_tokens=3),
     Welcome(PROTOCOL_VERSION),
     Reject("executor speaks protocol v9, this scheduler v1"),
     StepPlan(step_id=0),
@@ -49,7 +50,8 @@ MESSAGES = [
                 bad_words=((8,), (6, 7, 8))), [2], 0, 5, 3),
         ],
         cached_reqs=[CachedRequest("r0", [], 33, 1), CachedRequest("r3", [12], 48, 1),
-                     CachedRequest("b1", [], 7, 1, [901])],
+                     CachedRequest("b1", [], 7, 1, [901]),
+                     CachedRequest("s0", [13], 60, 4, [], [5, 6, 7])],  # three proposals
         finished_req_ids=["r4", "r5"],
         preempted_req_ids=["r6"],
         block_copies=[(1, 2), (5, 6)],
@@ -76,6 +78,7 @@ MESSAGES = [
                prompt_logprobs=[PromptLogprobs("p", 1, [-2.0, -0.125], [3, 1],
                                                [[5, 6], [7, 8]], [[-1.0, -1.5], [-0.125, -3.0]]),
                                 PromptLogprobs("q", 17, [-1.0], [2], [[]], [[]])]),
+    StepResult(20, [("s", [4, 5, 6])], proposals=[("s", [7, 8]), ("t", [1])]),
     ExecutorError(19, "CUDA out of memory"),
     Shutdown(),
 ]
@@ -102,7 +105,7 @@ def test_wire_is_plain_msgpack():
 
 
 def test_plan_counts_scheduled_tokens():
-    assert MESSAGES[4].num_scheduled_tokens == 4 + 24 + 1 + 5 + 1 + 1 + 1
+    assert MESSAGES[4].num_scheduled_tokens == 4 + 24 + 1 + 5 + 1 + 1 + 1 + 4
 
 
 @pytest.mark.parametrize("frame, match", [
@@ -122,25 +125,33 @@ def _columns_plan(cached: list) -> bytes:
 
 
 def _columns_result(sampled: list) -> bytes:
-    return msgpack.packb([StepResult.TAG, 1, sampled, 0.0, [], 0.0, [[], [], []], []])
+    return msgpack.packb([StepResult.TAG, 1, sampled, 0.0, [], 0.0, [[], [], []], [], []])
 
 
 @pytest.mark.parametrize("frame, match", [
-    # cached requests travel as five columns of equal length
-    (_columns_plan([["a"], [[]], [0], [1]]), "expected 5 fields"),
-    (_columns_plan([["a", "b"], [[], []], [0], [1, 1], [[], []]]), "columns of 2 entries"),
-    (_columns_plan([[7], [[]], [0], [1], [[]]]), "request ids must be strings"),
-    (_columns_plan([["a"], [[]], [True], [1], [[]]]), "token counts"),  # bool is not an int
-    (_columns_plan([["a"], [[]], [0], [-1], [[]]]), "token counts"),
-    (_columns_plan([["a"], [[3, -2]], [0], [1], [[]]]), "ints >= 0"),
-    (_columns_plan([["a"], [None], [0], [1], [[]]]), "must be lists"),
-    (_columns_plan([["a"], [[]], [0], [1], [["x"]]]), "ints >= 0"),
+    # cached requests travel as six columns of equal length
+    (_columns_plan([["a"], [[]], [0], [1], [[]]]), "expected 6 fields"),
+    (_columns_plan([["a", "b"], [[], []], [0], [1, 1], [[], []], [[], []]]),
+     "columns of 2 entries"),
+    (_columns_plan([[7], [[]], [0], [1], [[]], [[]]]), "request ids must be strings"),
+    (_columns_plan([["a"], [[]], [True], [1], [[]], [[]]]), "token counts"),  # bool: no int
+    (_columns_plan([["a"], [[]], [0], [-1], [[]], [[]]]), "token counts"),
+    (_columns_plan([["a"], [[3, -2]], [0], [1], [[]], [[]]]), "ints >= 0"),
+    (_columns_plan([["a"], [None], [0], [1], [[]], [[]]]), "must be lists"),
+    (_columns_plan([["a"], [[]], [0], [1], [["x"]], [[]]]), "ints >= 0"),
+    (_columns_plan([["a"], [[]], [0], [2], [[]], [[-1]]]), "ints >= 0"),  # a bad proposal
+    (_columns_plan([["a"], [[]], [0], [2], [[]], [7]]), "must be lists"),
     # sampled tokens travel as two columns: request ids, token id lists
     (_columns_result([["a", "b"], [[1]]]), "as many token id lists"),
     (_columns_result([["a"], [[1.5]]]), "ints >= 0"),
     (_columns_result([["a"], [[-3]]]), "ints >= 0"),
     (_columns_result([["a"], [5]]), "must be lists"),
     (_columns_result([[b"a"], [[5]]]), "list of strings"),
+    # the draft model's proposals: [req_id, token ids] pairs
+    (msgpack.packb([StepResult.TAG, 1, [[], []], 0.0, [], 0.0, [[], [], []], [],
+                    [["a", [-1]]]]), "ints >= 0"),
+    (msgpack.packb([StepResult.TAG, 1, [[], []], 0.0, [], 0.0, [[], [], []], [],
+                    [["a"]]]), "expected 2 fields"),
 ])
 def test_malformed_columns_are_refused(frame, match):
     with pytest.raises(ProtocolError, match=match):

@@ -109,3 +109,36 @@ def test_seeded_sampling_repeats_and_others_unaffected(folio_server, tmp_path_fa
     assert with_logprobs.token_ids == expected[0] and plain.token_ids == expected[1]
     assert len(with_logprobs.logprobs) == MAX_TOKENS
     assert len(penalised.token_ids) == MAX_TOKENS
+
+
+DRAFT = ["--speculative-method", "draft", "--num-speculative-tokens", "3"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_draft_model_greedy_equals_hf(folio_server, tmp_path_factory, arch):
+    """The served model drafting for itself cut to one layer: greedy output equals HF's, under
+    preemption and with the prefix cache; the full model drafting for itself has every
+    proposal accepted (a request alone takes about MAX_TOKENS / 4 steps)."""
+    checkpoint = make_checkpoint(arch, tmp_path_factory.mktemp(f"draft-{arch}"))
+    hf = load_hf_model(checkpoint)
+    prompts = repetitive_prompts(hf.config.vocab_size, seed=2)
+    expected = hf_greedy(hf, prompts, MAX_TOKENS)
+    args = ["--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "16", *DRAFT,
+            "--speculative-draft-layers", "1"]
+    with folio_server(model=checkpoint, args=args) as server:
+        completions = asyncio.run(_generate(server.address, prompts, temperature=0.0))
+        stats = wait_idle(server.address)
+    reports = [mismatch_report(hf, p, e, c.token_ids)
+               for p, e, c in zip(prompts, expected, completions, strict=True)
+               if e != c.token_ids]
+    assert not reports, "\n".join(reports)
+    assert stats["num_preemptions"] > 0, "the pool was meant to run short"
+    with folio_server(model=checkpoint, args=["--block-size", str(BLOCK_SIZE), *DRAFT]) as server:
+        before = wait_idle(server.address)
+        alone = asyncio.run(_generate(server.address, prompts[4:5], temperature=0.0))
+        stats = wait_idle(server.address)
+    assert alone[0].token_ids == expected[4]
+    steps = stats["num_steps"] - before["num_steps"]
+    # One prefill step (no proposals yet: its lookahead comes with the first decode), one
+    # plain decode, then 4 tokens a step.
+    assert steps <= 2 + -(-(MAX_TOKENS - 2) // 4), f"{steps} steps for {MAX_TOKENS} tokens"

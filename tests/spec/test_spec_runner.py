@@ -5,7 +5,11 @@ that propose for rows that may not speculate refused without harming the next pl
 from __future__ import annotations
 
 import pytest
+import torch
 
+from executor_svc.draft import DraftProposer, load_draft
+from executor_svc.kv_cache import KVCache
+from executor_svc.model_config import ModelConfig
 from executor_svc.runner import PlanError
 from protos.plan import CachedRequest, SamplingSpec
 from tests.executor.harness import PlanDriver, make_hf_model, make_runner, save_checkpoint
@@ -87,3 +91,53 @@ def test_refused_proposals_and_the_runner_goes_on(checkpoint_cache):
     assert "a" not in runner.requests and "b" not in runner.requests
     out = runner.execute(driver.plan(new_reqs=[driver.new("c", PROMPT, len(PROMPT))]))
     assert [r for r, _ in out.sampled] == ["c"]
+
+
+def _with_draft(model_dir, num_layers, k=3):
+    """A runner whose draft model is its own checkpoint (cut to num_layers, or whole)."""
+    runner = make_runner(model_dir)
+    cfg = ModelConfig.from_dir(model_dir)
+    model, draft_cfg = load_draft(model_dir, cfg, num_layers, dtype=torch.float32,
+                                  device=torch.device("cpu"), max_model_len=runner.max_model_len)
+    kv = KVCache.allocate(draft_cfg, runner.kv_cache.num_blocks, runner.block_size,
+                          torch.float32, torch.device("cpu"))
+    model.bind_kv_cache(kv.per_layer())
+    runner.draft = DraftProposer(model, kv, k, runner.max_model_len, torch.device("cpu"))
+    return runner
+
+
+def _decode_with_proposals(runner, driver, num_tokens: int, k: int = 3):
+    """Plays the scheduler in draft mode: k lookahead slots per decode, the executor's last
+    proposals sent back. Returns (tokens, steps, proposals accepted, proposals sent)."""
+    out = runner.execute(driver.plan(new_reqs=[driver.new("x", PROMPT, len(PROMPT))]))
+    driver.record(out.sampled)
+    tokens, proposals, steps, accepted, sent = list(out.sampled[0][1]), [], 1, 0, 0
+    while len(tokens) < num_tokens:
+        held = len(driver.block_ids["x"])
+        cached = _propose(driver, "x", proposals)
+        driver._grow("x", driver.num_computed["x"] + 1 + len(proposals) + k)  # lookahead
+        cached = cached._replace(new_block_ids=driver.block_ids["x"][held:])
+        out = runner.execute(driver.plan(cached_reqs=[cached]))
+        emitted = out.sampled[0][1]
+        driver.record(out.sampled)
+        driver.num_computed["x"] += len(emitted)
+        accepted, sent = accepted + len(emitted) - 1, sent + len(proposals)
+        proposals = dict(out.proposals).get("x", [])
+        tokens += emitted
+        steps += 1
+    return tokens[:num_tokens], steps, accepted, sent
+
+
+def test_draft_model_proposals(checkpoint_cache):
+    """The whole model drafting for itself proposes exactly its own greedy continuation (every
+    proposal accepted, k + 1 tokens a step); cut to one layer it proposes worse, and the
+    output is still plain greedy's."""
+    _, model_dir = checkpoint_cache("llama3")
+    expected = _greedy(model_dir, 30)
+    tokens, steps, accepted, sent = _decode_with_proposals(_with_draft(model_dir, None),
+                                                          PlanDriver(seed=6), 30)
+    assert tokens == expected
+    assert accepted == sent > 0 and steps <= 2 + -(-(30 - 2) // 4)
+    tokens, steps, accepted, sent = _decode_with_proposals(_with_draft(model_dir, 1),
+                                                          PlanDriver(seed=7), 30)
+    assert tokens == expected and sent > 0 and accepted <= sent

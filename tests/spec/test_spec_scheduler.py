@@ -56,8 +56,32 @@ def test_config_flags():
     assert num_speculative_tokens(SchedulerConfig(speculative_method="ngram",
                                                   num_speculative_tokens=2)) == 2
     with pytest.raises(ValueError, match="--speculative-method"):
-        SchedulerConfig(speculative_method="draft")
+        SchedulerConfig(speculative_method="eagle")
+    with pytest.raises(ValueError, match="need --speculative-method draft"):
+        SchedulerConfig(speculative_method="ngram", speculative_draft_layers=2)
+    with pytest.raises(ValueError, match="--speculative-draft-layers"):
+        SchedulerConfig(speculative_method="draft", speculative_draft_layers=0)
     with pytest.raises(ValueError, match="--num-speculative-tokens"):
         SchedulerConfig(num_speculative_tokens=3)
     with pytest.raises(ValueError, match="--num-speculative-tokens"):
         SchedulerConfig(speculative_method="ngram", num_speculative_tokens=0)
+
+
+def test_serve_hands_the_draft_model_to_the_executor():
+    flags = SchedulerConfig(speculative_method="draft", num_speculative_tokens=3,
+                            speculative_model="/m/draft", speculative_draft_layers=2
+                            ).executor_flags()
+    assert flags[flags.index("--num-draft-tokens") + 1] == "3"
+    assert flags[flags.index("--draft-model") + 1] == "/m/draft"
+    assert flags[flags.index("--draft-layers") + 1] == "2"
+    assert "--num-draft-tokens" not in SchedulerConfig(speculative_method="ngram").executor_flags()
+
+
+def test_draft_proposals_are_used_only_right_after_they_were_made():
+    req = _req()
+    assert proposal(req, 3, 1000, 100, "draft") == []  # none made yet
+    req.draft_proposals = (req.num_tokens, [1, 2, 3, 4])
+    assert proposal(req, 3, 1000, 100, "draft") == [1, 2, 3]  # at most k
+    assert proposal(req, 3, 1000, 3, "draft") == [1, 2]  # and what the budget leaves
+    req.output_token_ids.append(5)  # a token since: they follow an older sequence
+    assert proposal(req, 3, 1000, 100, "draft") == []
