@@ -250,7 +250,9 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
         targets = [(*(_fused_target(h.name, packed) or (h.name, None)), h) for h in headers]
         try:
             if qcfg.scheme == "gguf":
-                prepare_gguf_params(model, targets, qcfg.tensor_types or {},
+                types = {name: kind for name, kind in (qcfg.tensor_types or {}).items()
+                         if _layer_index(name) < cfg.num_layers}  # the layers kept
+                prepare_gguf_params(model, targets, types,
                                     model_dir / "config.json")
             else:
                 prepare_checkpoint_params(model, targets, qcfg)

@@ -117,8 +117,7 @@ DRAFT = ["--speculative-method", "draft", "--num-speculative-tokens", "3"]
 @pytest.mark.parametrize("arch", ARCHS)
 def test_draft_model_greedy_equals_hf(folio_server, tmp_path_factory, arch):
     """The served model drafting for itself cut to one layer: greedy output equals HF's, under
-    preemption and with the prefix cache; the full model drafting for itself has every
-    proposal accepted (a request alone takes about MAX_TOKENS / 4 steps)."""
+    preemption and with the prefix cache."""
     checkpoint = make_checkpoint(arch, tmp_path_factory.mktemp(f"draft-{arch}"))
     hf = load_hf_model(checkpoint)
     prompts = repetitive_prompts(hf.config.vocab_size, seed=2)
@@ -127,17 +126,30 @@ def test_draft_model_greedy_equals_hf(folio_server, tmp_path_factory, arch):
             "--speculative-draft-layers", "1"]
     with folio_server(model=checkpoint, args=args) as server:
         completions = asyncio.run(_generate(server.address, prompts, temperature=0.0))
+        asyncio.run(_generate(server.address, prompts[4:5], temperature=0.0))
+        before = wait_idle(server.address)
+        again = asyncio.run(_generate(server.address, prompts[4:5], temperature=0.0))
         stats = wait_idle(server.address)
     reports = [mismatch_report(hf, p, e, c.token_ids)
                for p, e, c in zip(prompts, expected, completions, strict=True)
                if e != c.token_ids]
     assert not reports, "\n".join(reports)
+    assert again[0].token_ids == expected[4]
     assert stats["num_preemptions"] > 0, "the pool was meant to run short"
+    assert stats["prefix_cache_hits"] > before["prefix_cache_hits"]
+
+
+def test_whole_model_drafting_for_itself_is_always_right(folio_server, tmp_path_factory):
+    """A draft equal to the target proposes the target's own greedy tokens: every proposal is
+    accepted, so a request alone takes about MAX_TOKENS / 4 steps, and the output is HF's."""
+    checkpoint = make_checkpoint("qwen3", tmp_path_factory.mktemp("draft-self"))
+    hf = load_hf_model(checkpoint)
+    prompt = repetitive_prompts(hf.config.vocab_size, seed=3)[4]
     with folio_server(model=checkpoint, args=["--block-size", str(BLOCK_SIZE), *DRAFT]) as server:
         before = wait_idle(server.address)
-        alone = asyncio.run(_generate(server.address, prompts[4:5], temperature=0.0))
+        alone = asyncio.run(_generate(server.address, [prompt], temperature=0.0))
         stats = wait_idle(server.address)
-    assert alone[0].token_ids == expected[4]
+    assert alone[0].token_ids == hf_greedy(hf, [prompt], MAX_TOKENS)[0]
     steps = stats["num_steps"] - before["num_steps"]
     # One prefill step (no proposals yet: its lookahead comes with the first decode), one
     # plain decode, then 4 tokens a step.
