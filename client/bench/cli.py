@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import math
 import os
 import re
@@ -88,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--vllm-threads-bind", default=None,
                    help="VLLM_CPU_OMP_THREADS_BIND (default: every usable core, like Folio; "
                    "vLLM's own 'auto' keeps one core in reserve)")
+    r.add_argument("--vllm-speculative-config", default=None, metavar="JSON",
+                   help="vLLM's speculative_config for the vllm peer, e.g. "
+                   "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (default off)")
     r.add_argument("--hf-batch-size", type=int, default=16, help="padded batch of `hf`")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="bench/results", help="directory for the result files")
@@ -124,6 +128,8 @@ def make_peer(name: str, args, folio_model: str, model_dir: Path, max_model_len:
         spec = {"model_dir": str(model_dir), "dtype": args.dtype, "seed": args.seed,
                 "max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
                 "max_num_batched_tokens": args.max_num_batched_tokens}
+        if args.vllm_speculative_config:
+            spec["speculative_config"] = json.loads(args.vllm_speculative_config)
         env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib),
                "VLLM_CPU_OMP_THREADS_BIND": args.vllm_threads_bind or usable_cpus(),
                # The bench's Folio-side PYTHONPATH must not leak into the vLLM venv.
@@ -142,7 +148,8 @@ def resolve_model(args) -> tuple[str, Path]:
         model_dir = models.random_model_dir(args.random_model, args.model_seed)
         return str(model_dir), model_dir
     model_dir = models.resolve_model_dir(args.model)
-    return (args.model if args.model is not None else str(model_dir)), model_dir
+    return (args.model if args.model is not None else str(model_dir)), \
+        models.peer_model_dir(model_dir)
 
 
 def default_name(args, model_dir: Path) -> str:

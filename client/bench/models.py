@@ -77,6 +77,24 @@ def resolve_model_dir(model: str | None) -> Path:
     return Path(folio_resolve(model))
 
 
+def peer_model_dir(model_dir: Path) -> Path:
+    """The checkpoint the peers (vLLM, HF) load: `model_dir` itself, or for a converted GGUF
+    file whose raw blocks Folio keeps quantized (quant_method gguf, which no peer reads) a
+    cached float copy (executor_svc/gguf_checkpoint/dequantize.py)."""
+    quant = read_config(model_dir).get("quantization_config") or {}
+    if quant.get("quant_method") != "gguf":
+        return model_dir
+    from executor_svc.gguf_checkpoint.dequantize import dequantized_copy
+
+    target = bench_models_dir() / f"{model_dir.name}-float"
+    if not (target / "config.json").exists():
+        partial = target.with_name(target.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        dequantized_copy(model_dir, partial)
+        partial.rename(target)
+    return target
+
+
 def read_config(model_dir: Path) -> dict:
     return json.loads((model_dir / "config.json").read_text())
 
