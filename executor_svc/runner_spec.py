@@ -4,14 +4,20 @@ the step computed, and settle the row to the tokens it keeps.
 A row verifying s proposals computed s + 1 positions: its last real token (already held) and
 the proposals d_0..d_{s-1}, which `ModelRunner._update` appended to its tokens for the step
 (`InputBatch.num_spec`). The logits of the first s positions come at `SpecPositions.start`
-(inputs.py); the row's sampling row holds the last. Verification (spec_decode.py): greedy rows
-accept while the argmax agrees, so their output is token for token non-speculative greedy's;
-the others run rejection sampling on the distribution the sampler would draw from at each
-position (temperature, top-k, top-p), so what they emit is distributed as the target's own
-draws. A seeded row's randomness is counter-based on (seed, the index of the token drawn):
-the acceptance test's uniform and the draw's Exp(1) noise at position j depend only on the
-seed and T0 + j (T0 the row's real token count), never on the batch, so a seeded request
-repeats itself exactly.
+(inputs.py); the row's sampling row holds the last.
+
+Verification: at every position the sampler draws the token it would draw without
+speculation (`sample`: the argmax for greedy rows; for the others temperature, top-k, top-p
+and the exponential race, a seeded row's noise keyed by (seed, token index) as in plain
+decoding), and proposals are accepted while they equal those draws; the first draw that
+differs is emitted after them (spec_decode.verify). For greedy rows this is the argmax
+rule. For sampling rows it is standard rejection sampling specialised to deterministic
+proposals (both proposers are: q is one-hot): a proposal d is accepted with probability
+p(d) = min(1, p(d) / q(d)), and on rejection the emitted token is distributed as the residual
+max(0, p - q) renormalised, p without d, since the race's draw given that it is not d is
+exactly that. Coupling both with one draw makes every emitted token the very token plain
+decoding draws at its index: a seeded request gives the same tokens with speculation or
+without, across batches, preemption and crash resume.
 
 Settling: the proposals are removed from the row, the emitted tokens (the accepted proposals,
 then one more) appended, and its computed count set to cover exactly its known tokens but the
@@ -27,16 +33,8 @@ import torch
 
 from executor_svc.input_batch import InputBatch
 from executor_svc.inputs import SpecPositions
-from executor_svc.sampler import (
-    GREEDY_EPS,
-    SamplingBatch,
-    sample_with_distribution,
-    seeded_bits,
-    seeded_exponentials,
-)
-from executor_svc.spec_decode import rejection_sample, verify_greedy
-
-_UNIFORM_SALT = 0x5BD1E995  # the acceptance tests' stream, apart from the draws' noise
+from executor_svc.sampler import GREEDY_EPS, SamplingBatch, sample
+from executor_svc.spec_decode import verify as accept_matching
 
 
 def refusal(batch: InputBatch, row: int, structured: bool) -> str | None:
@@ -68,49 +66,32 @@ def verify(logits: torch.Tensor, spec: SpecPositions, sampling: SamplingBatch,
         draft_np[i, :n] = batch.token_ids[row, t0:t0 + n]
     draft = torch.from_numpy(draft_np).to(device)
     num_draft = torch.from_numpy(counts.astype(np.int64)).to(device)
-    tokens, emitted = verify_greedy(target.argmax(dim=-1), draft, num_draft)
-    temperature = batch.temperature[spec.rows]
-    random_rows = np.flatnonzero(temperature >= GREEDY_EPS)
-    if len(random_rows):
-        sub = torch.from_numpy(random_rows).to(device)
-        sampled_tokens, sampled_counts = _rejection(
-            target[sub], draft[sub], num_draft[sub], spec.rows[random_rows],
-            base[random_rows], sampling, spec.logits_rows[random_rows], batch)
-        tokens[sub], emitted[sub] = sampled_tokens, sampled_counts
+    tokens, emitted = accept_matching(_draws(target, spec, sampling, batch, base), draft,
+                                    num_draft)
     host_tokens, host_counts = tokens.tolist(), emitted.tolist()
     return [t[:c] for t, c in zip(host_tokens, host_counts, strict=True)]
 
 
-def _rejection(target: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor,
-               rows: np.ndarray, base: np.ndarray, sampling: SamplingBatch,
-               logits_rows: np.ndarray, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rejection sampling for rows that draw: target [R, k+1, V] raw logits."""
-    device = target.device
+def _draws(target: torch.Tensor, spec: SpecPositions, sampling: SamplingBatch,
+           batch: InputBatch, base: np.ndarray) -> torch.Tensor:
+    """[R, k+1]: the token the sampler itself draws at each position (the argmax for greedy
+    rows; for the others the exponential race on the filtered distribution, a seeded row's
+    noise keyed by (seed, T0 + j) exactly as plain decoding keys it)."""
     num_reqs, width, vocab = target.shape
-    k = width - 1
-    per_pos = torch.from_numpy(np.repeat(logits_rows, width)).to(device)  # [R * (k+1)]
+    if (batch.temperature[spec.rows] < GREEDY_EPS).all():
+        return target.argmax(dim=-1)
+    device = target.device
+    per_pos = torch.from_numpy(np.repeat(spec.logits_rows, width)).to(device)  # [R * (k+1)]
+    seeded = np.flatnonzero(np.repeat(batch.has_seed[spec.rows], width))  # flat positions
+    index = (base[:, None] + np.arange(width)[None, :]).reshape(-1)  # token index drawn
     expanded = SamplingBatch(
         temperature=sampling.temperature[per_pos], top_p=sampling.top_p[per_pos],
         top_k=sampling.top_k[per_pos],
-        seeded_rows=torch.empty(0, dtype=torch.int64, device=device),
-        seeds=torch.empty(0, dtype=torch.int64, device=device),
-        token_indices=torch.empty(0, dtype=torch.int64, device=device),
+        seeded_rows=torch.from_numpy(seeded).to(device),
+        seeds=torch.from_numpy(np.repeat(batch.seed[spec.rows], width)[seeded]).to(device),
+        token_indices=torch.from_numpy(index[seeded]).to(device),
         all_greedy=False, any_filter=sampling.any_filter)
-    _, drawn = sample_with_distribution(target.reshape(-1, vocab), expanded)
-    probs = drawn.softmax(dim=-1).view(num_reqs, width, vocab)
-    noise = torch.empty(num_reqs, width, vocab, device=device).exponential_().clamp_min_(1e-20)
-    uniforms = torch.rand(num_reqs, k, device=device)
-    seeded = np.flatnonzero(batch.has_seed[rows])
-    if len(seeded):
-        seeds = np.repeat(batch.seed[rows[seeded]], width)  # [S * (k+1)]
-        index = (base[seeded][:, None] + np.arange(width)[None, :]).reshape(-1)
-        seeds_t = torch.from_numpy(seeds).to(device)
-        index_t = torch.from_numpy(index).to(device)
-        sub = torch.from_numpy(seeded).to(device)
-        noise[sub] = seeded_exponentials(seeds_t, index_t, vocab).view(-1, width, vocab)
-        bits = seeded_bits(seeds_t ^ _UNIFORM_SALT, index_t, 1).view(-1, width)[:, :k]
-        uniforms[sub] = bits.double().add(0.5).mul(2.0 ** -32).float()
-    return rejection_sample(probs, draft, num_draft, None, uniforms, noise)
+    return sample(target.reshape(-1, vocab), expanded).view(num_reqs, width)
 
 
 def settle(batch: InputBatch, spec: SpecPositions, emitted: list[list[int]]) -> None:

@@ -5,8 +5,11 @@ executor child) on tiny random checkpoints, HF transformers as the oracle.
   with the prefix cache on and a pool small enough that requests are preempted (by recompute
   and by swap). Prompts repeat a random phrase, so proposals are found and partly accepted:
   the server took fewer steps than it generated tokens.
-- Seeded sampling with speculation repeats itself exactly; requests that may not speculate
-  (logprobs, penalties) run beside speculating ones and still get what they asked for.
+- Seeded sampling with speculation repeats itself exactly and equals plain decoding; requests
+  that may not speculate (logprobs, penalties) run beside speculating ones and still get what
+  they asked for; an executor killed mid-run changes no stream (all equal plain decoding).
+- Draft models: the served model cut to one layer (every architecture, preemption, the prefix
+  cache) and drafting for itself whole (every proposal accepted).
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def test_greedy_equals_hf_with_speculation(folio_server, tmp_path_factory, arch,
 
 def test_seeded_sampling_repeats_and_others_unaffected(folio_server, tmp_path_factory):
     """With speculation on: a seeded sampled request gives the same tokens every time, alone
-    or beside others; greedy requests that may not speculate (logprobs, a penalty) run in the
+    or beside others, and the same as without speculation; greedy requests that may not speculate (logprobs, a penalty) run in the
     same steps and still equal HF's greedy where no penalty applies."""
     checkpoint = make_checkpoint("qwen2", tmp_path_factory.mktemp("spec-seeded"))
     hf = load_hf_model(checkpoint)
@@ -104,7 +107,11 @@ def test_seeded_sampling_repeats_and_others_unaffected(folio_server, tmp_path_fa
 
         again, with_logprobs, penalised, plain = asyncio.run(mixed())
         wait_idle(server.address)
+    with folio_server(model=checkpoint, args=["--block-size", str(BLOCK_SIZE)]) as server:
+        unspeculated = asyncio.run(_generate(server.address, prompts[:1], **seeded))[0]
     assert again.token_ids == first.token_ids and len(first.token_ids) == MAX_TOKENS
+    # Every token is the one plain decoding draws at its index (runner_spec.py).
+    assert first.token_ids == unspeculated.token_ids
     expected = hf_greedy(hf, [prompts[1], prompts[3]], MAX_TOKENS)
     assert with_logprobs.token_ids == expected[0] and plain.token_ids == expected[1]
     assert len(with_logprobs.logprobs) == MAX_TOKENS
@@ -154,3 +161,41 @@ def test_whole_model_drafting_for_itself_is_always_right(folio_server, tmp_path_
     # One prefill step (no proposals yet: its lookahead comes with the first decode), one
     # plain decode, then 4 tokens a step.
     assert steps <= 2 + -(-(MAX_TOKENS - 2) // 4), f"{steps} steps for {MAX_TOKENS} tokens"
+
+
+async def test_executor_killed_under_speculation_streams_equal_plain_decoding(
+        folio_server, tmp_path_factory):
+    """Part of the fault workload of tests/e2e/test_e2e_faults.py (greedy, seeded, penalised,
+    n = 4, beam search) through a server with n-gram speculation whose executor is SIGKILLed
+    mid-run: every stream equals an undisturbed run of a server without speculation."""
+    from tests.e2e import test_e2e_faults as faults
+
+    checkpoint = make_checkpoint("llama3", tmp_path_factory.mktemp("spec-faults"))
+    every = faults.workload(load_hf_model(checkpoint).config.vocab_size)
+    # A third of it, shorter: 8 greedy, 3 seeded, the penalised, n = 4 and beam requests.
+    reqs = every[:8] + every[24:27] + every[32:34] + every[-2:]
+    for r in reqs:
+        r["max_tokens"] = min(r["max_tokens"], 80)
+        if "min_tokens" in r:
+            r["min_tokens"] = min(r["min_tokens"], 60)
+    with folio_server(model=checkpoint, args=["--num-kv-blocks", "1024"]) as server:
+        reference = await faults.run_all(server.address, reqs, "ref", [0])
+    with folio_server(model=checkpoint, args=["--num-kv-blocks", "1024", *SPEC]) as server, \
+            pytest.MonkeyPatch.context() as patch:
+        patch.setattr(faults, "NUM_KILLS", 1)
+        progress = [0]
+        streams = asyncio.ensure_future(faults.run_all(server.address, reqs, "run", progress))
+        killer = asyncio.ensure_future(faults.kill_executor_repeatedly(server, progress,
+                                                                       len(reqs)))
+        done, _ = await asyncio.wait({streams, killer}, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            task.result()
+        await killer
+        results = await streams
+        log = server.log_tail(200_000)
+    assert log.count("executor exited; restarting it") == 1
+    assert log.count("requests resumed") >= 1, "the kill came after the streams ended"
+    assert sorted(results) == sorted(reference)
+    for key, want in reference.items():
+        assert results[key]["tokens"] == want["tokens"], f"{key} differs from plain decoding"
+        assert results[key]["finish"] == want["finish"], key

@@ -1,19 +1,27 @@
 """Speculative decoding's pure parts: n-gram proposals (scheduler) and the verification of
 proposals (executor): greedy verification against plain greedy decoding of a deterministic
-target, rejection sampling against the target's distribution with chi-square tests."""
+target; sampled verification (rejection sampling for deterministic proposals) through
+runner_spec.verify against the target's distribution with chi-square tests, and seeded draws
+against plain decoding's."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor_svc.spec_decode import rejection_sample, verify_greedy
+from executor_svc.input_batch import InputBatch
+from executor_svc.inputs import SpecPositions
+from executor_svc.runner_spec import verify
+from executor_svc.sampler import SamplingBatch, sample
+from executor_svc.spec_decode import verify as verify_tokens
+from protos.plan import SamplingSpec
 from scheduler_svc.spec_ngram import propose_ngram
 
 # Chi-square critical values at significance 1e-3 (df -> value).
-CHI2_CRIT = {3: 16.27, 4: 18.47, 15: 37.70}
+CHI2_CRIT = {2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 15: 37.70}  # p = 0.001
 
 
 def test_ngram_proposals():
@@ -70,7 +78,7 @@ def test_greedy_verification_equals_plain_greedy(seed):
                 wrong = (right + 1) % vocab
                 draft.append(right if torch.rand(1, generator=gen) < 0.5 else wrong)
             targets = [_target(tuple(seq + draft[:i]), vocab) for i in range(k + 1)]
-            tokens, counts = verify_greedy(torch.tensor([targets]),
+            tokens, counts = verify_tokens(torch.tensor([targets]),
                                            torch.tensor([draft + [-1] * (k - num)]),
                                            torch.tensor([num]))
             emitted = tokens[0, :counts[0]].tolist()
@@ -84,54 +92,73 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-@pytest.mark.parametrize("one_hot", [False, True])
-def test_rejection_sampling_first_token_is_distributed_as_the_target(one_hot):
-    gen = torch.Generator().manual_seed(11)
-    vocab, k, n = 5, 3, 20000
-    p = torch.softmax(torch.randn(k + 1, vocab, generator=gen) * 1.5, dim=-1)
-    q = torch.softmax(torch.randn(k, vocab, generator=gen) * 1.5, dim=-1)
-    # Each trial's drafts drawn from q (the n-gram case: a fixed guess, its one-hot q).
-    draft = (torch.multinomial(q, n, replacement=True, generator=gen).t() if not one_hot
-             else torch.tensor([[2, 0, 4]]).expand(n, k))
-    tokens, counts = rejection_sample(
-        p.expand(n, k + 1, vocab), draft, torch.full((n,), k),
-        None if one_hot else q.expand(n, k, vocab),
-        torch.rand(n, k, generator=gen), torch.empty(n, k + 1, vocab).exponential_(
-            generator=gen))
-    assert ((counts >= 1) & (counts <= k + 1)).all()
-    first = torch.bincount(tokens[:, 0], minlength=vocab).double()
-    assert _chi2(first, p[0].double()) < CHI2_CRIT[vocab - 1]
+def _spec_step(first_logits: torch.Tensor, second_logits: torch.Tensor, proposal: int,
+               specs: list[SamplingSpec], prompt_len: int = 5):
+    """One proposal per row through runner_spec.verify, as a step lays it out: row i holds
+    a prompt, then `proposal` (appended for the step); its sampling row's logits (the bonus
+    position) are rows 0..R-1, its proposal position's rows R..2R-1."""
+    n = len(specs)
+    batch = InputBatch(64, 16)
+    rows = np.array([batch.add(f"r{i}", [1] * prompt_len + [proposal], [0], prompt_len, spec)
+                     for i, spec in enumerate(specs)], np.int64)
+    batch.num_spec[rows] = 1
+    logits = torch.cat([second_logits, first_logits])  # [2n, V]
+    token_indices = [prompt_len + 1] * n  # the sampling rows' own (unused by verify)
+    sampling = SamplingBatch.from_specs(specs, token_indices, torch.device("cpu"))
+    spec_pos = SpecPositions(rows, np.arange(n), np.ones(n, np.int64), n)
+    return verify(logits, spec_pos, sampling, batch)
 
 
-def test_rejection_sampling_pairs_follow_the_target_chain():
-    """k = 1 over a two-step chain: the first two tokens of the output (the second drawn
-    plainly from the target when only one was emitted) are distributed as p0(x) p1(y | x)."""
-    gen = torch.Generator().manual_seed(5)
-    vocab, n = 4, 40000
-    p0 = torch.softmax(torch.randn(vocab, generator=gen) * 1.5, dim=-1)
-    p1 = torch.softmax(torch.randn(vocab, vocab, generator=gen) * 1.5, dim=-1)  # [x, y]
-    q0 = torch.softmax(torch.randn(vocab, generator=gen), dim=-1)
-    draft = torch.multinomial(q0, n, replacement=True, generator=gen)[:, None]  # [n, 1]
-    target = torch.stack([p0.expand(n, vocab), p1[draft[:, 0]]], dim=1)  # [n, 2, V]
-    tokens, counts = rejection_sample(target, draft, torch.ones(n, dtype=torch.long),
-                                      q0.expand(n, 1, vocab), torch.rand(n, 1, generator=gen),
-                                      torch.empty(n, 2, vocab).exponential_(generator=gen))
-    first = tokens[:, 0]
-    second = torch.where(counts == 2, tokens[:, 1],
-                         torch.multinomial(p1[first], 1, generator=gen)[:, 0])
-    cells = torch.bincount(first * vocab + second, minlength=vocab * vocab).double()
-    joint = (p0[:, None] * p1).reshape(-1).double()
-    assert _chi2(cells, joint) < CHI2_CRIT[vocab * vocab - 1]
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_sampled_verification_is_distributed_as_the_target(top_k):
+    """Rejection sampling with a deterministic proposal: over many seeded requests, the first
+    emitted token is distributed as the target's (filtered) p0, the proposal is accepted with
+    probability p0(d), and after an accepted proposal the next token follows p1."""
+    gen = torch.Generator().manual_seed(3)
+    vocab, n, d = 6, 12000, 2
+    p0 = torch.softmax(torch.randn(vocab, generator=gen) * 1.2, dim=-1)
+    p1 = torch.softmax(torch.randn(vocab, generator=gen) * 1.2, dim=-1)
+    specs = [SamplingSpec(temperature=1.0, top_k=top_k, seed=i) for i in range(n)]
+    out = _spec_step(p0.log().expand(n, vocab), p1.log().expand(n, vocab), d, specs)
+    def filtered(p):  # the sampler's top-k: the most likely tokens, renormalised
+        if not top_k:
+            return p
+        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep[p.topk(top_k).indices] = True
+        return torch.where(keep, p, 0.0) / p[keep].sum()
+
+    def check(tokens, p):
+        counts = torch.bincount(torch.tensor(tokens), minlength=vocab).double()
+        support = p > 0
+        assert counts[~support].sum() == 0
+        assert _chi2(counts[support], p[support].double()) < CHI2_CRIT[int(support.sum()) - 1]
+
+    p0, p1 = filtered(p0), filtered(p1)
+    check([t[0] for t in out], p0)
+    accepted = [t for t in out if len(t) == 2]
+    assert all(t[0] == d for t in accepted) and all(len(t) == 1 for t in out if t[0] != d)
+    assert abs(len(accepted) / n - float(p0[d])) < 4 * (float(p0[d]) / n) ** 0.5 + 0.01
+    check([t[1] for t in accepted], p1)
 
 
-def test_rejection_sampling_accepts_proposals_the_target_is_sure_of():
-    vocab, k = 6, 3
-    draft = torch.tensor([[1, 2, 3], [4, 5, -1]])
-    p = torch.full((2, k + 1, vocab), 0.0)
-    p[0, 0, 1] = p[0, 1, 2] = p[0, 2, 3] = p[0, 3, 0] = 1.0
-    p[1, 0, 4] = p[1, 1, 0] = 1.0  # rejects the second draft, must emit 0 there
-    p[1, 2:, 0] = 1.0
-    tokens, counts = rejection_sample(p, draft, torch.tensor([3, 2]), None,
-                                      torch.full((2, k), 0.5), torch.ones(2, k + 1, vocab))
-    assert counts.tolist() == [4, 2]
-    assert tokens.tolist() == [[1, 2, 3, 0], [4, 0, -1, -1]]
+def test_seeded_verification_draws_what_plain_decoding_draws():
+    """Every emitted token is the one plain decoding would draw at its index: the first one
+    equals `sample` on the same logits with the same seed and index."""
+    gen = torch.Generator().manual_seed(4)
+    vocab, n, prompt_len = 50, 300, 7
+    first = torch.randn(n, vocab, generator=gen)
+    specs = [SamplingSpec(temperature=0.8, top_p=0.9, seed=1000 + i) for i in range(n)]
+    out = _spec_step(first, torch.randn(n, vocab, generator=gen), 3, specs, prompt_len)
+    plain = sample(first, SamplingBatch.from_specs(specs, [prompt_len] * n,
+                                                   torch.device("cpu")))
+    assert [t[0] for t in out] == plain.tolist()
+
+
+def test_greedy_rows_accept_what_the_argmax_agrees_with():
+    vocab = 6
+    first = torch.full((2, vocab), -5.0)
+    first[0, 2] = first[1, 4] = 5.0  # row 0 agrees with the proposal 2, row 1 does not
+    second = torch.full((2, vocab), -5.0)
+    second[:, 1] = 5.0
+    specs = [SamplingSpec(temperature=0.0), SamplingSpec(temperature=0.0)]
+    assert _spec_step(first, second, 2, specs) == [[2, 1], [4]]
