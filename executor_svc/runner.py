@@ -210,6 +210,12 @@ class ModelRunner(PlanChecks):
                 self.structured.advance([row], batch.req_ids, [cached.new_token_ids])
         if cached.spec_token_ids:  # verified this step (runner_spec.py)
             why = refusal(batch, row, len(self.structured.constrained(np.array([row]))) > 0)
+            num_spec = len(cached.spec_token_ids)
+            if why is None and (batch.num_computed[row] != batch.num_tokens[row] - 1
+                                or cached.num_scheduled_tokens != 1 + num_spec):
+                why = (f"{num_spec} proposals need a decode step scheduling {1 + num_spec} "
+                       f"tokens (computed {batch.num_computed[row]} of "
+                       f"{batch.num_tokens[row]} held, {cached.num_scheduled_tokens} scheduled)")
             if why is not None:
                 raise PlanError(f"request {cached.req_id}: {why}")
             self._check_token_ids(cached.req_id, cached.spec_token_ids)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from executor_svc.draft import DraftProposer, load_draft
 from executor_svc.kv_cache import KVCache
@@ -141,3 +143,48 @@ def test_draft_model_proposals(checkpoint_cache):
     tokens, steps, accepted, sent = _decode_with_proposals(_with_draft(model_dir, 1),
                                                           PlanDriver(seed=7), 30)
     assert tokens == expected and sent > 0 and accepted <= sent
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(st.tuples(
+    st.lists(st.integers(0, 400), max_size=6),  # proposals (the vocabulary is 300 tokens)
+    st.integers(-2, 2),  # num_scheduled off by this from 1 + proposals
+    st.booleans()),  # proposals for the logprobs row instead
+    min_size=1, max_size=6))
+def test_fuzzed_proposals_fail_cleanly_or_settle(fuzz_runner, steps):
+    """Proposals of any length and ids, with any scheduled count, for a row that may or may
+    not speculate: each plan either runs (the row settled: computed = held - 1, the emitted
+    tokens its last ones) or fails with a PlanError; after a failure a fresh request runs."""
+    runner = fuzz_runner
+    runner.reset()
+    driver = PlanDriver(seed=8)
+    lp = SamplingSpec(temperature=0.0, num_logprobs=1)
+    out = runner.execute(driver.plan(new_reqs=[driver.new("a", PROMPT, len(PROMPT)),
+                                               driver.new("b", PROMPT, len(PROMPT), lp)]))
+    driver.record(out.sampled)
+    for proposals, off, on_b in steps:
+        req_id = "b" if on_b else "a"
+        if req_id not in runner.requests:
+            break
+        cached = _propose(driver, req_id, proposals)
+        cached = cached._replace(num_scheduled_tokens=max(0, cached.num_scheduled_tokens + off))
+        try:
+            out = runner.execute(driver.plan(cached_reqs=[cached]))
+        except PlanError:
+            break
+        emitted = dict(out.sampled)[req_id]
+        assert 1 <= len(emitted) <= len(proposals) + 1
+        assert emitted[:-1] == proposals[:len(emitted) - 1]
+        state = runner.requests[req_id]
+        assert state.num_computed_tokens == len(state.token_ids) - 1
+        assert state.token_ids[-len(emitted):] == emitted
+        driver.record(out.sampled)
+        driver.num_computed[req_id] += len(emitted)
+    fresh = runner.execute(PlanDriver(seed=9).plan(
+        new_reqs=[PlanDriver(seed=9).new("z", PROMPT, len(PROMPT))], reset=True))
+    assert [r for r, _ in fresh.sampled] == ["z"]
+
+
+@pytest.fixture(scope="module")
+def fuzz_runner(checkpoint_cache):
+    return make_runner(checkpoint_cache("llama2")[1])
