@@ -2,8 +2,8 @@
 executor child) on tiny random checkpoints, HF transformers as the oracle.
 
 - Greedy output with speculation equals HF's greedy token for token, on every architecture,
-  with the prefix cache on and a pool small enough that requests are preempted (by recompute
-  and by swap). Prompts repeat a random phrase, so proposals are found and partly accepted:
+  with the prefix cache on and a pool small enough that requests are preempted (by recompute,
+  with chunked prefill in steps of 24 tokens, and by swap). Prompts repeat a random phrase, so proposals are found and partly accepted:
   the server took fewer steps than it generated tokens.
 - Seeded sampling with speculation repeats itself exactly and equals plain decoding; requests
   that may not speculate (logprobs, penalties) run beside speculating ones and still get what
@@ -58,6 +58,8 @@ def test_greedy_equals_hf_with_speculation(folio_server, tmp_path_factory, arch,
             mode, *SPEC]
     if mode == "swap":
         args += ["--swap-space", "0.002"]
+    else:  # chunked prefill: prompts over several steps, proposals trimmed to the budget
+        args += ["--max-num-batched-tokens", "24"]
     with folio_server(model=checkpoint, args=args) as server:
         completions = asyncio.run(_generate(server.address, prompts, temperature=0.0))
         before = wait_idle(server.address)
