@@ -66,6 +66,10 @@ COUNTERS = (
     ("vllm:prompt_tokens", "Prompt tokens computed (prefix-cache hits are not; a recompute "
      "counts again).", "num_prompt_tokens"),
     ("vllm:generation_tokens", "Tokens generated.", "num_generated_tokens"),
+    ("vllm:spec_decode_num_draft_tokens", "Speculative decoding: proposed tokens verified.",
+     "num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Speculative decoding: of the verified proposed "
+     "tokens, those accepted.", "num_accepted_tokens"),
 )
 
 

@@ -1,6 +1,6 @@
 """Server statistics: the GetServerStats fields, cumulative across executors, and the periodic
-INFO stats line (queue sizes, free KV and swap blocks, preemptions, the prefix cache's hit rate
-and throughput since the last line)."""
+INFO stats line (queue sizes, free KV and swap blocks, preemptions, the prefix cache's hit rate,
+speculative decoding's acceptance rate and throughput since the last line)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ log = structlog.get_logger("folio.scheduler.stats")
 
 # Cumulative ServerStats counters (Scheduler attributes), kept across executor changes.
 COUNTERS = ("num_preemptions", "num_swap_outs", "num_finished_requests", "num_prompt_tokens",
-            "num_generated_tokens", "num_steps", "prefix_cache_queries", "prefix_cache_hits")
+            "num_generated_tokens", "num_steps", "prefix_cache_queries", "prefix_cache_hits",
+            "num_draft_tokens", "num_accepted_tokens")
 
 
 def server_stats(s: Scheduler | None, past_totals: dict[str, int], executor_connected: bool
@@ -37,6 +38,13 @@ def server_stats(s: Scheduler | None, past_totals: dict[str, int], executor_conn
                 swap_blocks_free=bm.num_free_cpu_blocks if bm else 0,
                 prefix_cache_hit_rate=totals["prefix_cache_hits"] / queries if queries else 0.0,
                 executor_connected=executor_connected, **totals)
+
+
+def spec_acceptance_rate(stats: dict[str, int | bool]) -> float | None:
+    """Of the proposals verified so far, the fraction accepted; None before any (speculation
+    off, or no request could speculate yet)."""
+    drafts = stats["num_draft_tokens"]
+    return stats["num_accepted_tokens"] / drafts if drafts else None
 
 
 def retire_counters(past_totals: dict[str, int], scheduler: Scheduler) -> None:
@@ -109,21 +117,27 @@ class StatsLogger:
                        num_swapped=stats["num_swapped"], num_free_blocks=stats["kv_blocks_free"],
                        num_free_swap_blocks=stats["swap_blocks_free"],
                        num_preemptions=stats["num_preemptions"],
-                       prefix_cache_hit_rate=stats["prefix_cache_hit_rate"])
+                       prefix_cache_hit_rate=stats["prefix_cache_hit_rate"],
+                       spec_acceptance_rate=spec_acceptance_rate(stats))
 
     def maybe_log(self, num_running: int, num_waiting: int, num_free_blocks: int,
                   num_swapped: int = 0, num_free_swap_blocks: int = 0, num_preemptions: int = 0,
-                  prefix_cache_hit_rate: float = 0.0) -> None:
+                  prefix_cache_hit_rate: float = 0.0,
+                  spec_acceptance_rate: float | None = None) -> None:
+        """The INFO line, at most once per interval; `spec_acceptance_rate` appears in it
+        only when given (a server that has verified proposals)."""
         now = time.monotonic()
         elapsed = now - self._last_log
         if elapsed < self.interval_s:
             return
         # An idle server stays quiet: a line only when something happened or is queued.
         if self._num_steps or num_running or num_waiting or num_swapped:
+            spec = ({} if spec_acceptance_rate is None
+                    else {"spec_acceptance_rate": round(spec_acceptance_rate, 3)})
             log.info("stats", num_running=num_running, num_waiting=num_waiting,
                      num_swapped=num_swapped, num_free_blocks=num_free_blocks,
                      num_free_swap_blocks=num_free_swap_blocks, num_preemptions=num_preemptions,
-                     prefix_cache_hit_rate=round(prefix_cache_hit_rate, 3),
+                     prefix_cache_hit_rate=round(prefix_cache_hit_rate, 3), **spec,
                      num_steps=self._num_steps,
                      tokens_per_s=round(self._num_tokens / elapsed, 1),
                      generated_tokens_per_s=round(self._num_sampled / elapsed, 1),

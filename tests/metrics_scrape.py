@@ -18,6 +18,8 @@ COUNTERS = {
     "vllm:num_preemptions": "num_preemptions",
     "vllm:prompt_tokens": "num_prompt_tokens",
     "vllm:generation_tokens": "num_generated_tokens",
+    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
 }
 HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds",
               "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",

@@ -107,6 +107,16 @@ def test_step_extras_with_and_without_the_timing_counters():
     extras = step_extras(before, after)
     assert math.isclose(extras["executor idle %"], 100 * 1.0 / (3.0 + 1.0))
     assert math.isclose(extras["scheduler ms/step"], 1e3 * 0.04 / 20)
+    assert "spec acceptance (%)" not in extras  # an older server: no speculation counters
+
+
+def test_spec_acceptance_only_for_runs_that_speculated():
+    before = {"num_steps": 10, "num_draft_tokens": 100, "num_accepted_tokens": 40}
+    after = {"num_steps": 30, "num_draft_tokens": 100 + 48, "num_accepted_tokens": 40 + 36}
+    assert math.isclose(step_extras(before, after)["spec acceptance (%)"], 100 * 36 / 48)
+    # Speculation off (or no request could speculate during the run): no row.
+    assert "spec acceptance (%)" not in step_extras(before, {**after, "num_draft_tokens": 100,
+                                                             "num_accepted_tokens": 40})
 
 
 # ---- the real command -----------------------------------------------------------------------

@@ -7,7 +7,8 @@ gets. Each response's arrival time is recorded, which gives TTFT, TPOT and ITL p
 
 Around every run the server's counters (GetServerStats) are read: steps, and where the server
 reports them, executor busy/idle time and scheduler time, from which the executor idle fraction
-and the scheduler time per step follow.
+and the scheduler time per step follow, and speculative decoding's proposals verified and
+accepted, whose ratio is the run's acceptance rate.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from client.bench.workload import Request
 
 START_TIMEOUT_S = 600.0  # model conversion + torch import on a busy 2-core machine
 STOP_TIMEOUT_S = 20.0
-# Counters that grow during a run; the three timers come from newer servers only.
-STEP_COUNTERS = ("num_steps", "executor_busy_s", "executor_idle_s", "scheduler_busy_s")
+# Counters that grow during a run; all but num_steps come from newer servers only.
+STEP_COUNTERS = ("num_steps", "executor_busy_s", "executor_idle_s", "scheduler_busy_s",
+                 "num_draft_tokens", "num_accepted_tokens")
 
 
 def free_port() -> int:
@@ -51,6 +53,10 @@ def step_extras(before: dict, after: dict) -> dict[str, float]:
     sched = delta.get("scheduler_busy_s")
     if sched is not None and delta.get("num_steps"):
         out["scheduler ms/step"] = 1e3 * sched / delta["num_steps"]
+    # Only a run that speculated has the row (speculation off: no proposals, no row).
+    if delta.get("num_draft_tokens"):
+        out["spec acceptance (%)"] = (100.0 * delta["num_accepted_tokens"]
+                                      / delta["num_draft_tokens"])
     return out
 
 

@@ -1,28 +1,35 @@
-"""Speculative decoding (n-gram proposals) through real processes: `folio serve` (scheduler +
+"""Speculative decoding (n-gram and draft-model proposals) through real processes: `folio serve` (scheduler +
 executor child) on tiny random checkpoints, HF transformers as the oracle.
 
 - Greedy output with speculation equals HF's greedy token for token, on every architecture,
   with the prefix cache on and a pool small enough that requests are preempted (by recompute,
-  with chunked prefill in steps of 24 tokens, and by swap). Prompts repeat a random phrase, so proposals are found and partly accepted:
-  the server took fewer steps than it generated tokens.
+  with chunked prefill in steps of 24 tokens, and by swap). Prompts repeat a random phrase,
+  so proposals are found and partly accepted: the server took fewer steps than it generated
+  tokens.
 - Seeded sampling with speculation repeats itself exactly and equals plain decoding; requests
   that may not speculate (logprobs, penalties) run beside speculating ones and still get what
   they asked for; an executor killed mid-run changes no stream (all equal plain decoding).
 - Draft models: the served model cut to one layer (every architecture, preemption, the prefix
   cache) and drafting for itself whole (every proposal accepted).
+- The acceptance counters: GetServerStats and /metrics report the same proposals verified and
+  accepted, and a request alone accounts for its tokens exactly (one per step, plus each
+  accepted proposal).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import pytest
 
-from client import AsyncFolioClient
+from client import AsyncFolioClient, FolioClient
 from tests.checkpoints import ARCHS, make_checkpoint
+from tests.conftest import free_port
 from tests.e2e.e2e_util import wait_idle
 from tests.e2e.hf_oracle import NUM_SPECIAL_TOKENS, hf_greedy, load_hf_model, mismatch_report
+from tests.metrics_scrape import check_against_server_stats, check_labels, scrape
 
 BLOCK_SIZE = 16
 MAX_TOKENS = 40
@@ -201,3 +208,32 @@ async def test_executor_killed_under_speculation_streams_equal_plain_decoding(
     for key, want in reference.items():
         assert results[key]["tokens"] == want["tokens"], f"{key} differs from plain decoding"
         assert results[key]["finish"] == want["finish"], key
+
+
+def test_acceptance_counters_in_server_stats_and_metrics(folio_server, tmp_path_factory):
+    """Proposals verified (draft) and accepted, as GetServerStats and /metrics count them.
+    A request alone, its prompt computed in one step, gets one token from that step and
+    1 + (proposals accepted) from each later one: its tokens = steps + accepted."""
+    checkpoint = make_checkpoint("qwen2", tmp_path_factory.mktemp("spec-counters"))
+    vocab_size = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    prompts = repetitive_prompts(vocab_size, seed=2)
+    metrics_port = free_port()
+    args = ["--block-size", str(BLOCK_SIZE), "--metrics-port", str(metrics_port), *SPEC]
+    with folio_server(model=checkpoint, args=args) as server:
+        with FolioClient(server.address, timeout=60) as client:
+            model_name = client.model_info()["model_name"]
+        off = wait_idle(server.address)
+        asyncio.run(_generate(server.address, prompts[:4], temperature=0.0))
+        before = wait_idle(server.address)
+        alone = asyncio.run(_generate(server.address, prompts[4:5], temperature=0.0))
+        stats = wait_idle(server.address)
+        samples = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
+    assert (off["num_draft_tokens"], off["num_accepted_tokens"]) == (0, 0)
+    assert before["num_draft_tokens"] > 0 and 0 < before["num_accepted_tokens"] \
+        <= before["num_draft_tokens"], before
+    drafts, accepted, steps = (stats[k] - before[k] for k in (
+        "num_draft_tokens", "num_accepted_tokens", "num_steps"))
+    assert len(alone[0].token_ids) == MAX_TOKENS
+    assert 0 < accepted <= drafts and steps + accepted == MAX_TOKENS, (drafts, accepted, steps)
+    check_labels(samples, model_name)
+    check_against_server_stats(samples, stats)  # the spec_decode counters among the others
