@@ -4,8 +4,10 @@ tokens, which the scheduler holds.
 The proposal for a sequence t[0..L) is found by matching its tail: for n from `max_n` down to
 `min_n`, the last n tokens t[L-n..L) are searched for earlier in the sequence; at their most
 recent earlier occurrence, starting at s < L - n, the tokens that followed it,
-t[s+n .. s+n+k), are proposed (fewer when the sequence ends first). The longest matching n
-wins; no match proposes nothing. Repetitive text (quoting a passage of the
+t[s+n .. s+n+k), are proposed. Where that runs past the sequence's end the sequence is taken
+to repeat with period P = L - n - s (the match says t[s+n..] continues as t[L..] does), so the
+proposal goes on cyclically: always k tokens. The longest matching n wins; no match proposes
+nothing. Repetitive text (quoting a passage of the
 prompt, code that repeats a name) is where the proposals are accepted.
 """
 
@@ -27,5 +29,9 @@ def propose_ngram(tokens: Sequence[int], k: int, min_n: int = 1, max_n: int = 4)
         # Most recent earlier start s (s + n <= length - 1: at least one token follows it).
         for s in range(length - n - 1, -1, -1):
             if seq[s] == first and seq[s:s + n] == tail:
-                return seq[s + n:s + n + k]
+                out = seq[s + n:s + n + k]
+                period = length - n - s
+                while len(out) < k:  # past the end: the repeat the match implies
+                    out.append(out[len(out) - period])
+                return out
     return []

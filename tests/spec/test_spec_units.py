@@ -30,9 +30,11 @@ def test_ngram_proposals():
     assert propose_ngram([5, 6, 7, 1, 4, 7, 2, 6, 7], k=2, max_n=2) == [1, 4]
     # The most recent earlier occurrence of the tail.
     assert propose_ngram([3, 1, 3, 2, 3], k=1, max_n=1) == [2]
-    assert propose_ngram([1, 2, 1], k=5) == [2, 1]  # fewer than k left
+    # Past the end, the period the match implies: [1, 2] repeating, [4] repeating.
+    assert propose_ngram([1, 2, 1], k=5) == [2, 1, 2, 1, 2]
     assert propose_ngram([1, 2, 3], k=2) == [] and propose_ngram([], k=2) == []
-    assert propose_ngram([4, 4, 4], k=2) == [4]
+    assert propose_ngram([4, 4, 4], k=2) == [4, 4]
+    assert propose_ngram([7, 8, 9, 7, 8, 9, 7], k=4) == [8, 9, 7, 8]
     with pytest.raises(ValueError, match="k >= 1"):
         propose_ngram([1], k=0)
 
@@ -43,14 +45,16 @@ def test_ngram_proposals():
 def test_ngram_proposal_follows_an_earlier_occurrence_of_the_tail(tokens, k, min_n, extra):
     max_n = min_n + extra
     got = propose_ngram(tokens, k, min_n, max_n)
-    assert len(got) <= k
+    assert len(got) in (0, k)
     if not got:  # then no tail of an allowed length occurs earlier with a token after it
         for n in range(min_n, max_n + 1):
             tail = tokens[len(tokens) - n:] if n <= len(tokens) else None
             assert tail is None or n >= len(tokens) or not any(
                 tokens[s:s + n] == tail for s in range(len(tokens) - n))
         return
-    assert any(tokens[s:s + n] == tokens[len(tokens) - n:] and tokens[s + n:s + n + k] == got
+    # The tokens after an earlier occurrence of the tail, read on into the proposal itself.
+    extended = tokens + got
+    assert any(tokens[s:s + n] == tokens[len(tokens) - n:] and extended[s + n:s + n + k] == got
                for n in range(min_n, max_n + 1) for s in range(len(tokens) - n))
 
 
