@@ -250,8 +250,10 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
         targets = [(*(_fused_target(h.name, packed) or (h.name, None)), h) for h in headers]
         try:
             if qcfg.scheme == "gguf":
-                types = {name: kind for name, kind in (qcfg.tensor_types or {}).items()
-                         if _layer_index(name) < cfg.num_layers}  # the layers kept
+                types = qcfg.tensor_types or {}
+                if num_layers is not None:  # a cut copy: the layers kept
+                    types = {name: kind for name, kind in types.items()
+                             if _layer_index(name) < cfg.num_layers}
                 prepare_gguf_params(model, targets, types,
                                     model_dir / "config.json")
             else:

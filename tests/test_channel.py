@@ -130,7 +130,7 @@ def test_arbitrary_frames_never_raise_anything_but_protocol_error(frame):
 SPEC_WIRE = SamplingSpec().to_wire()
 
 
-NO_CACHED = [[], [], [], [], []]  # a plan's cached requests on the wire: five empty columns
+NO_CACHED = [[], [], [], [], [], []]  # a plan's cached requests on the wire: six empty columns
 
 
 def plan_with_spec(index: int, value) -> list:
@@ -143,9 +143,10 @@ def plan_with_spec(index: int, value) -> list:
 
 
 @pytest.mark.parametrize("wire", [
-    [Hello.TAG, "3", "e", "m", "a", 1, 2, 3, 4, 5, "f", "cpu", False],  # version as a string
-    [Hello.TAG, 3, "e", "m", "a", -1, 2, 3, 4, 5, "f", "cpu", False],  # negative vocab
-    [Hello.TAG, 3, "e", "m", "a", 1, 2, 3, 4, 5, "f", "cpu", 1],  # bool as an int
+    [Hello.TAG, "3", "e", "m", "a", 1, 2, 3, 4, 5, "f", "cpu", False, 1, 0],  # version a string
+    [Hello.TAG, 3, "e", "m", "a", -1, 2, 3, 4, 5, "f", "cpu", False, 1, 0],  # negative vocab
+    [Hello.TAG, 3, "e", "m", "a", 1, 2, 3, 4, 5, "f", "cpu", 1, 1, 0],  # bool as an int
+    [Hello.TAG, 3, "e", "m", "a", 1, 2, 3, 4, 5, "f", "cpu", False, 1, -4],  # negative drafts
     [Welcome.TAG],  # too few fields
     [Reject.TAG, "why", "yes"],
     [StepPlan.TAG, 0, [], NO_CACHED, [], [], [], [], [], "no"],
@@ -167,12 +168,16 @@ def plan_with_spec(index: int, value) -> list:
     plan_with_spec(15, ["regex", "a"]),  # a StructuredSpec without its EOS ids
     # Protocol v7's logprob columns: a rank of 0, columns of different lengths, a prompt entry
     # starting at token 0 (which has no context), top lists that do not line up.
-    [StepResult.TAG, 0, [["r"], [[1]]], 0.0, [], 0.0, [["r"], [-1.0], [0]], []],
-    [StepResult.TAG, 0, [["r"], [[1]]], 0.0, [], 0.0, [["r"], [-1.0, -2.0], [1]], []],
-    [StepResult.TAG, 0, [[], []], 0.0, [], 0.0, [[], [], []], [["r", 0, [-1.0], [1], [[]], [[]]]]],
+    [StepResult.TAG, 0, [["r"], [[1]]], 0.0, [], 0.0, [["r"], [-1.0], [0]], [], []],
+    [StepResult.TAG, 0, [["r"], [[1]]], 0.0, [], 0.0, [["r"], [-1.0, -2.0], [1]], [], []],
+    [StepResult.TAG, 0, [[], []], 0.0, [], 0.0, [[], [], []], [["r", 0, [-1.0], [1], [[]], [[]]]],
+     []],
     [StepResult.TAG, 0, [[], []], 0.0, [], 0.0, [[], [], []],
-     [["r", 1, [-1.0], [1], [[1, 2]], [[-1.0]]]]],
-    [StepResult.TAG, 0, [[], []], 0.0, [], 0.0, [[], [], []], [["r", 1, [-1.0], [], [], []]]],
+     [["r", 1, [-1.0], [1], [[1, 2]], [[-1.0]]]], []],
+    [StepResult.TAG, 0, [[], []], 0.0, [], 0.0, [[], [], []], [["r", 1, [-1.0], [], [], []]], []],
+    # Protocol v11's proposals: a negative id, an entry without its ids.
+    [StepResult.TAG, 0, [[], []], 0.0, [], 0.0, [[], [], []], [], [["r", [-1]]]],
+    [StepResult.TAG, 0, [[], []], 0.0, [], 0.0, [[], [], []], [], [["r"]]],
     [ExecutorError.TAG, -1, "m"],
     [Shutdown.TAG, 1],
 ])

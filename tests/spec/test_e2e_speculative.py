@@ -237,3 +237,18 @@ def test_acceptance_counters_in_server_stats_and_metrics(folio_server, tmp_path_
     assert 0 < accepted <= drafts and steps + accepted == MAX_TOKENS, (drafts, accepted, steps)
     check_labels(samples, model_name)
     check_against_server_stats(samples, stats)  # the spec_decode counters among the others
+
+
+def test_a_separate_draft_checkpoint(folio_server, tmp_path_factory):
+    """--speculative-model: another checkpoint sharing the vocabulary (a one-layer model of
+    another architecture) drafts; greedy output is still HF's."""
+    checkpoint = make_checkpoint("llama3", tmp_path_factory.mktemp("draft-target"))
+    draft = make_checkpoint("qwen2", tmp_path_factory.mktemp("draft-other"), num_hidden_layers=1)
+    hf = load_hf_model(checkpoint)
+    prompts = repetitive_prompts(hf.config.vocab_size, seed=4)[:3]
+    args = ["--block-size", str(BLOCK_SIZE), *DRAFT, "--speculative-model", str(draft)]
+    with folio_server(model=checkpoint, args=args) as server:
+        completions = asyncio.run(_generate(server.address, prompts, temperature=0.0))
+        stats = wait_idle(server.address)
+    assert [c.token_ids for c in completions] == hf_greedy(hf, prompts, MAX_TOKENS)
+    assert stats["num_draft_tokens"] > 0

@@ -4,6 +4,8 @@ that propose for rows that may not speculate refused without harming the next pl
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -172,6 +174,9 @@ def test_fuzzed_proposals_fail_cleanly_or_settle(fuzz_runner, steps):
             out = runner.execute(driver.plan(cached_reqs=[cached]))
         except PlanError:
             break
+        if req_id not in dict(out.sampled):  # nothing scheduled: nothing changed
+            assert cached.num_scheduled_tokens == 0
+            continue
         emitted = dict(out.sampled)[req_id]
         assert 1 <= len(emitted) <= len(proposals) + 1
         assert emitted[:-1] == proposals[:len(emitted) - 1]
@@ -188,3 +193,14 @@ def test_fuzzed_proposals_fail_cleanly_or_settle(fuzz_runner, steps):
 @pytest.fixture(scope="module")
 def fuzz_runner(checkpoint_cache):
     return make_runner(checkpoint_cache("llama2")[1])
+
+
+def test_draft_models_that_cannot_draft_are_refused(checkpoint_cache, tmp_path):
+    _, model_dir = checkpoint_cache("llama3")
+    cfg = ModelConfig.from_dir(model_dir)
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="--draft-layers 99: the draft model has only"):
+        load_draft(model_dir, cfg, 99, dtype=torch.float32, device=cpu, max_model_len=64)
+    other = dataclasses.replace(cfg, vocab_size=cfg.vocab_size + 1)
+    with pytest.raises(ValueError, match="must share the tokenizer"):
+        load_draft(model_dir, other, None, dtype=torch.float32, device=cpu, max_model_len=64)
