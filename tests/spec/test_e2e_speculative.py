@@ -47,6 +47,13 @@ def repetitive_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
+def assert_hf_greedy(hf, prompts, expected, completions) -> None:
+    reports = [mismatch_report(hf, p, e, c.token_ids)
+               for p, e, c in zip(prompts, expected, completions, strict=True)
+               if e != c.token_ids]
+    assert not reports, "\n".join(reports)
+
+
 async def _generate(address: str, prompts, **kwargs):
     async with AsyncFolioClient(address, timeout=120) as client:
         return await asyncio.gather(*(client.generate_text(token_ids=p, max_tokens=MAX_TOKENS,
@@ -75,10 +82,7 @@ def test_greedy_equals_hf_with_speculation(folio_server, tmp_path_factory, arch,
         # Again: its prompt's blocks now come from the prefix cache.
         again = asyncio.run(_generate(server.address, prompts[4:5], temperature=0.0))
         after = wait_idle(server.address)
-    reports = [mismatch_report(hf, p, e, c.token_ids)
-               for p, e, c in zip(prompts, expected, completions, strict=True)
-               if e != c.token_ids]
-    assert not reports, "\n".join(reports)
+    assert_hf_greedy(hf, prompts, expected, completions)
     assert again[0].token_ids == expected[4]
     assert after["prefix_cache_hits"] > stats["prefix_cache_hits"]
     assert stats["num_preemptions"] > 0, "the pool was meant to run short"
@@ -146,10 +150,7 @@ def test_draft_model_greedy_equals_hf(folio_server, tmp_path_factory, arch):
         before = wait_idle(server.address)
         again = asyncio.run(_generate(server.address, prompts[4:5], temperature=0.0))
         stats = wait_idle(server.address)
-    reports = [mismatch_report(hf, p, e, c.token_ids)
-               for p, e, c in zip(prompts, expected, completions, strict=True)
-               if e != c.token_ids]
-    assert not reports, "\n".join(reports)
+    assert_hf_greedy(hf, prompts, expected, completions)
     assert again[0].token_ids == expected[4]
     assert stats["num_preemptions"] > 0, "the pool was meant to run short"
     assert stats["prefix_cache_hits"] > before["prefix_cache_hits"]

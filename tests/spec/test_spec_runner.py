@@ -16,23 +16,9 @@ from executor_svc.kv_cache import KVCache
 from executor_svc.model_config import ModelConfig
 from executor_svc.runner import PlanError
 from protos.plan import CachedRequest, SamplingSpec
-from tests.executor.harness import PlanDriver, make_hf_model, make_runner, save_checkpoint
+from tests.executor.harness import PlanDriver, make_runner
 
 PROMPT = [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11, 12, 13]
-
-
-@pytest.fixture(scope="module")
-def checkpoint_cache(tmp_path_factory):
-    """arch -> (HF model, checkpoint dir), built once per module."""
-    built = {}
-
-    def get(arch: str):
-        if arch not in built:
-            model = make_hf_model(arch)
-            built[arch] = (model, save_checkpoint(model, tmp_path_factory.mktemp(arch)))
-        return built[arch]
-
-    return get
 
 
 def _greedy(model_dir, num_tokens: int) -> list[int]:
