@@ -254,9 +254,9 @@ class ModelRunner(PlanChecks):
         if spec is not None:  # proposals verified, the rows settled to what they keep
             emitted = verify(logits, spec, inputs.sampling, batch)
             settle(batch, spec, emitted)
-        # The draft model's KV is valid only where the target's is (rejected positions drop).
-        batch.draft_computed[scheduled.rows] = np.minimum(batch.draft_computed[scheduled.rows],
-                                                          batch.num_computed[scheduled.rows])
+        if self.draft is not None:  # its KV is valid only where the target's is
+            batch.draft_computed[scheduled.rows] = np.minimum(
+                batch.draft_computed[scheduled.rows], batch.num_computed[scheduled.rows])
         appends = batch.append_sampled[sample_rows]  # [num_logits] bool
         if spec is not None:
             appends[spec.logits_rows] = False

@@ -13,6 +13,7 @@ prompt, code that repeats a name) is where the proposals are accepted.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 
@@ -23,15 +24,21 @@ def propose_ngram(tokens: Sequence[int], k: int, min_n: int = 1, max_n: int = 4)
                          f"max_n={max_n}")
     length = len(tokens)
     seq = list(tokens)
+    # The search runs in C: tokens as 4-byte words (ids are < 2**31), bytes.rfind for the
+    # tail, a hit counting only at a word boundary. Every decoding request runs it every step.
+    words = array("i", seq).tobytes()
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        tail = seq[length - n:]
-        first = tail[0]
+        tail = words[4 * (length - n):]
         # Most recent earlier start s (s + n <= length - 1: at least one token follows it).
-        for s in range(length - n - 1, -1, -1):
-            if seq[s] == first and seq[s:s + n] == tail:
-                out = seq[s + n:s + n + k]
-                period = length - n - s
-                while len(out) < k:  # past the end: the repeat the match implies
-                    out.append(out[len(out) - period])
-                return out
+        end = 4 * (length - 1)
+        while (at := words.rfind(tail, 0, end)) >= 0 and at % 4:
+            end = at + len(tail) - 1  # a match across words: search left of it
+        if at < 0:
+            continue
+        s = at // 4
+        out = seq[s + n:s + n + k]
+        period = length - n - s
+        while len(out) < k:  # past the end: the repeat the match implies
+            out.append(out[len(out) - period])
+        return out
     return []
