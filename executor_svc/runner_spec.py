@@ -23,7 +23,7 @@ Settling: the proposals are removed from the row, the emitted tokens (the accept
 then one more) appended, and its computed count set to cover exactly its known tokens but the
 last (the usual decode invariant): the KV written at rejected positions is simply overwritten
 later. Rows with logits processors, logprobs or structured output never carry proposals (the
-scheduler proposes none; `check_proposals` refuses them).
+scheduler proposes none; `refusal` names why the executor refuses them).
 """
 
 from __future__ import annotations
