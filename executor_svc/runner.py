@@ -146,8 +146,7 @@ class ModelRunner(PlanChecks):
         """The draft model's proposals for the rows that sampled and may speculate."""
         batch = self.input_batch
         rows = [batch.row_of[r] for r, _ in sampled if r in batch.row_of]
-        rows = np.array([r for r in rows if refusal(
-            batch, r, len(self.structured.constrained(np.array([r]))) > 0) is None], np.int64)
+        rows = np.array([r for r in rows if self._spec_refusal(r) is None], np.int64)
         if not len(rows):
             return []
         ids = self.draft.propose(batch, rows)
@@ -182,6 +181,11 @@ class ModelRunner(PlanChecks):
                             new.token_ids[new.num_prompt_tokens:])
         return row
 
+    def _spec_refusal(self, row: int) -> str | None:
+        """Why a row may not verify (or be drafted) proposals, or None (runner_spec.refusal)."""
+        return refusal(self.input_batch, row,
+                       len(self.structured.constrained(np.array([row]))) > 0)
+
     def _update(self, cached: CachedRequest) -> int:
         batch = self.input_batch
         row = batch.row_of.get(cached.req_id)
@@ -209,7 +213,7 @@ class ModelRunner(PlanChecks):
             if self.structured.active:
                 self.structured.advance([row], batch.req_ids, [cached.new_token_ids])
         if cached.spec_token_ids:  # verified this step (runner_spec.py)
-            why = refusal(batch, row, len(self.structured.constrained(np.array([row]))) > 0)
+            why = self._spec_refusal(row)
             num_spec = len(cached.spec_token_ids)
             if why is None and (batch.num_computed[row] != batch.num_tokens[row] - 1
                                 or cached.num_scheduled_tokens != 1 + num_spec):
