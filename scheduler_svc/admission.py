@@ -34,7 +34,8 @@ def submit_request(sched: Scheduler, registry: Registry, params: SubmitParams,
     client = ClientRequest(params.req_id, params, max_tokens, arrival,
                            [new_sequence_output(i, params, tokenizer)
                             for i in range(params.sequence.n)])
-    admit(sched, client, info, tokenizer)
+    no_room = admit(sched, client, info, tokenizer)
+    assert not no_room, "a prompt within max_model_len always has room for one token"
     return client
 
 
@@ -59,9 +60,11 @@ def beam_stop_strings(params: SubmitParams, tokenizer: Tokenizer) -> BeamStopStr
 def admit(sched: Scheduler, client: ClientRequest, info: ExecutorInfo,
           tokenizer: Tokenizer) -> list[SequenceOutput]:
     """Queue `client`'s unfinished sequences on `sched`, from its prompt plus the tokens each
-    has streamed. Returns the sequences that have no room left on this executor (prompt +
-    streamed tokens reach its max_model_len): the caller ends them with LENGTH. Raises
-    InvalidRequest when the request cannot run on this executor at all."""
+    has streamed. Returns the sequences that have no room left on this executor (they have
+    streamed tokens, and prompt + those reach its max_model_len): the caller ends them with
+    LENGTH. A sequence that has streamed nothing always has room: its prompt holds at most
+    max_model_len tokens (checked), and every prompt gets at least one token, as with n > 1
+    and beam search. Raises InvalidRequest when the request cannot run on this executor."""
     p = client.params
     eos_token_ids = tokenizer.eos_token_ids
     stop_token_ids = frozenset(p.stop_token_ids)
@@ -93,7 +96,8 @@ def admit(sched: Scheduler, client: ClientRequest, info: ExecutorInfo,
         return []
     no_room = []
     for seq in client.unfinished():
-        if len(p.prompt_token_ids) + len(seq.token_ids) >= info.max_model_len:
+        num_tokens = len(p.prompt_token_ids) + len(seq.token_ids)
+        if seq.token_ids and num_tokens >= info.max_model_len:
             no_room.append(seq)
             continue
         # Prompt logprobs are owed to index 0 until its first message carries them.
