@@ -65,6 +65,9 @@ class SchedulerConfig:
     # executor channel's secret (None: $FOLIO_CHANNEL_SECRET, else an unauthenticated channel,
     # allowed on loopback only unless insecure_channel); serve: restarts of a crashed executor.
     resume_timeout_s: float = 120.0
+    # A request that makes no progress this long while it could be served ends with INTERNAL
+    # (watchdog.py: a server bug caught); 0 = off.
+    stall_timeout_s: float = 300.0
     channel_secret_file: str | None = None
     insecure_channel: bool = False
     executor_max_restarts: int = 5
@@ -112,6 +115,9 @@ class SchedulerConfig:
         if not 0 < self.resume_timeout_s < 1e9:
             raise ValueError("--resume-timeout must be a positive number of seconds, "
                              f"got {self.resume_timeout_s}")
+        if not 0 <= self.stall_timeout_s < 1e9:
+            raise ValueError("--stall-timeout must be a number of seconds >= 0 (0 = off), "
+                             f"got {self.stall_timeout_s}")
         if self.executor_max_restarts < 0:
             raise ValueError("--executor-max-restarts must be >= 0, "
                              f"got {self.executor_max_restarts}")
@@ -251,6 +257,11 @@ def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentPars
     f.add_argument("--resume-timeout", dest="resume_timeout_s", type=float, default=120.0,
                    help="seconds the requests of a lost executor wait for the next one before "
                    "failing with UNAVAILABLE (default 120)")
+    f.add_argument("--stall-timeout", dest="stall_timeout_s", type=float, default=300.0,
+                   help="seconds a request may make no progress while the server could serve "
+                   "it (not while it waits its turn behind running requests) before it ends "
+                   "with INTERNAL and an ERROR log line: a watchdog for server bugs (default "
+                   "300; 0 = off)")
     f.add_argument("--channel-secret-file",
                    help="file holding the executor channel's shared secret (default: "
                    "$FOLIO_CHANNEL_SECRET; serve generates one for its executor)")

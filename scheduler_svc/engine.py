@@ -55,6 +55,7 @@ from scheduler_svc.request import RequestStatus, SubmitParams
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.stats import COUNTERS, StatsLogger, retire_counters, server_stats
 from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.watchdog import StallWatchdog
 
 log = structlog.get_logger("folio.scheduler.engine")
 
@@ -87,6 +88,7 @@ class Engine:
         self._next_step_id = 0
         self._max_in_flight = 2 if config.overlap_scheduling else 1
         self.stats = StatsLogger(config.stats_interval_s, self.metrics)
+        self.watchdog = StallWatchdog(config.stall_timeout_s)
         self._warn = LogLimiter(log)
         self._reader = ChannelReader(channel, self._from_executor, self._warn)
         self._inbox = self._reader.inbox
@@ -126,6 +128,7 @@ class Engine:
         executor, requests waiting for one count as waiting."""
         stats = server_stats(self.scheduler, self._past_totals, self.executor is not None)
         stats.update(self.stats.step_times())
+        stats["num_stalled_requests"] = self.watchdog.num_stalled
         if self.scheduler is None:
             stats["num_waiting"] = len(self.registry)
         return stats
@@ -143,6 +146,7 @@ class Engine:
                 self._wakeup.clear()
                 try:
                     await self._iterate()
+                    self._end_stalled()
                 except Exception as e:  # a scheduler bug: scope it, keep serving
                     log.exception("engine step failed")
                     self._recover(e)
@@ -177,6 +181,12 @@ class Engine:
         elif plan is None:
             self.stats.went_idle()
             await self._wait_for_event()
+
+    def _end_stalled(self) -> None:
+        """End the requests the stall watchdog finds (watchdog.py): a server bug, logged."""
+        for client, error in self.watchdog.check(time.monotonic(), self.registry,
+                                                 self.scheduler):
+            self._end_client(client, error)
 
     def _from_executor(self, event) -> bool:
         identity = event[0] if isinstance(event, tuple) else getattr(event, "identity", None)

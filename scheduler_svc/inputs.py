@@ -315,9 +315,13 @@ def prompt_too_long(num_tokens: int, max_model_len: int) -> str:
 
 def check_beam_fits(params: SubmitParams, max_tokens: int, bm: BlockManager) -> None:
     """Beams wait for each other, so a search must fit the KV pool on its own: the prompt
-    once, plus each beam's generated tokens and one copied block at most."""
+    once, plus for each beam the KV of its generated tokens (all but the last, whose KV is
+    never computed) and one copied block at most. With max_tokens 1 (a prompt of
+    max_model_len tokens) no beam writes anything past the prompt."""
     width = params.sequence.beam_width
-    need = bm.blocks_for(len(params.prompt_token_ids)) + width * (bm.blocks_for(max_tokens) + 1)
+    num_written = max_tokens - 1
+    need = bm.blocks_for(len(params.prompt_token_ids)) + (
+        width * (bm.blocks_for(num_written) + 1) if num_written else 0)
     if need > bm.num_blocks:
         raise InvalidRequest(f"beam search with beam_width {width} and max_tokens "
                              f"{max_tokens} may need {need} KV blocks, but the pool has "

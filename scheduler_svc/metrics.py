@@ -70,6 +70,8 @@ COUNTERS = (
      "num_draft_tokens"),
     ("vllm:spec_decode_num_accepted_tokens", "Speculative decoding: of the verified proposed "
      "tokens, those accepted.", "num_accepted_tokens"),
+    ("folio:num_stalled_requests", "Requests ended by the stall watchdog (--stall-timeout): "
+     "each one is a server bug, logged at ERROR.", "num_stalled_requests"),
 )
 
 

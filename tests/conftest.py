@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY_RANDOM = "folio:tiny-random"  # executor_svc.named_models
 SERVER_START_TIMEOUT_S = 180.0  # model load + torch import on a busy 2-core machine
 SERVER_STOP_TIMEOUT_S = 20.0
+STALL_LINE = "request stalled: ended by the watchdog"  # scheduler_svc/watchdog.py's ERROR
 
 SERVE = "import sys; from scheduler_svc.cli import main; sys.exit(main(sys.argv[1:], spawn_executor=True))"
 
@@ -36,9 +37,11 @@ class Server:
     log_path: Path
     executor_address: str  # the ZeroMQ endpoint the scheduler binds
 
-    def log_tail(self, num_chars: int = 6000) -> str:
+    def log_tail(self, num_chars: int | None = 6000) -> str:
+        """The log's last `num_chars` characters (None: all of it)."""
         try:
-            return self.log_path.read_text(errors="replace")[-num_chars:]
+            text = self.log_path.read_text(errors="replace")
+            return text[-num_chars:] if num_chars else text
         except OSError:
             return ""
 
@@ -152,6 +155,9 @@ def run_server(log_dir: Path, model: str | Path | None = None, args: list[str] |
         yield server
     finally:
         stop_process_tree(proc)
+    # The stall watchdog (scheduler_svc/watchdog.py) catches server bugs: it never fires here.
+    assert STALL_LINE not in server.log_tail(num_chars=None), \
+        f"the stall watchdog ended a request; log:\n{server.log_tail()}"
 
 
 @contextlib.contextmanager

@@ -79,11 +79,12 @@ def null_continuation(prompt: list[int], n: int) -> list[int]:
 @contextlib.asynccontextmanager
 async def running_server(tokenizer: Tokenizer, credentials: grpc.ChannelCredentials | None = None,
                          keys: ChannelKeys | None = None, max_frame_bytes: int = MAX_FRAME_BYTES,
-                         **config):
+                         expect_stalled: int = 0, **config):
     """A real SchedulerServer on 127.0.0.1 for `tokenizer`'s model dir with these
     SchedulerConfig fields, its channel authenticated by `keys` when given, as a Harness; the
     client channel uses `credentials` (TLS) when given. It tells its executors to shut down
-    when it stops, as `folio serve` does."""
+    when it stops, as `folio serve` does. On the way out it checks that the stall watchdog
+    ended exactly `expect_stalled` requests (none, but in its own tests)."""
     config = SchedulerConfig(**{"model": str(tokenizer.model_dir), "port": 0,
                                 "executor_timeout_s": 2.0, "stats_interval_s": 0.5, **config})
     channel = SchedulerEnd("tcp://127.0.0.1:*", keys, max_frame_bytes=max_frame_bytes)
@@ -103,3 +104,4 @@ async def running_server(tokenizer: Tokenizer, credentials: grpc.ChannelCredenti
             ex.stop()
             assert ex.violation is None, f"plan protocol violated: {ex.violation}"
         channel.close()
+        assert server.engine.watchdog.num_stalled == expect_stalled, "the stall watchdog fired"

@@ -151,3 +151,41 @@ def test_a_beam_search_holds_beam_width_sequence_slots():
         {("b1", i): v for i, v in direct(CASES[2]).items()}
     assert {k: v for k, v in got.items() if k[0] == "b2"} == \
         {("b2", i): v for i, v in direct(CASES[3], PROMPT[::-1]).items()}
+
+
+@pytest.mark.parametrize("num_prompt, max_tokens", [(7, 9), (8, 9), (8, 1), (13, 1), (5, 2)])
+@pytest.mark.parametrize("case", CASES[:3], ids=lambda c: f"k{c[0]}-n{c[1]}")
+def test_a_pool_of_the_admission_bound_runs_the_search_alone(case, num_prompt, max_tokens):
+    """`check_beam_fits` admits a search into a pool of exactly its bound; there the search
+    runs to its end without a preemption (which would restart it forever), with the answer
+    of a roomy pool. One block fewer is refused. max_tokens 1: a prompt of max_model_len."""
+    from scheduler_svc.errors import InvalidRequest
+    from scheduler_svc.inputs import check_beam_fits
+    from scheduler_svc.request import SubmitParams
+
+    case = (*case[:4], max_tokens)
+    prompt = PROMPT[:1] + list(range(11, 11 + num_prompt - 1))
+    params = SubmitParams(req_id="b", prompt_token_ids=prompt, sampling=SamplingSpec(0.0),
+                          sequence=SequenceParams(n=case[1], beam_width=case[0]))
+    bound = next(n for n in range(1, 64)
+                 if not _refused(check_beam_fits, params, max_tokens, make_scheduler(n)))
+    with pytest.raises(InvalidRequest, match=f"may need {bound} KV blocks, but the pool has "
+                                             f"{bound - 1}"):
+        check_beam_fits(params, max_tokens, make_scheduler(bound - 1).block_manager)
+    sched, mirror = make_scheduler(num_blocks=bound, max_model_len=num_prompt + max_tokens), \
+        KVMirror(BLOCK_SIZE)
+    sched.add_group(make_beam_group("b", case, prompt=prompt))
+    got, _ = served(sched, mirror)
+    assert got == {("b", i): v for i, v in direct(case, prompt).items()}
+    assert sched.num_preemptions == 0
+    assert sched.block_manager.num_free_blocks == bound
+
+
+def _refused(check, params, max_tokens, sched) -> bool:
+    from scheduler_svc.errors import InvalidRequest
+
+    try:
+        check(params, max_tokens, sched.block_manager)
+        return False
+    except InvalidRequest:
+        return True

@@ -63,15 +63,18 @@ def test_prometheus_counters_equal_the_server_stats():
 
     async def scrape() -> str:
         loop = asyncio.get_running_loop()
-        metrics.serve_stats_from(loop, lambda: server_stats(s, dict.fromkeys(COUNTERS, 0), True))
+        # The engine adds the watchdog's count (Engine.server_stats).
+        metrics.serve_stats_from(loop, lambda: server_stats(s, dict.fromkeys(COUNTERS, 0), True)
+                                 | {"num_stalled_requests": 2})
         return generate_latest(metrics.registry).decode()
 
     families = {f.name: f for f in text_string_to_metric_families(asyncio.run(scrape()))}
-    for name, field in (("vllm:spec_decode_num_draft_tokens", "num_draft_tokens"),
-                        ("vllm:spec_decode_num_accepted_tokens", "num_accepted_tokens")):
+    for name, value in (("vllm:spec_decode_num_draft_tokens", s.num_draft_tokens),
+                        ("vllm:spec_decode_num_accepted_tokens", s.num_accepted_tokens),
+                        ("folio:num_stalled_requests", 2)):
         family = families[name]
         assert family.type == "counter"
         (sample,) = family.samples
         assert sample.name == f"{name}_total"
         assert sample.labels == {"model_name": "tiny", "engine": "0"}
-        assert sample.value == getattr(s, field)
+        assert sample.value == value
