@@ -55,6 +55,8 @@ def test_executor_flags_pass_through():
     (dict(log_format="xml"), "--log-format must be 'console' or 'json'"),
     (dict(dtype="int8"), "--dtype must be one of"),
     (dict(executor_timeout_s=0), "--executor-timeout must be a positive"),
+    (dict(stall_timeout_s=-1.0), "--stall-timeout must be a number of seconds >= 0"),
+    (dict(stall_timeout_s=float("nan")), "--stall-timeout must be a number of seconds >= 0"),
     (dict(preemption_mode="evict"), "--preemption-mode must be one of"),
     (dict(swap_space=-1.0), "--swap-space must be >= 0"),
     (dict(gpu_memory_utilization=0.0), "--gpu-memory-utilization must be in"),
@@ -64,6 +66,12 @@ def test_executor_flags_pass_through():
 def test_bad_values_are_explained(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         SchedulerConfig(**kwargs)
+
+
+def test_the_stall_timeout_flag():
+    assert SchedulerConfig().stall_timeout_s == 300.0
+    assert config_from_argv(["--stall-timeout", "0"]).stall_timeout_s == 0.0  # off
+    assert config_from_argv(["--stall-timeout", "42.5"]).stall_timeout_s == 42.5
 
 
 def test_bad_flag_exits_with_usage(capsys):
