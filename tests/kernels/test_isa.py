@@ -46,7 +46,7 @@ def test_forcing_avx2_lowers_torch_the_build_and_native_bf16():
 
 @pytest.mark.skipif(cpu_ext.capability() != "AVX512",
                     reason=f"torch dispatches {cpu_ext.capability()} here (CPU "
-                    f"{cpu_ext.cpu_capability()}): this run already is the narrowest one")
+                    f"{cpu_ext.cpu_capability()}): only an AVX-512 run reruns them narrower")
 @pytest.mark.skipif(cpu_ext.MODE == "0", reason="FOLIO_CPU_EXT=0: the fused kernels are off")
 def test_fused_kernel_tests_pass_with_avx2_forced():
     if cpu_ext.load() is None:
