@@ -318,8 +318,9 @@ def prepare_for_device(model: nn.Module, device: torch.device, dtype: torch.dtyp
              dtype=str(dtype), native_bf16=kernels.cpu.has_native_bf16())
     # Built (or loaded from its cache) now, before the first step rather than inside it.
     log.info("cpu fused kernels", enabled=kernels.cpu.fused_kernels() is not None,
-             isa=kernels.cpu_ext.capability())
+             isa=kernels.cpu_ext.capability(), cpu_isa=kernels.cpu_ext.cpu_capability())
     if dtype != torch.float32 and not kernels.cpu.has_native_bf16():
-        log.warning("this CPU has no native bf16/fp16 matmuls (AVX512-BF16, AMX): 16-bit "
+        log.warning("no native bf16/fp16 matmuls (no AVX512-BF16/AMX, or "
+                    "ATEN_CPU_CAPABILITY forced a narrower ISA): 16-bit "
                     "weights halve memory but compute in fp32 and run slower than "
                     "--dtype float32 here", dtype=str(dtype))

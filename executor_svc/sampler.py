@@ -151,8 +151,10 @@ def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor,
     sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
     probs = sorted_logits.softmax(dim=-1)  # [num_rows, vocab]
     # Keep a token while the mass strictly above it is below top_p; the top token always stays.
+    # top_p = 1 is no nucleus: the fp32 cumsum can round to 1 before the tail, and top-k's
+    # survivors must not be dropped by that rounding.
     mass_above = probs.cumsum(dim=-1) - probs
-    outside = mass_above >= top_p[:, None]
+    outside = (mass_above >= top_p[:, None]) & (top_p < 1.0)[:, None]
     outside[:, 0] = False
     return sorted_logits.masked_fill(outside, float("-inf"))
 

@@ -41,8 +41,10 @@ from kernels import cpu_ext, twins
 
 @functools.cache
 def has_native_bf16() -> bool:
-    """True where oneDNN runs bf16 matmuls natively (AVX512-BF16, AMX, AVX-NE-CONVERT)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """True where oneDNN runs bf16 matmuls natively (AVX512-BF16, AMX, AVX-NE-CONVERT), and
+    torch's ISA is not forced below the CPU's: with ATEN_CPU_CAPABILITY=avx2 an AVX-512 machine
+    takes the path of an AVX2-only one (kernels/cpu_ext.py)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and not cpu_ext.lowered()
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -108,10 +110,6 @@ class AttentionPlan:
 PER_SEQ_SLACK = 128
 
 
-# The fused prefill kernel works on whole fp32 vectors of a head (16 lanes with AVX512).
-PREFILL_HEAD_DIM_MULTIPLE = 16
-
-
 def per_sequence_decode(lens: tuple[int, ...]) -> bool:
     """Whether a step's decode sequences (of these lengths) attend one by one: a lone one
     (no padding, no mask: SDPA's fused kernel), or lengths far apart."""
@@ -121,6 +119,13 @@ def per_sequence_decode(lens: tuple[int, ...]) -> bool:
 def fused_kernels():
     """torch.ops.folio_cpu when the fused CPU kernels are built and enabled, else None."""
     return cpu_ext.load()
+
+
+@functools.cache
+def fused_vector_width() -> int:
+    """The fused kernels' fp32 lanes (16 with AVX512, 8 with AVX2): the fused prefill kernel
+    works on whole vectors of a head, so it takes head_dim a multiple of this."""
+    return fused_kernels().vector_width()
 
 
 def plan_attention(block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
@@ -203,7 +208,7 @@ def paged_attention_planned(
             out[plan.decode_rows] = dec_out
     elif plan.num_decode:
         out[plan.decode_rows] = _decode(q[plan.decode_rows], k_cache, v_cache, plan, scale)
-    if plan.prefill_fused and q.shape[2] % PREFILL_HEAD_DIM_MULTIPLE == 0:
+    if plan.prefill_fused and q.shape[2] % fused_vector_width() == 0:
         fused_kernels().prefill_attention(out, q, k_cache, v_cache, plan.block_tables,
                                           plan.query_start_loc, plan.seq_lens,
                                           plan.prefill_seq_ids, scale)

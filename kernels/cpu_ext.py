@@ -4,12 +4,20 @@
     ops = cpu_ext.load()  # torch.ops.folio_cpu, or None where it cannot be built
 
 The extension is compiled with torch.utils.cpp_extension (gcc or clang, and ninja: the `ninja`
-package is a dependency) for the vector ISA torch itself picked on this machine (AVX512, AVX2
-or none), into ``$FOLIO_CPU_EXT_DIR`` or ``$FOLIO_CACHE_DIR/cpu-ext`` (default
-``~/.cache/folio/cpu-ext``); the directory name
-carries a hash of the sources, the flags and the torch version, so a changed source or another
-machine's ISA builds anew and a cached build loads in milliseconds. `make install` builds it
-once (`python -m kernels.cpu_ext`), so the first server start does not.
+package is a dependency) for the vector ISA torch itself dispatches to (AVX512, AVX2 or none),
+into ``$FOLIO_CPU_EXT_DIR`` or ``$FOLIO_CACHE_DIR/cpu-ext`` (default
+``~/.cache/folio/cpu-ext``); the directory name carries the ISA and a hash of the sources, the
+flags and the torch version, so a changed source or another ISA builds anew and a cached build
+loads in milliseconds. `make install` builds it once (`python -m kernels.cpu_ext`), so the
+first server start does not. The build answers ``isa()`` and ``vector_width()`` (its fp32
+lanes) itself.
+
+Forcing a narrower ISA: torch's own ``ATEN_CPU_CAPABILITY=avx2`` (or ``default``) lowers what
+torch dispatches to, and Folio follows it everywhere it depends on the ISA: this extension is
+built for it, and `kernels.cpu.has_native_bf16()` says no once torch's ISA is below the CPU's
+(`lowered()`), so bf16 models take the fp32 path of CPUs without AVX512-BF16. An AVX-512
+machine with ``ATEN_CPU_CAPABILITY=avx2`` thus runs as an AVX2-only one would, oneDNN's own
+kernels aside (they pick by cpuid). Child processes inherit the variable.
 
 `FOLIO_CPU_EXT` chooses: ``auto`` (default: use it when it builds, else log why once and run
 the torch implementations in kernels/cpu.py), ``0`` (never: the torch implementations only),
@@ -49,10 +57,26 @@ _DEFAULT_FLAGS = ["-DCPU_CAPABILITY=DEFAULT"]
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 
 
+_ISA_ORDER = ["DEFAULT", "AVX2", "AVX512"]  # each runs wherever a later one does
+
+
 def capability() -> str:
-    """The vector ISA torch dispatches to on this CPU: AVX512, AVX2, or DEFAULT."""
+    """The vector ISA torch dispatches to (ATEN_CPU_CAPABILITY may lower it): AVX512, AVX2, or
+    DEFAULT. The extension is built for this one."""
     cap = torch.backends.cpu.get_cpu_capability()
     return cap if cap in _ISA_FLAGS else "DEFAULT"
+
+
+def cpu_capability() -> str:
+    """The widest of those this CPU runs (torch's own test, from cpuid), whatever is forced."""
+    if torch.cpu._is_avx512_supported():
+        return "AVX512"
+    return "AVX2" if torch.cpu._is_avx2_supported() else "DEFAULT"
+
+
+def lowered() -> bool:
+    """Whether torch dispatches to a narrower ISA than this CPU's (ATEN_CPU_CAPABILITY)."""
+    return _ISA_ORDER.index(capability()) < _ISA_ORDER.index(cpu_capability())
 
 
 def build_flags() -> list[str]:
@@ -65,6 +89,29 @@ def build_dir() -> Path:
         return Path(os.environ["FOLIO_CPU_EXT_DIR"])
     root = Path(os.environ.get("FOLIO_CACHE_DIR", Path.home() / ".cache" / "folio"))
     return root / "cpu-ext"
+
+
+def is_built() -> bool:
+    """Whether this ISA's build of the current sources is in the cache (loads in milliseconds)."""
+    name = _name(build_flags())
+    return (build_dir() / name / f"{name}.so").exists()
+
+
+def describe() -> str:
+    """One line on the ISA: the CPU's, torch's (and whether forced), the extension's build (the
+    build's own answer when it is cached or loaded; this never compiles)."""
+    forced = ""
+    if lowered():
+        env = os.environ.get("ATEN_CPU_CAPABILITY")
+        forced = f", forced by ATEN_CPU_CAPABILITY={env}" if env else ", lowered"
+    if MODE == "0":
+        ext = "off (FOLIO_CPU_EXT=0)"
+    elif load.cache_info().currsize or is_built():
+        ops = load()
+        ext = f"{ops.isa()} build, {ops.vector_width()} fp32 lanes" if ops else "unavailable"
+    else:
+        ext = f"not built yet (would build for {capability()})"
+    return f"cpu {cpu_capability()}, torch dispatches {capability()}{forced}; fused kernels: {ext}"
 
 
 def _name(flags: list[str]) -> str:
@@ -131,4 +178,5 @@ def available() -> bool:
 
 if __name__ == "__main__":  # `python -m kernels.cpu_ext`: build now (make install does)
     path = build(verbose="-v" in sys.argv)
-    print(f"{path} ({capability()})")
+    print(path)
+    print(describe())

@@ -46,6 +46,18 @@ class Server:
             return ""
 
 
+def pytest_report_header(config) -> list[str]:
+    """The run's ISA in CI's log: the CPU's, torch's (and whether ATEN_CPU_CAPABILITY forced it
+    lower), the fused kernels' build (asked of the build when cached), and native bf16."""
+    try:
+        from kernels import cpu, cpu_ext
+
+        native = "yes" if cpu.has_native_bf16() else "no"
+        return [f"folio isa: {cpu_ext.describe()}; native bf16: {native}"]
+    except Exception as e:  # the header never stops a run; a broken import fails the tests
+        return [f"folio isa: unknown ({type(e).__name__}: {e})"]
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -8,9 +8,32 @@
 
 #include <torch/library.h>
 
+#include <string>
+
 #include "vec.h"
 
+namespace folio_cpu {
+
+// What this build was compiled for (the CPU_CAPABILITY macros cpu_ext.py passes) and its fp32
+// lanes: which shapes the kernels take depends on it (prefill_attention's head_dim), so callers
+// and tests ask the build rather than assume a machine.
+std::string isa() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return "AVX512";
+#elif defined(CPU_CAPABILITY_AVX2)
+  return "AVX2";
+#else
+  return "DEFAULT";
+#endif
+}
+
+int64_t vector_width() { return kV; }
+
+}  // namespace folio_cpu
+
 TORCH_LIBRARY(folio_cpu, m) {
+  m.def("isa() -> str", &folio_cpu::isa);  // no tensor arguments: one kernel for every key
+  m.def("vector_width() -> int", &folio_cpu::vector_width);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> Tensor[]");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin) -> ()");

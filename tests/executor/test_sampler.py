@@ -238,8 +238,9 @@ def test_sampling_creates_no_generator(monkeypatch):
 
 def _drawn_from(row: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
     """What one row is drawn from, by the definition: logits / temperature, then the top_k
-    largest (ties to the lower id), then the smallest prefix, best first, whose mass before
-    each kept token is below top_p; everything else -inf. Greedy rows: the logits."""
+    largest (ties to the lower id), then, when top_p < 1, the smallest prefix, best first,
+    whose mass before each kept token is below top_p; everything else -inf. Greedy rows: the
+    logits. (top_p = 1 is off: summing rounded probabilities can reach 1 before the tail.)"""
     if spec.temperature == 0:
         return row
     scaled = row / spec.temperature
@@ -249,13 +250,25 @@ def _drawn_from(row: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
     probs = torch.softmax(scaled[order], dim=0).tolist()
     kept, mass = [], 0.0
     for v, p in zip(order, probs, strict=True):
-        if kept and mass >= spec.top_p:
+        if kept and spec.top_p < 1.0 and mass >= spec.top_p:
             break
         kept.append(v)
         mass += p
     out = torch.full_like(row, float("-inf"))
     out[kept] = scaled[kept]
     return out
+
+
+def test_top_k_without_top_p_keeps_every_token_top_k_keeps():
+    # The top token's fp32 probability rounds to 1, so the mass above the next ones does too:
+    # only a nucleus (top_p < 1) may cut there.
+    logits = torch.tensor([[20.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0]] * 2)
+    specs = [SamplingSpec(temperature=1.0, top_k=4, seed=1),
+             SamplingSpec(temperature=1.0, top_k=4, top_p=0.5, seed=1)]
+    assert logits[0].softmax(-1)[0] == 1.0
+    _, drawn = sample_with_distribution(logits, SamplingBatch.from_specs(specs, [0, 0], CPU))
+    assert torch.equal(drawn[0, :4], logits[0, :4]) and drawn[0, 4:].isinf().all()
+    assert torch.equal(drawn[1, :1], logits[1, :1]) and drawn[1, 1:].isinf().all()
 
 
 def test_the_distribution_drawn_from_is_the_filtered_scaled_row():

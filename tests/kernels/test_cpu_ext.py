@@ -208,9 +208,18 @@ def test_prefill_attention_is_batch_and_thread_invariant():
         assert torch.equal(alone[rows], together[rows])
 
 
+def test_the_build_reports_the_isa_torch_dispatches_to():
+    # The flags reached the compiler: the build's own macros name the ISA cpu_ext built it for.
+    assert ops.isa() == cpu_ext.capability()
+    lanes = {"AVX512": 16, "AVX2": 8}.get(ops.isa())
+    assert lanes is None or ops.vector_width() == lanes
+    assert cpu.fused_vector_width() == ops.vector_width()
+
+
 @pytest.mark.parametrize("bad", ["seq_len", "block_id", "seq_id", "head_dim"])
 def test_prefill_attention_refuses_bad_metadata(bad):
-    head_dim = 40 if bad == "head_dim" else 64
+    # Whole fp32 vectors of a head: half a vector more is refused (40 with AVX512, 20 with AVX2).
+    head_dim = 2 * ops.vector_width() + ops.vector_width() // 2 if bad == "head_dim" else 64
     batch = make_paged_batch([(20, 20), (30, 5)], 4, 2, head_dim, 16, torch.float32,
                              torch.device("cpu"), seed=1)
     tables, lens, ids = batch.block_tables.clone(), batch.seq_lens.clone(), [0, 1]
@@ -238,10 +247,10 @@ def test_backend_uses_the_fused_kernels():
     assert plan.block_tables.dtype == torch.int32 and plan.query_start_loc.dtype == torch.int32
 
 
-@pytest.mark.parametrize("head_dim", [64, 40])
+@pytest.mark.parametrize("head_dim", [64, 40, 36])
 def test_backend_prefill_matches_the_twin(head_dim):
     """Through the backend: the fused prefill kernel, or torch's SDPA for a head_dim the
-    kernel does not take."""
+    kernel does not take (not a multiple of its vector width: 40 with AVX512, 36 with both)."""
     batch = make_paged_batch([(40, 1), (50, 50), (70, 30)], 6, 2, head_dim, 16, torch.float32,
                              torch.device("cpu"), seed=2)
     plan = cpu.plan_attention(batch.block_tables, batch.seq_lens, batch.query_start_loc, 16)

@@ -18,7 +18,7 @@ from executor_svc.models.linear import (
     pack_skinny_weight,
     use_linear_method,
 )
-from kernels import cpu_ext
+from kernels import cpu, cpu_ext
 
 ops = cpu_ext.load()
 pytestmark = pytest.mark.skipif(ops is None, reason="the fused CPU kernels did not build here")
@@ -101,7 +101,9 @@ def test_refuses_mismatched_operands(bad):
         ops.skinny_linear(x, packed, bias, out_features)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not cpu.has_native_bf16(), reason="bf16 is packed only with native bf16 matmuls; without, "
+    "UpcastCpuLinear (tests/executor/test_cpu_backend.py)"))])
 def test_packed_linear_switches_at_the_row_limit(dtype):
     layer = Linear(96, 200, bias=True, dtype=dtype)
     with torch.no_grad():
