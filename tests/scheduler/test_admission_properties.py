@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from protos.folio.v1 import generator_pb2 as pb
@@ -37,6 +37,7 @@ from scheduler_svc.output_processor import OutputProcessor
 from scheduler_svc.registry import ClientRequest, Registry
 from scheduler_svc.tokenizer import Tokenizer
 from tests.scheduler.admission_draws import (
+    MODEL_VOCAB,
     Drawn,
     Refused,
     Server,
@@ -49,7 +50,8 @@ from tests.scheduler.admission_draws import (
     servers,
 )
 from tests.scheduler.grpc_harness import collect, running_server
-from tests.scheduler.kv_mirror import KVMirror
+from tests.scheduler.kv_mirror import KVMirror, NullModel
+from tests.scheduler.null_executor import make_hello
 
 
 class LocalEngine:
@@ -204,8 +206,22 @@ def workloads(draw) -> tuple[Server, list[Drawn]]:
     return server, draw(request_batches(server.max_model_len))
 
 
+# Found by this test: "r0" (newer) decodes with a draft proposal, which takes the whole
+# 2-token budget, while "r1/1" (older, recomputed after a preemption) is mid-prompt; "r0" runs
+# the pool dry and is preempted, which left the step empty: schedule() returned None with a
+# request it could run, and the engine idled until its next stats tick (test_admission.py).
+STALL_AFTER_PREEMPTION = (
+    Server(dict(max_num_seqs=3, max_num_batched_tokens=2, enable_prefix_caching=False,
+                overlap_scheduling=False, speculative_method="draft", num_speculative_tokens=1),
+           make_hello(max_model_len=40, block_size=1, num_kv_blocks=6, num_swap_blocks=1,
+                      num_draft_tokens=1),
+           NullModel(MODEL_VOCAB, context=1)),
+    [Drawn("r0", [4], delay=1), Drawn("r1", [4, 41, 78, 115, 152, 189], n=2)])
+
+
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=workloads())
+@example(workload=STALL_AFTER_PREEMPTION)
 def test_every_request_is_refused_or_ends_and_every_block_comes_back(workload, tiny_tokenizer):
     server, batch = workload
     engine, outcomes, aborted, turns = run_batch(server, batch, tiny_tokenizer)
