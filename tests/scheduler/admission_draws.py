@@ -349,7 +349,8 @@ def response_messages(responses: list[pb.GenerateResponse]) -> list[tuple]:
 
 
 def check_outcome(req: Drawn, server: Server, outcome: Refused | dict[int, Ending],
-                  expected: list[Expected] | None, aborted: bool) -> None:
+                  expected: list[Expected] | None, aborted: bool,
+                  eos_ids: frozenset[int] = EOS_IDS) -> None:
     """`req`'s stream against the oracle: refused iff a limit says so, with INVALID_ARGUMENT
     and that limit's message; otherwise n sequences, each ended once with a finish reason and
     a usage that adds up, and (with `expected`) the tokens, text and finish of an
@@ -376,7 +377,7 @@ def check_outcome(req: Drawn, server: Server, outcome: Refused | dict[int, Endin
         if end.finish == "abort":
             assert aborted, f"{where} aborted, but its client never aborted it"
         elif end.finish == "stop" and isinstance(end.matched, int):
-            stops = set(req.stop_token_ids) | (set() if req.ignore_eos else EOS_IDS)
+            stops = set(req.stop_token_ids) | (set() if req.ignore_eos else eos_ids)
             assert end.matched in stops and end.token_ids[-1] == end.matched, (where, end)
             assert end.completion_tokens >= req.min_tokens, (where, end)
         elif end.finish == "stop":
