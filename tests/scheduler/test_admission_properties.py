@@ -267,14 +267,16 @@ async def generate(harness, req: Drawn) -> Refused | dict:
 async def serve_batch(server: Server, batch: list[Drawn], tokenizer: Tokenizer
                       ) -> tuple[dict[str, Refused | dict], pb.ServerStats]:
     config = {k: v for k, v in server.config.items() if v is not None}
-    async with running_server(tokenizer, **config) as harness:
+    # The engine idles until new work, an executor message or its stats tick: with the tick
+    # a minute away, a loop that idles while it could plan fails the wait below.
+    async with running_server(tokenizer, stats_interval_s=60.0, **config) as harness:
         executor = await harness.serve(
             hello=server.hello,
             mirror=KVMirror(server.block_size, server.model,
                             num_draft_tokens=server.hello.num_draft_tokens,
                             max_model_len=server.max_model_len))
         outcomes = await asyncio.wait_for(
-            asyncio.gather(*(generate(harness, r) for r in batch)), timeout=30)
+            asyncio.gather(*(generate(harness, r) for r in batch)), timeout=20)
         for _ in range(200):  # the last finished ids ride no plan: nothing more to wait for
             stats = await harness.stats()
             if stats.num_running == stats.num_waiting == stats.num_swapped == 0:
