@@ -219,7 +219,7 @@ STALL_AFTER_PREEMPTION = (
     [Drawn("r0", [4], delay=1), Drawn("r1", [4, 41, 78, 115, 152, 189], n=2)])
 
 
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=workloads())
 @example(workload=STALL_AFTER_PREEMPTION)
 def test_every_request_is_refused_or_ends_and_every_block_comes_back(workload, tiny_tokenizer):
