@@ -105,7 +105,7 @@ def batches(max_model_len: int, vocab_size: int):
 def test_every_request_ends_or_is_refused_and_the_server_ends_idle(server, shape):
     served, eos_ids, vocab_size = shape
 
-    @settings(max_examples=30, deadline=None, database=None,
+    @settings(max_examples=60, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow])
     @given(batch=batches(served.max_model_len, vocab_size))
     def check(batch: list[Drawn]) -> None:
