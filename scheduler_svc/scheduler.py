@@ -347,6 +347,7 @@ class Scheduler(StepResults):
         assert req.num_placeholders == 0, f"{req.req_id} re-sent with a token in flight"
         self._executor_req_ids.add(req.req_id)
         req.pending_token_ids = []  # all_token_ids carries them
+        req.executor_prompt_logprobs = req.sampling.prompt_logprobs >= 0
         return NewRequest(req.req_id, req.all_token_ids, req.sampling,
                           self.block_manager.block_table(req.req_id), req.num_computed_tokens,
                           num_new, req.num_prompt_tokens)

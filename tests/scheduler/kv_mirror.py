@@ -1,7 +1,8 @@
 """A null-model executor that tracks what every KV slot holds, for tests of shared blocks.
 
 `KVMirror` follows the step-plan protocol (new/cached requests, `new_token_ids`,
-`append_sampled`, `num_logprobs`, min_tokens masking, block copies, swaps, reset, and
+`append_sampled`, top, sampled and prompt logprobs (executor_svc/inputs.py's positions),
+min_tokens masking, block copies, swaps, reset, and
 speculative decoding: `CachedRequest.spec_token_ids` verified as executor_svc/runner_spec.py
 does, and with `num_draft_tokens` > 0 a draft model's `StepResult.proposals` as
 executor_svc/draft.py makes them) and records, for each slot it writes, a digest of the token
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from protos.plan import SamplingSpec, StepPlan, StepResult
+from protos.plan_logprobs import PromptLogprobs
 from tests.scheduler.null_executor import PlanViolation
 
 VOCAB = list(range(10, 74))  # never a special id (< 10)
@@ -64,6 +66,13 @@ class NullModel:
         return allowed[int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")
                        % len(allowed)]
 
+    def token_logprob(self, token_ids: Sequence[int], token_id: int) -> tuple[float, int]:
+        """(logprob, rank) of `token_id` after `token_ids`; a token outside the vocabulary
+        has logprob OUTSIDE_LOGPROB and ranks after all of it."""
+        pairs = self.logprobs(token_ids)
+        own = next((lp for t, lp in pairs if t == token_id), OUTSIDE_LOGPROB)
+        return own, 1 + sum(lp > own for _, lp in pairs)
+
     def banned(self, spec: SamplingSpec, num_output_tokens: int) -> frozenset[int]:
         """The ids min_tokens masks at this output length (the executor's rule)."""
         if spec.min_tokens and num_output_tokens < spec.min_tokens:
@@ -93,6 +102,7 @@ class NullModel:
         return ids[len(token_ids):]
 
 
+OUTSIDE_LOGPROB = -100.0
 DEFAULT_MODEL = NullModel()
 
 
@@ -196,7 +206,7 @@ class KVMirror:
             raise MirrorViolation(f"step {plan.step_id}: two copies into one block")
         self._move(plan.block_copies, self.slots, self.slots)
         self.num_copies += len(plan.block_copies)
-        sampled, logprobs, proposals = [], [], []
+        sampled, logprobs, proposals, sampled_lps, prompt_logprobs = [], [], [], [], []
         for req_id, num_scheduled, drafts in scheduled:
             req = self.reqs[req_id]
             real = len(req.token_ids)
@@ -212,6 +222,8 @@ class KVMirror:
                                       f"of {real} tokens in {len(req.block_ids)} blocks: past "
                                       f"max_model_len {self.max_model_len}")
             self._check_prefix(plan.step_id, req_id, req)
+            if req.sampling.prompt_logprobs >= 0:
+                prompt_logprobs.append(self._prompt_logprobs(req_id, req, end))
             self._write(plan.step_id, req_id, req, end)
             self.num_scheduled_tokens += num_scheduled
             if end < len(req.token_ids):
@@ -226,11 +238,32 @@ class KVMirror:
             if req.sampling.num_logprobs:
                 top = self.model.logprobs(req.token_ids)[:req.sampling.num_logprobs]
                 logprobs.append((req_id, [t for t, _ in top], [lp for _, lp in top]))
+            if req.sampling.sampled_logprob:
+                sampled_lps.append((req_id, *self.model.token_logprob(req.token_ids,
+                                                                      emitted[0])))
             if req.sampling.append_sampled:
                 req.token_ids.extend(emitted)
                 if self.num_draft_tokens and refusal(req.sampling) is None:
                     proposals.append((req_id, self._propose(plan.step_id, req_id, req)))
-        return StepResult(plan.step_id, sampled, 0.0, logprobs, proposals=proposals)
+        return StepResult(plan.step_id, sampled, 0.0, logprobs, sampled_logprobs=sampled_lps,
+                          prompt_logprobs=[e for e in prompt_logprobs if e.token_logprobs],
+                          proposals=proposals)
+
+    def _prompt_logprobs(self, req_id: str, req: _Req, end: int) -> PromptLogprobs:
+        """The computed positions that have a next token held (not the one that samples):
+        each next token's logprob and rank, and the top prompt_logprobs, from index
+        num_computed + 1 on."""
+        start, k = req.num_computed_tokens, req.sampling.prompt_logprobs
+        ids = req.token_ids
+        lps, ranks, top_ids, top_lps = [], [], [], []
+        for p in range(start, min(end, len(ids) - 1)):
+            lp, rank = self.model.token_logprob(ids[:p + 1], ids[p + 1])
+            top = self.model.logprobs(ids[:p + 1])[:k]
+            lps.append(lp)
+            ranks.append(rank)
+            top_ids.append([t for t, _ in top])
+            top_lps.append([v for _, v in top])
+        return PromptLogprobs(req_id, start + 1, lps, ranks, top_ids, top_lps)
 
     def _check_spec(self, step_id: int, req_id: str, req: _Req, num_scheduled: int,
                     drafts: list[int]) -> None:
