@@ -6,8 +6,9 @@ the null model) and tests/e2e/test_e2e_admission.py (the real `folio serve`).
   caching, preemption mode, overlap, speculation) and the executor's Hello (max_model_len,
   block size, KV pool, swap pool, draft tokens).
 - `request_batches`: requests against it: prompt lengths up to and past max_model_len over
-  shared prefixes, max_tokens (unset, 0 or set), min_tokens, n, beam search, sampling, stop ids,
-  EOS, stop strings, when each arrives and whether its client aborts it.
+  shared prefixes, max_tokens (unset, 0 or set), min_tokens, n, beam search, sampling,
+  logprobs and prompt logprobs, stop ids, EOS, stop strings, when each arrives and whether its
+  client aborts it.
 - `expected_refusal`: whether admission must refuse a request, from the documented limits
   alone (scheduler_svc/inputs.py), so "refused" and "admitted" are both checked.
 - `expected_endings`: what each admitted sequence must end with, independent of the scheduler:
@@ -121,6 +122,8 @@ class Drawn:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # top alternatives per token (0: the token's own only)
+    prompt_logprobs: int | None = None
     delay: int = 0
     abort_after: int | None = None
 
@@ -135,6 +138,10 @@ class Drawn:
             sampling.length_penalty = self.length_penalty
         if self.seed is not None:
             sampling.seed = self.seed
+        if self.logprobs is not None:
+            sampling.logprobs = self.logprobs
+        if self.prompt_logprobs is not None:
+            sampling.prompt_logprobs = self.prompt_logprobs
         return pb.GenerateRequest(request_id=self.req_id, token_ids=pb.TokenIds(ids=self.prompt),
                                   sampling=sampling)
 
@@ -146,7 +153,8 @@ class Drawn:
 @st.composite
 def drawn_requests(draw, req_id: str, max_model_len: int, *, alphabet=PROMPT_ALPHABET,
                    stop_ids=MODEL_VOCAB, stop_strings=STOP_STRINGS, max_n: int = 4,
-                   max_beam_width: int = 4, max_delay: int = 12, abort: bool = True) -> Drawn:
+                   max_beam_width: int = 4, max_delay: int = 12, abort: bool = True,
+                   logprobs: bool = True) -> Drawn:
     # Lengths at the limit are drawn as often as any other length, and short prompts (room
     # to decode) as often again.
     length = draw(st.one_of(st.sampled_from([1, max_model_len - 1, max_model_len,
@@ -176,6 +184,8 @@ def drawn_requests(draw, req_id: str, max_model_len: int, *, alphabet=PROMPT_ALP
         ignore_eos=draw(st.booleans()),
         stop=tuple(draw(st.lists(st.sampled_from(stop_strings), max_size=2, unique=True)))
         if stop_strings and draw(st.integers(0, 3)) == 0 else (),
+        logprobs=draw(st.sampled_from([None] * 5 + [0, 3])) if logprobs else None,
+        prompt_logprobs=draw(st.sampled_from([None] * 5 + [0, 2])) if logprobs else None,
         delay=draw(st.integers(0, max_delay)),
         abort_after=draw(st.integers(0, 30)) if abort and draw(st.integers(0, 7)) == 0
         else None)
@@ -199,6 +209,8 @@ def expected_refusal(req: Drawn, max_model_len: int, block_size: int, num_kv_blo
                      ) -> str | None:
     """A fragment of the message admission must refuse `req` with, or None if it must admit
     it: the first limit it breaks, in the order the server checks them."""
+    if req.beam_width > 1 and (req.logprobs is not None or req.prompt_logprobs is not None):
+        return "logprobs and prompt_logprobs are not supported with beam search"
     if req.beam_width > 1 and req.n > req.beam_width:
         return "beam search returns at most beam_width sequences"
     if req.max_tokens and req.min_tokens > req.max_tokens:
@@ -227,6 +239,10 @@ class Ending:
     completion_tokens: int
     cached_tokens: int
     matched: int | str | None = None
+    # (token id, logprob, rank, top ids, top logprobs) per token, and per prompt token after
+    # the first (index 0's first message): [] when not asked for.
+    logprobs: list[tuple] = field(default_factory=list)
+    prompt_logprobs: list[tuple] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -241,7 +257,8 @@ class Expected:
     finish: str
     matched: int | str | None = None
     text: str | None = None  # None: not checked (beams: none is streamed before the end)
-    extra: dict = field(default_factory=dict)
+    logprobs: list[tuple] = field(default_factory=list)
+    prompt_logprobs: list[tuple] = field(default_factory=list)
 
 
 def sampling_of(req: Drawn) -> SamplingSpec:
@@ -287,12 +304,27 @@ def expected_endings(req: Drawn, server: Server, tokenizer: Tokenizer) -> list[E
         cut = _stop_string_cut(tokens, req, tokenizer, by_id) if req.stop else None
         if cut is not None:
             j, text, s = cut
-            out.append(Expected(tokens[:j], "stop", s, text))
+            want = Expected(tokens[:j], "stop", s, text)
         elif by_id:
-            out.append(Expected(tokens, "stop", tokens[-1], tokenizer.decode(tokens[:-1])))
+            want = Expected(tokens, "stop", tokens[-1], tokenizer.decode(tokens[:-1]))
         else:
-            out.append(Expected(tokens, "length", None, tokenizer.decode(tokens)))
+            want = Expected(tokens, "length", None, tokenizer.decode(tokens))
+        if req.logprobs is not None:
+            want.logprobs = [_logprob_entry(server.model, req.prompt + want.token_ids[:j], t,
+                                            req.logprobs)
+                             for j, t in enumerate(want.token_ids)]
+        if req.prompt_logprobs is not None and i == 0:
+            want.prompt_logprobs = [_logprob_entry(server.model, req.prompt[:j], req.prompt[j],
+                                                   req.prompt_logprobs)
+                                    for j in range(1, len(req.prompt))]
+        out.append(want)
     return out
+
+
+def _logprob_entry(model: NullModel, context: list[int], token_id: int, k: int) -> tuple:
+    top = model.logprobs(context)[:k]
+    return (token_id, *model.token_logprob(context, token_id), tuple(t for t, _ in top),
+            tuple(v for _, v in top))
 
 
 def _expected_beams(req: Drawn, server: Server, tokenizer: Tokenizer, max_tokens: int,
@@ -321,17 +353,22 @@ FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"
 
 def endings_of(messages: list[tuple]) -> dict[int, Ending]:
     """Each index's ending from a stream's messages, given as (index, token_ids, text,
-    finish or None, (prompt, completion, cached) usage, matched); checks that every index has
-    exactly one final message, its last."""
+    finish or None, (prompt, completion, cached) usage, matched, token logprobs, prompt
+    logprobs); checks that every index has exactly one final message, its last."""
     endings: dict[int, Ending] = {}
     tokens: dict[int, list[int]] = {}
     texts: dict[int, str] = {}
-    for index, token_ids, text, finish, usage, matched in messages:
+    lps: dict[int, list[tuple]] = {}
+    prompt_lps: dict[int, list[tuple]] = {}
+    for index, token_ids, text, finish, usage, matched, token_lps, prompt in messages:
         assert index not in endings, f"index {index} got a message after its final one"
         tokens.setdefault(index, []).extend(token_ids)
         texts[index] = texts.get(index, "") + text
+        lps.setdefault(index, []).extend(token_lps)
+        prompt_lps.setdefault(index, []).extend(prompt)
         if finish is not None:
-            endings[index] = Ending(tokens[index], texts[index], finish, *usage, matched)
+            endings[index] = Ending(tokens[index], texts[index], finish, *usage, matched,
+                                    lps[index], prompt_lps[index])
     assert set(tokens) == set(endings), f"indexes {set(tokens) - set(endings)} never ended"
     return endings
 
@@ -344,8 +381,20 @@ def response_messages(responses: list[pb.GenerateResponse]) -> list[tuple]:
         matched = getattr(r, which) if which else None
         out.append((r.index, list(r.token_ids), r.text, finish,
                     (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.cached_tokens),
-                    matched))
+                    matched, [_pb_entry(t) for t in r.logprobs],
+                    [_pb_entry(t) for t in r.prompt_logprobs]))
     return out
+
+
+def _pb_entry(t: pb.TokenLogprobs) -> tuple:
+    return (t.token_id, t.logprob, t.rank, tuple(a.token_id for a in t.top_logprobs),
+            tuple(a.logprob for a in t.top_logprobs))
+
+
+def output_entries(entries) -> list[tuple]:
+    """RequestOutput's TokenLogprobs (or None) as Ending's tuples."""
+    return [(t.token_id, t.logprob, t.rank, tuple(t.top_ids), tuple(t.top_logprobs))
+            for t in entries or ()]
 
 
 def check_outcome(req: Drawn, server: Server, outcome: Refused | dict[int, Ending],
@@ -387,13 +436,34 @@ def check_outcome(req: Drawn, server: Server, outcome: Refused | dict[int, Endin
             # (A beam search may end its hypotheses early: beam_search.py.)
             assert req.beam_width > 1 or end.completion_tokens == max_tokens or \
                 num_prompt + end.completion_tokens >= mml, (where, end)
+        _check_logprobs_shape(req, index, end, where)
         if expected is None:
             continue
         want = expected[index]
         if end.finish == "abort":
             assert end.token_ids == want.token_ids[:len(end.token_ids)], (where, end, want)
+            assert end.logprobs == want.logprobs[:len(end.logprobs)], (where, end, want)
+            assert end.prompt_logprobs in ([], want.prompt_logprobs), (where, end, want)
             continue
         assert (end.token_ids, end.finish, end.matched) == \
             (want.token_ids, want.finish, want.matched), (where, end, want)
         if want.text is not None:
             assert end.text == want.text, (where, end, want)
+        assert end.logprobs == want.logprobs, (where, end, want)
+        assert end.prompt_logprobs == want.prompt_logprobs, (where, end, want)
+
+
+def _check_logprobs_shape(req: Drawn, index: int, end: Ending, where: str) -> None:
+    """Logprobs as asked, whatever the model: one entry per token (each for that token, with
+    its k alternatives); index 0's prompt logprobs one per prompt token after the first,
+    unless the sequence was aborted before its first message."""
+    if req.logprobs is None:
+        assert end.logprobs == [], (where, end)
+    else:
+        assert [e[0] for e in end.logprobs] == end.token_ids, (where, end)
+        assert all(e[2] >= 1 and len(e[3]) == req.logprobs for e in end.logprobs), (where, end)
+    if req.prompt_logprobs is None or index != 0:
+        assert end.prompt_logprobs == [], (where, end)
+    elif end.prompt_logprobs or end.finish != "abort":
+        assert [e[0] for e in end.prompt_logprobs] == req.prompt[1:], (where, end)
+        assert all(len(e[3]) == req.prompt_logprobs for e in end.prompt_logprobs), (where, end)

@@ -45,6 +45,7 @@ from tests.scheduler.admission_draws import (
     check_outcome,
     endings_of,
     expected_endings,
+    output_entries,
     request_batches,
     response_messages,
     servers,
@@ -178,7 +179,8 @@ def run_batch(server: Server, batch: list[Drawn], tokenizer: Tokenizer
             messages.append((out.index, out.token_ids, out.text,
                              out.finish_status.value if out.finish_status else None,
                              (out.num_prompt_tokens, out.num_output_tokens,
-                              out.num_cached_tokens), out.matched_stop))
+                              out.num_cached_tokens), out.matched_stop,
+                             output_entries(out.logprobs), output_entries(out.prompt_logprobs)))
         outcomes[req_id] = endings_of(messages)
     return engine, outcomes, aborted, turn
 
