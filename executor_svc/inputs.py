@@ -161,8 +161,8 @@ def build_step_inputs(ib: InputBatch, rows: np.ndarray, query_lens: np.ndarray,
         # Position j of prompt row i: token index query_start_loc[i] + j, next token at
         # computed[i] + j + 1 (numpy only: a repeat and an arange, no loop over positions).
         within = np.arange(num_pl) - np.repeat(np.cumsum(pl_counts) - pl_counts, pl_counts)
-        h["logits_indices"][num_logits:] = np.repeat(query_start_loc[:-1][pl_seqs],
-                                                     pl_counts) + within
+        h["logits_indices"][num_logits:num_logits + num_pl] = np.repeat(
+            query_start_loc[:-1][pl_seqs], pl_counts) + within  # the proposals' rows follow
         h["prompt_targets"][:] = ib.token_ids[np.repeat(rows[pl_seqs], pl_counts),
                                               np.repeat(computed[pl_seqs], pl_counts) + within + 1]
         prompt_lp = PromptPositions(rows[pl_seqs], computed[pl_seqs] + 1, pl_counts,

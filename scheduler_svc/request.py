@@ -126,6 +126,10 @@ class Request:
     # Speculative decoding: the proposals the step in flight verifies (scheduler counts them
     # as computed until its result says how many the executor kept; speculation.py).
     spec_token_ids: list[int] = field(default_factory=list)
+    # The executor's copy asks for prompt logprobs: it was sent (as a NewRequest) while they
+    # were owed. `sampling` stops asking once they are out, the executor's copy only when sent
+    # again, and until then the executor verifies no proposals for it (runner_spec.refusal).
+    executor_prompt_logprobs: bool = False
     # The executor's draft-model proposals for the next step, with the token count they
     # follow (StepResult.proposals): used only while no token has been added since.
     draft_proposals: tuple[int, list[int]] | None = None

@@ -9,6 +9,7 @@ long prompt spreads over several steps. `max_num_batched_tokens` bounds every st
 3. (blocks) while the blocks those need exceed the free ones, preempt the newest running
    request, by swap or recompute (`preemption.py` decides which); the oldest is never
    preempted while another runs, so it always finishes, and a request fits the pool alone;
+   if the victims held the whole budget, 1-3 run again for the requests still running;
 4. swapped-out requests, oldest first, swapped back in (not in a step that preempted);
 5. waiting requests, FCFS (not after a preemption, nor while any request is swapped out),
    each reusing every cached block of its leading tokens (prefix caching, `prefix_cache.py`).
@@ -113,6 +114,15 @@ class Scheduler(StepResults):
             return None  # someone must be preempted: only with nothing in flight
         # 3. Blocks for them, preempting the newest running requests if need be.
         wants = self._make_room(wants, num_needed, step)
+        while step.preempted and not wants and self.running:
+            # The victims held the whole budget (decodes take it first, and the newest request
+            # may decode while an older one is mid-prompt): hand it out again, or the step
+            # would be empty and the engine would idle with requests it could run.
+            step.budget, step.drafts, step.lookahead = self.max_num_batched_tokens, {}, {}
+            wants = self._budget_running(step)
+            if not wants:
+                break  # nothing running lacks a token now (beams waiting for their siblings)
+            wants = self._make_room(wants, self._num_blocks_needed(wants, step.lookahead), step)
         self._schedule_running(wants, step)
         # 4-5. Only if nobody had to make room: swapped requests, then waiting ones.
         step.num_seq_slots = num_seq_slots(self.running)
@@ -337,6 +347,7 @@ class Scheduler(StepResults):
         assert req.num_placeholders == 0, f"{req.req_id} re-sent with a token in flight"
         self._executor_req_ids.add(req.req_id)
         req.pending_token_ids = []  # all_token_ids carries them
+        req.executor_prompt_logprobs = req.sampling.prompt_logprobs >= 0
         return NewRequest(req.req_id, req.all_token_ids, req.sampling,
                           self.block_manager.block_table(req.req_id), req.num_computed_tokens,
                           num_new, req.num_prompt_tokens)

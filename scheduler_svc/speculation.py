@@ -5,9 +5,10 @@ A request speculates when speculation is on (`--speculative-method ngram
 --num-speculative-tokens k`) and it is a plain decode: its own sequence (no n > 1 group, no beam
 search), the executor appends its samples, and no per-token logits work applies that the
 verification does not replay (logprobs of any kind, penalties, logit bias, allowed or banned
-tokens, min_tokens with stop ids to mask, structured output, min_p). Those requests decode one token
-per step as before. Proposals never reach past max_tokens or max_model_len, and take from the
-step's token budget like any token.
+tokens, min_tokens with stop ids to mask, structured output, min_p), including prompt logprobs
+the executor's copy of the request still asks for (`Request.executor_prompt_logprobs`). Those
+requests decode one token per step as before. Proposals never reach past max_tokens or
+max_model_len, and take from the step's token budget like any token.
 
 With a draft model (method draft) the executor proposes after each step
 (StepResult.proposals) for the next; every speculating decode then also gets k lookahead KV
@@ -29,7 +30,8 @@ def speculates(req: Request) -> bool:
     """Whether a decoding request may carry proposals (see the module docstring)."""
     s = req.sampling
     return (req.group is None and s.append_sampled and s.num_logprobs == 0
-            and not s.sampled_logprob and s.prompt_logprobs < 0 and s.structured is None
+            and not s.sampled_logprob and s.prompt_logprobs < 0
+            and not req.executor_prompt_logprobs and s.structured is None
             and s.repetition_penalty == 1.0 and s.presence_penalty == 0.0
             and s.frequency_penalty == 0.0 and s.min_p == 0.0 and not s.logit_bias
             and not s.allowed_token_ids and not s.bad_words

@@ -4,8 +4,8 @@ checks every plan, but "samples" with a deterministic rule instead of running a 
 `PlanMirror` is the executor's view of the requests, rebuilt from plans alone; it raises
 `PlanViolation` on any plan the real executor could not execute (unknown request, wrong
 computed count, block table too short, a write into a shared block, a read of KV that is not
-the request's own). `NullExecutor` runs a PlanMirror behind a real `protos.channel.ExecutorEnd`
-in a thread.
+the request's own). `NullExecutor` runs a PlanMirror (or another mirror, such as
+tests.scheduler.kv_mirror.KVMirror) behind a real `protos.channel.ExecutorEnd` in a thread.
 """
 
 from __future__ import annotations
@@ -178,16 +178,17 @@ def make_hello(**overrides) -> Hello:
 class NullExecutor(threading.Thread):
     """Connects, says Hello, answers plans until Shutdown/stop(). `step_delay_s` slows steps
     (so tests can act mid-generation); `fail_step` makes a step answer ExecutorError;
-    `go_silent_after` stops answering after that many plans (an executor that hung)."""
+    `go_silent_after` stops answering after that many plans (an executor that hung); `mirror`
+    answers the plans (default: a PlanMirror for the Hello's block size)."""
 
     def __init__(self, address: str, hello: Hello | None = None, step_delay_s: float = 0.0,
                  fail_step: int | None = None, go_silent_after: int | None = None,
-                 keys: ChannelKeys | None = None):
+                 keys: ChannelKeys | None = None, mirror=None):
         super().__init__(daemon=True)
         self.keys = keys
         self.address = address
         self.hello = hello or make_hello()
-        self.mirror = PlanMirror(self.hello.block_size)
+        self.mirror = mirror if mirror is not None else PlanMirror(self.hello.block_size)
         self.step_delay_s = step_delay_s
         self.fail_step = fail_step
         self.go_silent_after = go_silent_after

@@ -4,11 +4,15 @@ n = 1 as for n > 1, also where the KV pool caps max_model_len; one token more is
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
 from protos.folio.v1 import generator_pb2 as pb
-from tests.scheduler.grpc_harness import collect, gen_request, null_continuation
+from tests.scheduler.admission_draws import MODEL_VOCAB
+from tests.scheduler.grpc_harness import collect, gen_request, null_continuation, running_server
+from tests.scheduler.kv_mirror import KVMirror, NullModel
 from tests.scheduler.null_executor import make_hello
 from tests.scheduler.test_server import wait_idle
 
@@ -44,3 +48,30 @@ async def test_a_prompt_of_max_model_len_tokens_gets_one_token(harness, hello, m
         in err.value.details()
     stats = await wait_idle(harness)
     assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+async def test_a_preemption_that_empties_a_step_does_not_idle_the_engine(tiny_tokenizer):
+    """Found by test_admission_properties: "r0" (newer) decodes with a draft proposal, which
+    takes the whole 2-token budget, while "r1/1" (older, recomputed after a preemption) is
+    mid-prompt; "r0" runs the pool dry and is preempted, which left the step empty, so
+    schedule() returned None with a request it could run, and the engine idled until its next
+    stats tick (here 30 s) before planning again. Both requests must end at once."""
+    model = NullModel(MODEL_VOCAB, context=1)
+    async with running_server(tiny_tokenizer, max_num_seqs=3, max_num_batched_tokens=2,
+                              enable_prefix_caching=False, overlap_scheduling=False,
+                              speculative_method="draft", num_speculative_tokens=1,
+                              stats_interval_s=30.0) as harness:
+        hello = make_hello(max_model_len=40, block_size=1, num_kv_blocks=6,
+                           num_swap_blocks=1, num_draft_tokens=1)
+        # Steps of 0.1 s: "r0" arrives while the first of "r1"'s prompt steps runs.
+        await harness.serve(hello=hello, step_delay_s=0.1,
+                            mirror=KVMirror(1, model, num_draft_tokens=1, max_model_len=6))
+        r1 = harness.stub.Generate(gen_request([4, 41, 78, 115, 152, 189], n=2, temperature=0))
+        await asyncio.sleep(0.05)
+        r0 = harness.stub.Generate(gen_request([4], temperature=0))
+        done = await asyncio.wait_for(asyncio.gather(collect(r1), collect(r0)), timeout=10)
+        for responses in done:
+            assert all(r.finish_reason == pb.FINISH_REASON_LENGTH
+                       for r in responses if r.finish_reason)
+        stats = await wait_idle(harness)
+        assert stats.kv_blocks_free == stats.kv_blocks_total

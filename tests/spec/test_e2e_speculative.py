@@ -253,3 +253,28 @@ def test_a_separate_draft_checkpoint(folio_server, tmp_path_factory):
         stats = wait_idle(server.address)
     assert [c.token_ids for c in completions] == hf_greedy(hf, prompts, MAX_TOKENS)
     assert stats["num_draft_tokens"] > 0
+
+
+def test_prompt_logprobs_beside_ngram_speculation(folio_server):
+    """A request asking for prompt logprobs: after its first token the scheduler no longer
+    owes them, but the executor's copy of the request still asks for them, so the executor
+    refuses proposals for it (runner_spec.refusal). The scheduler proposed anyway, and the
+    step failed with every request in it. It must decode unspeculated, like plain decoding."""
+    phrase = [101, 202, 303, 404, 505]
+    prompt = phrase * 6 + phrase[:2]  # n-gram proposals find the phrase at once
+    with folio_server(model="folio:tiny-random", args=["--block-size", str(BLOCK_SIZE),
+                                                       *SPEC]) as server:
+        async def both():
+            async with AsyncFolioClient(server.address, timeout=120) as client:
+                return await asyncio.gather(
+                    client.generate_text(token_ids=prompt, max_tokens=16, ignore_eos=True,
+                                         temperature=0.0, prompt_logprobs=1),
+                    client.generate_text(token_ids=prompt, max_tokens=16, ignore_eos=True,
+                                         temperature=0.0))
+
+        with_prompt_logprobs, plain = asyncio.run(both())
+        stats = wait_idle(server.address)
+    assert with_prompt_logprobs.finish_reason == "length"
+    assert with_prompt_logprobs.token_ids == plain.token_ids
+    assert len(with_prompt_logprobs.prompt_logprobs) == len(prompt) - 1
+    assert stats["num_accepted_tokens"] > 0  # the plain request did speculate

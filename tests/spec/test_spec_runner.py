@@ -190,3 +190,37 @@ def test_draft_models_that_cannot_draft_are_refused(checkpoint_cache, tmp_path):
     other = dataclasses.replace(cfg, vocab_size=cfg.vocab_size + 1)
     with pytest.raises(ValueError, match="must share the tokenizer"):
         load_draft(model_dir, other, None, dtype=torch.float32, device=cpu, max_model_len=64)
+
+
+@pytest.mark.parametrize("num_prompt_chunk", [5, 0], ids=["mid-prompt", "decoding"])
+def test_proposals_beside_a_row_with_prompt_logprobs(checkpoint_cache, num_prompt_chunk):
+    """One step verifies "x"'s proposals while "p", asking for prompt logprobs, computes prompt
+    positions or only decodes (its copy asks for them all its life). The step's logits rows
+    are [sampling rows | prompt positions | proposals]; the prompt positions were written over
+    the proposals' part too, which failed the step ("could not broadcast"). Now "x" emits
+    what greedy decoding does, and "p" gets the same prompt logprobs as computed alone."""
+    _, model_dir = checkpoint_cache("llama3")
+    expected = _greedy(model_dir, 5)
+    pl = SamplingSpec(temperature=0.0, prompt_logprobs=1)
+    first = len(PROMPT) - num_prompt_chunk - 1 if num_prompt_chunk else len(PROMPT)
+
+    def run(with_x: bool):
+        runner, driver = make_runner(model_dir), PlanDriver(seed=6)
+        new = [driver.new("p", PROMPT, first, pl)]
+        if with_x:
+            new.append(driver.new("x", PROMPT, len(PROMPT)))
+        out = runner.execute(driver.plan(new_reqs=new))
+        driver.record(out.sampled)
+        lps = list(out.prompt_logprobs)
+        cached = [driver.cached("p", num_prompt_chunk) if num_prompt_chunk
+                  else driver.decode_all(["p"])[0]]
+        if with_x:
+            cached.append(_propose(driver, "x", expected[1:4]))
+        out = runner.execute(driver.plan(cached_reqs=cached))
+        lps += out.prompt_logprobs
+        return dict(out.sampled), [(e.start, e.token_logprobs, e.top_ids) for e in lps
+                                   if e.token_logprobs]
+
+    sampled, lps = run(with_x=True)
+    assert sampled["x"] == expected[1:5]  # all three accepted, plus the next token
+    assert lps == run(with_x=False)[1]

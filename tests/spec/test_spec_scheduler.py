@@ -85,3 +85,23 @@ def test_draft_proposals_are_used_only_right_after_they_were_made():
     assert proposal(req, 3, 1000, 3, "draft") == [1, 2]  # and what the budget leaves
     req.output_token_ids.append(5)  # a token since: they follow an older sequence
     assert proposal(req, 3, 1000, 100, "draft") == []
+
+
+def test_no_proposals_while_the_executors_copy_asks_for_prompt_logprobs():
+    """After its first token a request owes no prompt logprobs (its sampling stops asking),
+    but the executor's copy asks until the request is sent again, and it verifies no proposals
+    for it (runner_spec.refusal, which KVMirror applies): the scheduler proposed anyway, and
+    the step failed. "x", beside it, speculates as before."""
+    from tests.scheduler.kv_mirror import KVMirror, NullModel
+    from tests.scheduler.test_parallel_sampling import make_scheduler, run
+
+    model = NullModel(tuple(range(10, 18)), context=1)  # its greedy runs loop at once
+    sched = make_scheduler(num_speculative_tokens=3, speculative_method="ngram")
+    mirror = KVMirror(4, model)
+    asks = Request("p", LOOP, SamplingSpec(temperature=0.0, prompt_logprobs=1), 20, 0)
+    sched.add_request(asks)
+    sched.add_request(Request("x", LOOP, GREEDY, 20, 1))
+    tokens, finished, _ = run(sched, mirror)
+    expected = model.continuation(LOOP, GREEDY, 20, frozenset())
+    assert tokens[("p", 0)] == tokens[("x", 0)] == expected
+    assert len(asks.prompt_logprobs) == len(LOOP) - 1 and mirror.num_accepted > 0
