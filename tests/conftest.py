@@ -46,16 +46,26 @@ class Server:
             return ""
 
 
-def pytest_report_header(config) -> list[str]:
-    """The run's ISA in CI's log: the CPU's, torch's (and whether ATEN_CPU_CAPABILITY forced it
-    lower), the fused kernels' build (asked of the build when cached), and native bf16."""
+def _isa_line() -> str:
+    """The run's ISA: the CPU's, torch's (and whether ATEN_CPU_CAPABILITY forced it lower),
+    the fused kernels' build (asked of the build when cached), and native bf16."""
     try:
         from kernels import cpu, cpu_ext
 
         native = "yes" if cpu.has_native_bf16() else "no"
-        return [f"folio isa: {cpu_ext.describe()}; native bf16: {native}"]
-    except Exception as e:  # the header never stops a run; a broken import fails the tests
-        return [f"folio isa: unknown ({type(e).__name__}: {e})"]
+        return f"folio isa: {cpu_ext.describe()}; native bf16: {native}"
+    except Exception as e:  # the line never stops a run; a broken import fails the tests
+        return f"folio isa: unknown ({type(e).__name__}: {e})"
+
+
+def pytest_report_header(config) -> list[str]:
+    return [_isa_line()]
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Again at the end, where `pytest -q` (make test, CI) shows it: the header it hides."""
+    if terminalreporter.verbosity < 0:
+        terminalreporter.write_line(_isa_line())
 
 
 def free_port() -> int:

@@ -220,9 +220,11 @@ def expected_refusal(req: Drawn, max_model_len: int, block_size: int, num_kv_blo
     if len(req.prompt) > max_model_len:
         return f"prompt has {len(req.prompt)} tokens but max_model_len is {max_model_len}"
     if req.beam_width > 1:
-        max_tokens = capped_max_tokens(req, max_model_len)
-        need = -(-len(req.prompt) // block_size) + \
-            req.beam_width * (-(-max_tokens // block_size) + 1)
+        # The prompt's blocks, and per beam the KV of every generated token but the last
+        # (never computed) plus one copied block; with one token, nothing past the prompt.
+        num_written = capped_max_tokens(req, max_model_len) - 1
+        need = -(-len(req.prompt) // block_size) + (
+            req.beam_width * (-(-num_written // block_size) + 1) if num_written else 0)
         if need > num_kv_blocks:
             return f"may need {need} KV blocks, but the pool has {num_kv_blocks}"
     return None
