@@ -4,7 +4,7 @@
                               [--stem NAME]
 
 The real Scheduler (real BlockManager, prefix caching on, default budget 2048 tokens) is built by
-`scheduler_svc.handshake.new_scheduler` from the Hello of a *null-model executor*, exactly as the
+`scheduler_svc.engine.handshake.new_scheduler` from the Hello of a *null-model executor*, exactly as the
 engine builds it. The null-model executor (`bench/null_executor.py`) is a peer process that
 speaks the step-plan protocol over ZeroMQ but runs no model: it answers each StepPlan with a
 StepResult holding one token for each request that samples. It imports protos only, never torch
@@ -138,8 +138,8 @@ async def run_case(workload: str, num_running: int, sizes: dict, address: str) -
     # Imported here, not at the top: the null-model executor runs from this module and must
     # load protos only.
     from scheduler_svc.config import SchedulerConfig
-    from scheduler_svc.handshake import ExecutorInfo, new_scheduler
-    from scheduler_svc.request import Request
+    from scheduler_svc.engine.handshake import ExecutorInfo, new_scheduler
+    from scheduler_svc.sched.request import Request
 
     long_prompt_len = sizes["long_prompt_len"] if workload == "mixed" else 0
     rng = random.Random(f"{workload}/{num_running}")

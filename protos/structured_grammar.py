@@ -1,7 +1,7 @@
 """What a StructuredSpec means: the llguidance grammar each kind of constraint becomes.
 
 Shared by both services (llguidance imports no torch): the scheduler validates the grammar at
-the front door (``scheduler_svc/structured_output.py``), the executor builds its matchers from
+the front door (``scheduler_svc/api/structured_output.py``), the executor builds its matchers from
 the same grammar (``executor_svc/structured.py``), so what was accepted is what runs.
 """
 

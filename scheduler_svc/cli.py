@@ -28,10 +28,10 @@ from protos.channel_keys import (
     generate_secret,
     read_secret,
 )
+from scheduler_svc.api.server import SchedulerServer
 from scheduler_svc.config import DEFAULT_EXECUTOR_ADDRESS, SchedulerConfig, config_from_argv
-from scheduler_svc.server import SchedulerServer
-from scheduler_svc.supervisor import ExecutorSupervisor
-from scheduler_svc.tokenizer import ModelDirError, Tokenizer, resolve_model_dir
+from scheduler_svc.engine.supervisor import ExecutorSupervisor
+from scheduler_svc.text.tokenizer import ModelDirError, Tokenizer, resolve_model_dir
 
 log = structlog.get_logger("folio.scheduler")
 

@@ -83,7 +83,7 @@ class SchedulerConfig:
     tensor_parallel_size: int | None = None  # executor ranks sharding the model (default 1)
     quantization: str | None = None  # see QUANTIZATION_SCHEMES (executor default: none)
     enforce_eager: bool = False  # the executor captures no CUDA graphs
-    # ---- public API front end (scheduler_svc.server, scheduler_svc.auth) ----
+    # ---- public API front end (scheduler_svc.api.server, scheduler_svc.api.auth) ----
     served_model_name: str | None = None  # None = the model directory's name
     api_key: str | None = field(default=None, repr=False)  # None = no authentication
     tls_cert: str | None = None  # PEM files; both set = the gRPC port speaks TLS

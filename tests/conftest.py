@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY_RANDOM = "folio:tiny-random"  # executor_svc.named_models
 SERVER_START_TIMEOUT_S = 180.0  # model load + torch import on a busy 2-core machine
 SERVER_STOP_TIMEOUT_S = 20.0
-STALL_LINE = "request stalled: ended by the watchdog"  # scheduler_svc/watchdog.py's ERROR
+STALL_LINE = "request stalled: ended by the watchdog"  # scheduler_svc/engine/watchdog.py's ERROR
 
 SERVE = "import sys; from scheduler_svc.cli import main; sys.exit(main(sys.argv[1:], spawn_executor=True))"
 
@@ -177,7 +177,7 @@ def run_server(log_dir: Path, model: str | Path | None = None, args: list[str] |
         yield server
     finally:
         stop_process_tree(proc)
-    # The stall watchdog (scheduler_svc/watchdog.py) catches server bugs: it never fires here.
+    # The stall watchdog (scheduler_svc/engine/watchdog.py) catches server bugs: it never fires here.
     assert STALL_LINE not in server.log_tail(num_chars=None), \
         f"the stall watchdog ended a request; log:\n{server.log_tail()}"
 

@@ -29,8 +29,10 @@ def loaded_top_level(modules: list[str]) -> set[str]:
 
 
 def service_modules(package: str) -> list[str]:
-    return sorted(f"{package}.{p.stem}" for p in (ROOT / package).glob("*.py")
-                  if p.stem != "__main__")
+    """Every module of the package, subpackages included."""
+    root = ROOT / package
+    return sorted(".".join((package, *p.relative_to(root).with_suffix("").parts))
+                  for p in root.rglob("*.py") if p.stem not in ("__main__", "__init__"))
 
 
 @pytest.mark.parametrize("modules, forbidden", [
@@ -48,7 +50,7 @@ def test_import_boundary(modules, forbidden):
 
 GGUF_SCHEDULER_PROBE = """
 import json, sys
-from scheduler_svc.tokenizer import Tokenizer, resolve_model_dir
+from scheduler_svc.text.tokenizer import Tokenizer, resolve_model_dir
 tokenizer = Tokenizer(resolve_model_dir(sys.argv[1]))
 assert tokenizer.encode("hello")
 print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))

@@ -87,7 +87,7 @@ def test_the_good_checkpoint_is_good(good_checkpoint):
     import torch
 
     from executor_svc.loader import load_model
-    from scheduler_svc.tokenizer import Tokenizer
+    from scheduler_svc.text.tokenizer import Tokenizer
 
     assert Tokenizer(good_checkpoint).vocab_size > 0
     load_model(good_checkpoint, dtype=torch.float32, device=torch.device("cpu"), max_model_len=64)
@@ -117,7 +117,7 @@ def test_executor_exits_with_one_line_naming_the_file(damage: Damage, damaged, e
 
 @pytest.mark.parametrize("damage", SCHEDULER_CASES, ids=lambda d: d.name)
 def test_scheduler_tokenizer_raises_naming_the_file(damage: Damage, damaged):
-    from scheduler_svc.tokenizer import ModelDirError, Tokenizer
+    from scheduler_svc.text.tokenizer import ModelDirError, Tokenizer
 
     path = damaged[damage.name] / damage.file
     with pytest.raises(ModelDirError) as info:

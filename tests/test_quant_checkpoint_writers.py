@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.text.tokenizer import Tokenizer
 from tests.checkpoints import make_checkpoint
 from tests.gguf.test_real_model import smollm2_gguf
 from tests.int4_checkpoints import (

@@ -70,7 +70,7 @@ def random_model_dir(name: str, seed: int = 0, cache_dir: str | os.PathLike | No
 def resolve_model_dir(model: str | None) -> Path:
     """The Hugging Face checkpoint directory behind a `folio serve --model` value."""
     from scheduler_svc.cli import NAMED_PREFIX, named_model_path
-    from scheduler_svc.tokenizer import resolve_model_dir as folio_resolve
+    from scheduler_svc.text.tokenizer import resolve_model_dir as folio_resolve
 
     if model is None or model.startswith(NAMED_PREFIX):
         model = named_model_path(model)

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from client import FolioClient
 from protos.folio.v1 import generator_pb2 as pb
 from protos.folio.v1 import generator_pb2_grpc as pb_grpc
-from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.text.tokenizer import Tokenizer
 from tests.e2e.e2e_util import wait_idle
 from tests.scheduler.admission_draws import (
     Drawn,

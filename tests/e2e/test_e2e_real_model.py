@@ -257,11 +257,11 @@ async def test_processors_match_transformers_on_the_real_model(server, hf):
 
 async def test_bad_words_match_transformers_on_the_real_model(server, hf):
     """Greedy with bad_words, token-exact against HF `generate` given the token sequences
-    Folio bans (each word as is and after a space, scheduler_svc.inputs.bad_words_token_ids);
+    Folio bans (each word as is and after a space, scheduler_svc.api.inputs.bad_words_token_ids);
     the prompts end where no banned sequence's prefix could reach back into them."""
     import torch
 
-    from scheduler_svc.inputs import bad_words_token_ids
+    from scheduler_svc.api.inputs import bad_words_token_ids
 
     model, tokenizer = hf
     eos = tokenizer.eos_token_id

@@ -21,7 +21,7 @@ import torch
 from executor_svc.gguf_checkpoint import gguf_checkpoint_dir
 from executor_svc.model_config import ModelConfig
 from executor_svc.models.rope import inv_freq_for
-from scheduler_svc.tokenizer import ChatTurn, Tokenizer
+from scheduler_svc.text.tokenizer import ChatTurn, Tokenizer
 from tests.checkpoints import make_checkpoint
 from tests.executor.harness import PlanDriver, hf_greedy, make_runner
 from tests.gguf_files import make_gguf, write_gguf

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scheduler_svc.tokenizer import ModelDirError, resolve_model_dir
+from scheduler_svc.text.tokenizer import ModelDirError, resolve_model_dir
 from tests.conftest import run_server
 from tests.gguf_files import make_gguf, write_gguf
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from executor_svc.gguf_checkpoint import gguf_checkpoint_dir
-from scheduler_svc.tokenizer import ChatTurn, Tokenizer
+from scheduler_svc.text.tokenizer import ChatTurn, Tokenizer
 from tests.conftest import _descendants, run_server
 from tests.executor.harness import hf_greedy
 from tests.gguf.test_convert import folio_greedy, load_transformers_gguf

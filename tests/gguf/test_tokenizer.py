@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from executor_svc.gguf_checkpoint import gguf_checkpoint_dir
-from scheduler_svc.tokenizer import ChatTurn, Tokenizer
+from scheduler_svc.text.tokenizer import ChatTurn, Tokenizer
 from tests.gguf_files import make_gguf
 
 TEXTS = ["Hello world", " leading space and  double  spaces", "line one\nline two\n\n\ttab",

@@ -10,7 +10,7 @@ the null model) and tests/e2e/test_e2e_admission.py (the real `folio serve`).
   logprobs and prompt logprobs, stop ids, EOS, stop strings, when each arrives and whether its
   client aborts it.
 - `expected_refusal`: whether admission must refuse a request, from the documented limits
-  alone (scheduler_svc/inputs.py), so "refused" and "admitted" are both checked.
+  alone (scheduler_svc/api/inputs.py), so "refused" and "admitted" are both checked.
 - `expected_endings`: what each admitted sequence must end with, independent of the scheduler:
   the null model run uninterrupted (`NullModel.continuation`), beam search driven directly on it
   (`BeamSearch`), stop strings found by searching the decoded text.
@@ -27,11 +27,11 @@ from hypothesis import strategies as st
 
 from protos.folio.v1 import generator_pb2 as pb
 from protos.plan import Hello, SamplingSpec
-from scheduler_svc.admission import beam_stop_strings
-from scheduler_svc.beam_search import BeamSearch, EarlyStopping
-from scheduler_svc.inputs import submit_params
-from scheduler_svc.sequence_params import sequence_seed
-from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.api.inputs import submit_params
+from scheduler_svc.engine.admission import beam_stop_strings
+from scheduler_svc.sched.beam_search import BeamSearch, EarlyStopping
+from scheduler_svc.sched.sequence_params import sequence_seed
+from scheduler_svc.text.tokenizer import Tokenizer
 from tests.scheduler.kv_mirror import NullModel
 from tests.scheduler.null_executor import make_hello
 

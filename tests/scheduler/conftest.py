@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.text.tokenizer import Tokenizer
 from tests.scheduler.grpc_harness import running_server
 from tests.scheduler.tiny_model import write_model_dir
 

@@ -14,9 +14,9 @@ from protos.channel import MAX_FRAME_BYTES, SchedulerEnd
 from protos.channel_keys import ChannelKeys
 from protos.folio.v1 import generator_pb2 as pb
 from protos.folio.v1 import generator_pb2_grpc as pb_grpc
+from scheduler_svc.api.server import SchedulerServer
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.server import SchedulerServer
-from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.text.tokenizer import Tokenizer
 from tests.scheduler.null_executor import NullExecutor, next_token
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

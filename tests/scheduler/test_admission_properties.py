@@ -27,15 +27,15 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from protos.folio.v1 import generator_pb2 as pb
-from scheduler_svc.admission import submit_request
+from scheduler_svc.api.inputs import submit_params
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine.admission import submit_request
+from scheduler_svc.engine.handshake import ExecutorInfo, check_hello, new_scheduler
+from scheduler_svc.engine.metrics import RequestMetrics
+from scheduler_svc.engine.output_processor import OutputProcessor
+from scheduler_svc.engine.registry import ClientRequest, Registry
 from scheduler_svc.errors import FolioError
-from scheduler_svc.handshake import ExecutorInfo, check_hello, new_scheduler
-from scheduler_svc.inputs import submit_params
-from scheduler_svc.metrics import RequestMetrics
-from scheduler_svc.output_processor import OutputProcessor
-from scheduler_svc.registry import ClientRequest, Registry
-from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.text.tokenizer import Tokenizer
 from tests.scheduler.admission_draws import (
     MODEL_VOCAB,
     Drawn,
@@ -56,7 +56,7 @@ from tests.scheduler.null_executor import make_hello
 
 
 class LocalEngine:
-    """scheduler_svc/engine.py's loop without the channel: one `turn` is one `_iterate` (send a
+    """scheduler_svc/engine/engine.py's loop without the channel: one `turn` is one `_iterate` (send a
     plan if one can go now; with the pipeline full or nothing more to plan, apply the oldest
     result), the executor a KVMirror that runs each plan when it is sent (it runs plans in
     order, so that is when the real one would)."""

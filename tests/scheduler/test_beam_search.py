@@ -1,4 +1,4 @@
-"""`scheduler_svc.beam_search` against HF transformers' own beam search.
+"""`scheduler_svc.sched.beam_search` against HF transformers' own beam search.
 
 Two drivers feed our bookkeeping the per-step logprobs of tiny random HF models:
 - HF's logprobs themselves (`generate(..., output_scores=True)` returns each step's log_softmax
@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from scheduler_svc.beam_search import BeamSearch, EarlyStopping  # noqa: E402
+from scheduler_svc.sched.beam_search import BeamSearch, EarlyStopping  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
 from tests.e2e import hf_oracle  # noqa: E402
 

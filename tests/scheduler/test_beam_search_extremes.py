@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
-from scheduler_svc.beam_search import BeamSearch, EarlyStopping, f32, length_penalized  # noqa: E402
+from scheduler_svc.sched.beam_search import BeamSearch, EarlyStopping, f32, length_penalized  # noqa: E402
 
 FLT_MAX = 3.4028234663852886e38
 PENALTIES = [1e4, -130.0, 1e30, 3.4e38, -3.4e38, FLT_MAX, -FLT_MAX, 1e-45, -1e-45, 0.0, -0.0,

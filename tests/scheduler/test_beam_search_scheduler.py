@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 
 from protos.plan import SamplingSpec
-from scheduler_svc.beam_search import BeamSearch, EarlyStopping
-from scheduler_svc.request import Request, RequestStatus
-from scheduler_svc.sequence_group import BeamGroup
-from scheduler_svc.sequence_params import SequenceParams
+from scheduler_svc.sched.beam_search import BeamSearch, EarlyStopping
+from scheduler_svc.sched.request import Request, RequestStatus
+from scheduler_svc.sched.sequence_group import BeamGroup
+from scheduler_svc.sched.sequence_params import SequenceParams
 from tests.scheduler.kv_mirror import VOCAB, KVMirror, null_logprobs
 from tests.scheduler.test_parallel_sampling import BLOCK_SIZE, EOS, make_scheduler, run
 
@@ -159,9 +159,9 @@ def test_a_pool_of_the_admission_bound_runs_the_search_alone(case, num_prompt, m
     """`check_beam_fits` admits a search into a pool of exactly its bound; there the search
     runs to its end without a preemption (which would restart it forever), with the answer
     of a roomy pool. One block fewer is refused. max_tokens 1: a prompt of max_model_len."""
+    from scheduler_svc.api.inputs import check_beam_fits
     from scheduler_svc.errors import InvalidRequest
-    from scheduler_svc.inputs import check_beam_fits
-    from scheduler_svc.request import SubmitParams
+    from scheduler_svc.sched.request import SubmitParams
 
     case = (*case[:4], max_tokens)
     prompt = PROMPT[:1] + list(range(11, 11 + num_prompt - 1))

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from scheduler_svc.block_manager import Allocation, BlockManager
-from scheduler_svc.prefix_cache import block_key, extend_block_keys
+from scheduler_svc.sched.block_manager import Allocation, BlockManager
+from scheduler_svc.sched.prefix_cache import block_key, extend_block_keys
 
 
 def test_allocate_grows_tables_with_exact_ids():

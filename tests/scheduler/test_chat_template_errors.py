@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from protos.folio.v1 import generator_pb2 as pb
-from scheduler_svc.tokenizer import ChatOutputTooLong, ChatTemplateError, ChatTurn, Tokenizer
+from scheduler_svc.text.tokenizer import ChatOutputTooLong, ChatTemplateError, ChatTurn, Tokenizer
 from tests.scheduler.grpc_harness import collect, gen_request, null_continuation, running_server
 from tests.scheduler.tiny_model import write_model_dir
 

@@ -3,7 +3,7 @@ starved. Driven by the plan-checking null executor (synthetic step results)."""
 
 from __future__ import annotations
 
-from scheduler_svc.request import RequestStatus
+from scheduler_svc.sched.request import RequestStatus
 from tests.scheduler.null_executor import PlanMirror
 from tests.scheduler.test_scheduler import make_request, make_scheduler, run_to_end, step
 

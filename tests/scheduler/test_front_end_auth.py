@@ -8,7 +8,7 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from protos.folio.v1 import generator_pb2 as pb
-from scheduler_svc.auth import MISSING_KEY, WRONG_KEY
+from scheduler_svc.api.auth import MISSING_KEY, WRONG_KEY
 from scheduler_svc.config import SchedulerConfig, config_from_argv
 from tests.scheduler.front_end import with_invalid_utf8
 from tests.scheduler.grpc_harness import (

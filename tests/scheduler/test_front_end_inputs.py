@@ -13,9 +13,9 @@ import pytest
 
 from protos.folio.v1 import generator_pb2 as pb
 from protos.plan import SamplingSpec
-from scheduler_svc import inputs
+from scheduler_svc.api import inputs
+from scheduler_svc.api.server import MAX_REQUEST_BYTES
 from scheduler_svc.errors import InvalidRequest
-from scheduler_svc.server import MAX_REQUEST_BYTES
 from tests.scheduler.front_end import raw_generate, raw_unary, with_invalid_utf8
 from tests.scheduler.grpc_harness import SERVING, collect, gen_request, null_continuation
 from tests.scheduler.null_executor import make_hello

@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from protos.plan import SamplingSpec
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.prefix_cache import extend_block_keys
-from scheduler_svc.request import Request, RequestStatus
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.sched.block_manager import BlockManager
+from scheduler_svc.sched.prefix_cache import extend_block_keys
+from scheduler_svc.sched.request import Request, RequestStatus
+from scheduler_svc.sched.scheduler import Scheduler
 from tests.scheduler.null_executor import PlanMirror, next_token
 
 BS = 2

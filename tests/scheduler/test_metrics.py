@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 from protos.channel import SchedulerEnd
 from protos.folio.v1 import generator_pb2 as pb
+from scheduler_svc.api.metrics_http import MAX_CONNECTIONS
+from scheduler_svc.api.server import SchedulerServer
 from scheduler_svc.config import SchedulerConfig, config_from_argv
-from scheduler_svc.metrics_http import MAX_CONNECTIONS
-from scheduler_svc.server import SchedulerServer
 from tests.conftest import ROOT, free_port
 from tests.metrics_scrape import (
     check_against_server_stats,

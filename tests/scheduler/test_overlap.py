@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from protos.plan import SamplingSpec
-from scheduler_svc.request import Request, RequestStatus
+from scheduler_svc.sched.request import Request, RequestStatus
 from tests.scheduler.grpc_harness import collect, gen_request, null_continuation, running_server
 from tests.scheduler.kv_mirror import KVMirror
 from tests.scheduler.null_executor import PlanMirror

@@ -7,10 +7,10 @@ import math
 import pytest
 
 from protos.folio.v1 import generator_pb2 as pb
-from scheduler_svc.beam_search import EarlyStopping
+from scheduler_svc.api.inputs import sequence_params
 from scheduler_svc.errors import InvalidRequest
-from scheduler_svc.inputs import sequence_params
-from scheduler_svc.sequence_params import MAX_BEAM_WIDTH, MAX_N, SequenceParams, sequence_seed
+from scheduler_svc.sched.beam_search import EarlyStopping
+from scheduler_svc.sched.sequence_params import MAX_BEAM_WIDTH, MAX_N, SequenceParams, sequence_seed
 
 
 def test_defaults_are_one_plain_sequence():

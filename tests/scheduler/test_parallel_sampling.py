@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections import deque
 
 from protos.plan import SamplingSpec
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.request import Request, RequestStatus
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.sequence_group import ParallelGroup
-from scheduler_svc.sequence_params import SequenceParams
+from scheduler_svc.sched.block_manager import BlockManager
+from scheduler_svc.sched.request import Request, RequestStatus
+from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.sequence_group import ParallelGroup
+from scheduler_svc.sched.sequence_params import SequenceParams
 from tests.scheduler.kv_mirror import KVMirror
 
 EOS = 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.request import RequestStatus
+from scheduler_svc.sched.request import RequestStatus
 from tests.scheduler.null_executor import PlanMirror
 from tests.scheduler.test_scheduler import (
     make_request,
@@ -78,8 +78,8 @@ def test_preemption_mode_policy(mode, num_cpu_blocks, prompt_len, expected):
 
 def test_auto_recomputes_a_context_shorter_than_a_block():
     # Block size 8: the victim has 5 computed tokens when "old" needs a new block.
-    from scheduler_svc.block_manager import BlockManager
-    from scheduler_svc.scheduler import Scheduler
+    from scheduler_svc.sched.block_manager import BlockManager
+    from scheduler_svc.sched.scheduler import Scheduler
 
     sched = Scheduler(BlockManager(2, 8, num_cpu_blocks=4), 2, 64, 16, preemption_mode="auto")
     mirror = PlanMirror(block_size=8)

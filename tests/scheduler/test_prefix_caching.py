@@ -7,8 +7,8 @@ a block whose contents are not its own tokens fails the step."""
 from __future__ import annotations
 
 from protos.plan import SamplingSpec
-from scheduler_svc.request import Request, RequestStatus
-from scheduler_svc.scheduler import _Step
+from scheduler_svc.sched.request import Request, RequestStatus
+from scheduler_svc.sched.scheduler import _Step
 from tests.scheduler.null_executor import PlanMirror
 from tests.scheduler.test_scheduler import make_scheduler, run_to_end, step
 

@@ -136,7 +136,7 @@ async def test_a_scheduler_exception_ends_only_that_steps_requests(harness, monk
     INTERNAL; the Scheduler is rebuilt and the executor told to drop its state (`reset`: the
     plan-checking executor would see a write into the failed request's blocks otherwise);
     serving goes on, token-exact, and every block comes back."""
-    from scheduler_svc.scheduler import Scheduler
+    from scheduler_svc.sched.scheduler import Scheduler
 
     await harness.serve(step_delay_s=0.02, hello=make_hello(num_kv_blocks=32))
     running = harness.stub.Generate(gen_request([5, 6, 7], max_tokens=40))

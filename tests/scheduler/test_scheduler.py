@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from protos.plan import SamplingSpec, StepPlan
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.request import Request, RequestStatus
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.sched.block_manager import BlockManager
+from scheduler_svc.sched.request import Request, RequestStatus
+from scheduler_svc.sched.scheduler import Scheduler
 from tests.scheduler.null_executor import PlanMirror
 
 EOS = 1

@@ -16,7 +16,7 @@ import pytest
 from protos.channel import ExecutorEnd
 from protos.folio.v1 import generator_pb2 as pb
 from protos.plan import PROTOCOL_VERSION, Reject, Welcome
-from scheduler_svc.tokenizer import ChatTurn
+from scheduler_svc.text.tokenizer import ChatTurn
 from tests.scheduler.grpc_harness import (
     NOT_SERVING,
     SERVING,
@@ -219,11 +219,11 @@ async def test_resent_hello_is_welcomed_again_without_a_reset(harness):
 @pytest.mark.parametrize("version", ["v1alpha", "v1"])
 async def test_reflection_lists_and_describes_the_services(harness, version):
     """Both reflection services answer with their own message types: v1alpha from
-    grpcio-reflection, v1 from the descriptor derived from it (scheduler_svc/reflection.py)."""
+    grpcio-reflection, v1 from the descriptor derived from it (scheduler_svc/api/reflection.py)."""
     from google.protobuf import descriptor_pb2
     from grpc_reflection.v1alpha import reflection_pb2
 
-    from scheduler_svc.reflection import V1Request, V1Response
+    from scheduler_svc.api.reflection import V1Request, V1Response
 
     if version == "v1":
         request_type, response_type = V1Request, V1Response
@@ -290,8 +290,8 @@ async def test_cached_tokens_and_memory_stats(harness):
 
 
 def test_served_model_name_is_never_a_path(tmp_path):
+    from scheduler_svc.api.server import served_model_name
     from scheduler_svc.config import SchedulerConfig
-    from scheduler_svc.server import served_model_name
 
     gguf_file = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
     gguf_file.write_bytes(b"GGUF")

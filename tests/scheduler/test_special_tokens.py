@@ -17,8 +17,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 from tokenizers.decoders import DecodeStream
 
-from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.text.detokenizer import IncrementalDetokenizer
+from scheduler_svc.text.tokenizer import Tokenizer
 from tests.scheduler.tiny_model import write_model_dir
 
 WORDS = ["hello", " world", "\n", " café", "日本語", " ", "x", "😀 end"]

@@ -12,10 +12,10 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from protos.folio.v1 import generator_pb2 as pb
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.metrics import RequestMetrics
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.stats import COUNTERS, StatsLogger, retire_counters, server_stats
+from scheduler_svc.engine.metrics import RequestMetrics
+from scheduler_svc.engine.stats import COUNTERS, StatsLogger, retire_counters, server_stats
+from scheduler_svc.sched.block_manager import BlockManager
+from scheduler_svc.sched.scheduler import Scheduler
 
 
 def make_scheduler() -> Scheduler:

@@ -14,7 +14,7 @@ import pytest
 
 from protos.folio.v1 import generator_pb2 as pb
 from protos.plan import SamplingSpec
-from scheduler_svc.request import Request, RequestStatus
+from scheduler_svc.sched.request import Request, RequestStatus
 from tests.scheduler.grpc_harness import collect, gen_request, running_server
 from tests.scheduler.kv_mirror import KVMirror
 from tests.scheduler.null_executor import make_hello

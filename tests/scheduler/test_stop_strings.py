@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_svc.stop_strings import (
+from scheduler_svc.text.stop_strings import (
     BeamStopStrings,
     StopChecker,
     first_match,
@@ -160,7 +160,7 @@ def test_many_long_stops_stay_bounded(include):
 
 
 def test_a_beam_candidate_completing_a_stop_string_finishes():
-    from scheduler_svc.beam_search import BeamSearch
+    from scheduler_svc.sched.beam_search import BeamSearch
 
     search = BeamSearch(2, 3, frozenset({9}), length_penalty=1.0,
                         text_stop=lambda ids: "END" if ids[-1] == 7 else None)

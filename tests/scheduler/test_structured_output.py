@@ -12,12 +12,12 @@ import pytest
 
 from protos.folio.v1 import generator_pb2 as pb
 from protos.sampling_spec import StructuredSpec
-from scheduler_svc.errors import InvalidRequest
-from scheduler_svc.structured_output import (
+from scheduler_svc.api.structured_output import (
     MAX_CHOICES,
     StructuredValidator,
     structured_from_proto,
 )
+from scheduler_svc.errors import InvalidRequest
 
 
 def params(**kwargs) -> pb.SamplingParams:
@@ -75,7 +75,7 @@ async def test_validator_refuses_with_the_library_message_and_caches():
 
 
 def test_validation_imports_no_torch():
-    code = ("import sys, asyncio; from scheduler_svc.structured_output import *; "
+    code = ("import sys, asyncio; from scheduler_svc.api.structured_output import *; "
             "from protos.sampling_spec import StructuredSpec; v = StructuredValidator(frozenset({1})); "
             "asyncio.run(v.check(StructuredSpec('json_schema', '{\"type\": \"object\"}'))); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in "

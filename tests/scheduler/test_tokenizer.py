@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from scheduler_svc.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from scheduler_svc.tokenizer import ChatTurn, ModelDirError, Tokenizer
+from scheduler_svc.text.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from scheduler_svc.text.tokenizer import ChatTurn, ModelDirError, Tokenizer
 from tests.scheduler.tiny_model import (
     BOS_ID,
     CONFIG_VOCAB_SIZE,

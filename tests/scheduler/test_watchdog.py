@@ -1,4 +1,4 @@
-"""The stall watchdog (scheduler_svc/watchdog.py): on the real Scheduler, Registry and admission
+"""The stall watchdog (scheduler_svc/engine/watchdog.py): on the real Scheduler, Registry and admission
 with a null-model executor and a hand-moved clock, then through the real gRPC server with a
 request the engine is made to lose (a fault injected into admission, like the bug of issue
 27: a request accepted and never queued)."""
@@ -12,13 +12,13 @@ import pytest
 import structlog
 
 from protos.plan import SamplingSpec
-from scheduler_svc import admission
-from scheduler_svc.admission import submit_request
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.handshake import ExecutorInfo, new_scheduler
-from scheduler_svc.registry import ClientRequest, Registry
-from scheduler_svc.request import SubmitParams
-from scheduler_svc.watchdog import RequestStalled, StallWatchdog
+from scheduler_svc.engine import admission
+from scheduler_svc.engine.admission import submit_request
+from scheduler_svc.engine.handshake import ExecutorInfo, new_scheduler
+from scheduler_svc.engine.registry import ClientRequest, Registry
+from scheduler_svc.engine.watchdog import RequestStalled, StallWatchdog
+from scheduler_svc.sched.request import SubmitParams
 from tests.scheduler.grpc_harness import collect, gen_request, null_continuation, running_server
 from tests.scheduler.null_executor import PlanMirror, make_hello
 from tests.scheduler.test_server import wait_idle

@@ -7,8 +7,8 @@ import pytest
 
 from protos.plan import SamplingSpec
 from scheduler_svc.config import SchedulerConfig, num_speculative_tokens
-from scheduler_svc.request import Request
-from scheduler_svc.speculation import proposal, speculates
+from scheduler_svc.sched.request import Request
+from scheduler_svc.sched.speculation import proposal, speculates
 
 LOOP = [5, 6, 7, 8] * 6  # a proposal for it is always the loop's continuation
 GREEDY = SamplingSpec(temperature=0.0)

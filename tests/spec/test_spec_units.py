@@ -18,7 +18,7 @@ from executor_svc.runner_spec import verify
 from executor_svc.sampler import SamplingBatch, sample
 from executor_svc.spec_decode import verify as verify_tokens
 from protos.plan import SamplingSpec
-from scheduler_svc.spec_ngram import propose_ngram
+from scheduler_svc.sched.spec_ngram import propose_ngram
 
 # Chi-square critical values at significance 1e-3 (df -> value).
 CHI2_CRIT = {2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 15: 37.70}  # p = 0.001

@@ -11,8 +11,8 @@ import structlog
 
 if TYPE_CHECKING:
     from protos.plan import StepPlan, StepResult
-    from scheduler_svc.metrics import RequestMetrics
-    from scheduler_svc.scheduler import Scheduler
+    from scheduler_svc.engine.metrics import RequestMetrics
+    from scheduler_svc.sched.scheduler import Scheduler
 
 log = structlog.get_logger("folio.scheduler.stats")
 

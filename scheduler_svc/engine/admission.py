@@ -6,17 +6,17 @@ from __future__ import annotations
 from dataclasses import replace
 
 from protos.plan import SamplingSpec
-from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.api.inputs import check_beam_fits, check_for_executor
+from scheduler_svc.engine.handshake import ExecutorInfo
+from scheduler_svc.engine.registry import ClientRequest, Registry, SequenceOutput
 from scheduler_svc.errors import DuplicateRequest, FolioError, Overloaded
-from scheduler_svc.handshake import ExecutorInfo
-from scheduler_svc.inputs import check_beam_fits, check_for_executor
-from scheduler_svc.registry import ClientRequest, Registry, SequenceOutput
-from scheduler_svc.request import Request, SubmitParams
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.sequence_group import BeamGroup, ParallelGroup
-from scheduler_svc.sequence_params import sequence_seed
-from scheduler_svc.stop_strings import BeamStopStrings, StopChecker
-from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.sched.request import Request, SubmitParams
+from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.sequence_group import BeamGroup, ParallelGroup
+from scheduler_svc.sched.sequence_params import sequence_seed
+from scheduler_svc.text.detokenizer import IncrementalDetokenizer
+from scheduler_svc.text.stop_strings import BeamStopStrings, StopChecker
+from scheduler_svc.text.tokenizer import Tokenizer
 
 MAX_WAITING_REQUESTS = 65536  # beyond this, new requests get RESOURCE_EXHAUSTED
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import structlog
 
 from protos.channel import AuthFailed, BadMessage, SchedulerEnd
-from scheduler_svc.log_limit import LogLimiter
+from scheduler_svc.engine.log_limit import LogLimiter
 
 log = structlog.get_logger("folio.scheduler.engine")
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import structlog
 
 from protos.plan import PROTOCOL_VERSION, Hello, Reject, Welcome
-from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig, num_speculative_tokens
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.sched.block_manager import BlockManager
+from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.text.tokenizer import Tokenizer
 
 log = structlog.get_logger("folio.scheduler.engine")  # part of the engine's connection log
 

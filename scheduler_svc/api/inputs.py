@@ -3,14 +3,14 @@ client can act on: the allowed range and the value received.
 
 Checks happen where a value enters, against what the code downstream can take:
 - `submit_params` checks every field the message alone determines, before the prompt is
-  tokenized (the slow part, done by `scheduler_svc.prompts`);
+  tokenized (the slow part, done by `scheduler_svc.api.prompts`);
 - `check_for_executor` and `check_beam_fits` check what needs the connected executor's facts
   (vocab, max_model_len, the KV pool), at `Engine.submit`.
 A value that could make the executor fail a step must never get through: a failed step fails
 every request in it.
 
 A client's request_id may not contain "/": the scheduler names a request's sequences
-`<id>/<i>`, `<id>/prompt` and `<id>/beam<r>.<k>` (scheduler_svc.sequence_group), so a client
+`<id>/<i>`, `<id>/prompt` and `<id>/beam<r>.<k>` (scheduler_svc.sched.sequence_group), so a client
 id with a "/" could collide with another request's sequences.
 """
 
@@ -24,15 +24,15 @@ from typing import TYPE_CHECKING
 
 from protos.folio.v1 import generator_pb2 as pb
 from protos.plan import SamplingSpec
-from scheduler_svc.beam_search import EarlyStopping
+from scheduler_svc.api.structured_output import structured_from_proto
 from scheduler_svc.errors import InvalidRequest
-from scheduler_svc.request import SubmitParams
-from scheduler_svc.sequence_params import MAX_BEAM_WIDTH, MAX_N, SequenceParams
-from scheduler_svc.structured_output import structured_from_proto
-from scheduler_svc.tokenizer import ChatTurn
+from scheduler_svc.sched.beam_search import EarlyStopping
+from scheduler_svc.sched.request import SubmitParams
+from scheduler_svc.sched.sequence_params import MAX_BEAM_WIDTH, MAX_N, SequenceParams
+from scheduler_svc.text.tokenizer import ChatTurn
 
 if TYPE_CHECKING:
-    from scheduler_svc.block_manager import BlockManager
+    from scheduler_svc.sched.block_manager import BlockManager
 
 MAX_SEED = 2**63 - 1  # seeds travel as msgpack ints and feed the executor's hashed stream
 MAX_REQUEST_ID_CHARS = 256  # ids are logged and echoed in every response
@@ -177,7 +177,7 @@ def sequence_params(p: pb.SamplingParams) -> SequenceParams:
     """n and beam search. n > 1 with temperature 0 is allowed: n identical greedy sequences
     (cheap, as they share the prompt's blocks), which is what a client asking for it expects.
     Any finite length_penalty is allowed: beam scores follow IEEE float32 where the power
-    overflows or underflows (scheduler_svc.beam_search)."""
+    overflows or underflows (scheduler_svc.sched.beam_search)."""
     n = p.n if p.HasField("n") else 1
     beam_width = p.beam_width if p.HasField("beam_width") else 1
     length_penalty = p.length_penalty if p.HasField("length_penalty") else 1.0
@@ -200,7 +200,7 @@ def sequence_params(p: pb.SamplingParams) -> SequenceParams:
 
 def submit_params(msg: pb.GenerateRequest) -> SubmitParams:
     """Every field but the prompt, checked. `prompt_token_ids` is left empty: the caller fills
-    it in from `scheduler_svc.prompts.PromptEncoder` once these cheap checks have passed."""
+    it in from `scheduler_svc.api.prompts.PromptEncoder` once these cheap checks have passed."""
     p = msg.sampling
     sampling = sampling_spec(p)
     sequence = sequence_params(p)

@@ -9,9 +9,9 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from protos.plan import StepResult
-from scheduler_svc.prefix_cache import cache_computed_blocks_many
-from scheduler_svc.request import Request, RequestStatus, TokenLogprobs
-from scheduler_svc.scheduler_state import SchedulerState
+from scheduler_svc.sched.prefix_cache import cache_computed_blocks_many
+from scheduler_svc.sched.request import Request, RequestStatus, TokenLogprobs
+from scheduler_svc.sched.scheduler_state import SchedulerState
 
 
 class StepOutput(NamedTuple):

@@ -32,9 +32,9 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.request import RequestOutput, RequestStatus, SubmitParams
-from scheduler_svc.stop_strings import StopChecker
+from scheduler_svc.sched.request import RequestOutput, RequestStatus, SubmitParams
+from scheduler_svc.text.detokenizer import IncrementalDetokenizer
+from scheduler_svc.text.stop_strings import StopChecker
 
 
 @dataclass(eq=False)
@@ -47,7 +47,7 @@ class SequenceOutput:
     finish_status: RequestStatus | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     prompt_logprobs_sent: bool = False  # index 0's first message carried them (if asked)
-    # Monotonic times of its first and latest messages with token ids (scheduler_svc.metrics).
+    # Monotonic times of its first and latest messages with token ids (scheduler_svc.engine.metrics).
     first_token_at: float | None = None
     last_token_at: float = 0.0
 

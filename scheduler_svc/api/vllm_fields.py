@@ -36,7 +36,7 @@ from smg_grpc_proto import vllm_engine_pb2 as vpb
 
 from protos.folio.v1 import generator_pb2 as pb
 from scheduler_svc.errors import InvalidRequest, NotSupported
-from scheduler_svc.request import RequestOutput, TokenLogprobs
+from scheduler_svc.sched.request import RequestOutput, TokenLogprobs
 
 MAX_TOP_K = 2**31 - 1  # folio.v1's top_k is an int32; any k >= the vocabulary is "off"
 STRUCTURED = ("json_schema", "regex", "grammar", "json_object")

@@ -33,8 +33,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from protos.plan import StepPlan
-from scheduler_svc.registry import ClientRequest, Registry, SequenceOutput
-from scheduler_svc.request import RequestStatus
+from scheduler_svc.engine.registry import ClientRequest, Registry, SequenceOutput
+from scheduler_svc.sched.request import RequestStatus
 
 log = structlog.get_logger("folio.scheduler.requests")
 

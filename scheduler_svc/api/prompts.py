@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import TypeVar
 
 from protos.folio.v1 import generator_pb2 as pb
-from scheduler_svc import inputs
+from scheduler_svc.api import inputs
 from scheduler_svc.errors import InvalidRequest
-from scheduler_svc.tokenizer import (
+from scheduler_svc.text.tokenizer import (
     ChatOutputTooLong,
     ChatTemplateError,
     ChatTurn,

@@ -37,9 +37,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from protos.plan import SamplingSpec
-from scheduler_svc.beam_search import BeamSearch, TextStop
-from scheduler_svc.request import Request, RequestStatus
-from scheduler_svc.sequence_params import SequenceParams, sequence_seed
+from scheduler_svc.sched.beam_search import BeamSearch, TextStop
+from scheduler_svc.sched.request import Request, RequestStatus
+from scheduler_svc.sched.sequence_params import SequenceParams, sequence_seed
 
 # (req_id, token ids, sampling, index) -> a WAITING Request of this group
 RequestFactory = Callable[[str, list[int], SamplingSpec, int], Request]
@@ -90,7 +90,7 @@ class BeamGroup:
                  max_tokens: int, stop_token_ids: frozenset[int], vocab_size: int,
                  new_request: RequestFactory, text_stop: TextStop | None = None):
         self.req_id = req_id
-        self.text_stop = text_stop  # stop strings (scheduler_svc.stop_strings)
+        self.text_stop = text_stop  # stop strings (scheduler_svc.text.stop_strings)
         self.params = params
         self.prompt_token_ids = list(prompt_token_ids)
         self.max_tokens = max_tokens

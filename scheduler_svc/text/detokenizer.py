@@ -17,7 +17,7 @@ token, so the difference is exact.
 
 from __future__ import annotations
 
-from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.text.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 # Enough context that a window never starts inside a character still being assembled.

@@ -38,24 +38,24 @@ from protos.plan import (
     StepPlan,
     StepResult,
 )
-from scheduler_svc.admission import readmit_all, submit_request
-from scheduler_svc.channel_reader import ChannelReader
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine.admission import readmit_all, submit_request
+from scheduler_svc.engine.channel_reader import ChannelReader
+from scheduler_svc.engine.handshake import ExecutorInfo, answer_hello, log_connected, new_scheduler
+from scheduler_svc.engine.log_limit import LogLimiter
+from scheduler_svc.engine.metrics import RequestMetrics
+from scheduler_svc.engine.output_processor import OutputProcessor
+from scheduler_svc.engine.registry import ClientRequest, Registry
+from scheduler_svc.engine.stats import COUNTERS, StatsLogger, retire_counters, server_stats
+from scheduler_svc.engine.watchdog import StallWatchdog
 from scheduler_svc.errors import (
     ExecutorFailed,
     ExecutorUnavailable,
     FolioError,
 )
-from scheduler_svc.handshake import ExecutorInfo, answer_hello, log_connected, new_scheduler
-from scheduler_svc.log_limit import LogLimiter
-from scheduler_svc.metrics import RequestMetrics
-from scheduler_svc.output_processor import OutputProcessor
-from scheduler_svc.registry import ClientRequest, Registry
-from scheduler_svc.request import RequestStatus, SubmitParams
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.stats import COUNTERS, StatsLogger, retire_counters, server_stats
-from scheduler_svc.tokenizer import Tokenizer
-from scheduler_svc.watchdog import StallWatchdog
+from scheduler_svc.sched.request import RequestStatus, SubmitParams
+from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.text.tokenizer import Tokenizer
 
 log = structlog.get_logger("folio.scheduler.engine")
 

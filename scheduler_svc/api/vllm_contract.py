@@ -37,17 +37,17 @@ from importlib import metadata
 from smg_grpc_proto import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import common_pb2
 
-from scheduler_svc import generation, inputs, vllm_fields
-from scheduler_svc.engine import Engine
+from scheduler_svc.api import generation, inputs, vllm_fields
+from scheduler_svc.api.grpc_handlers import grpc_errors
+from scheduler_svc.api.prompts import PromptEncoder
+from scheduler_svc.api.structured_output import StructuredValidator
+from scheduler_svc.engine.engine import Engine
 from scheduler_svc.errors import NotSupported
-from scheduler_svc.grpc_handlers import grpc_errors
-from scheduler_svc.prompts import PromptEncoder
-from scheduler_svc.request import RequestOutput
-from scheduler_svc.structured_output import StructuredValidator
+from scheduler_svc.sched.request import RequestOutput
 
 VLLM_SERVICE = vpb.DESCRIPTOR.services_by_name["VllmEngine"]
 TOKENIZER_CHUNK_BYTES = 64 * 1024  # the gateway's GetTokenizer client reads 64 KiB chunks
-# The model directory's files a tokenizer is rebuilt from (those scheduler_svc.tokenizer
+# The model directory's files a tokenizer is rebuilt from (those scheduler_svc.text.tokenizer
 # reads), zipped flat for GetTokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "config.json", "generation_config.json")

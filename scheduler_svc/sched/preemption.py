@@ -20,8 +20,8 @@ never share a step: a step that preempted resumes no one.
 
 from __future__ import annotations
 
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.request import Request
+from scheduler_svc.sched.block_manager import BlockManager
+from scheduler_svc.sched.request import Request
 
 
 def preemption_mode(policy: str, bm: BlockManager, req: Request) -> str:

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import structlog
 
+from scheduler_svc.engine.registry import ClientRequest, Registry
 from scheduler_svc.errors import FolioError
-from scheduler_svc.registry import ClientRequest, Registry
-from scheduler_svc.request import Request, RequestStatus
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.sched.request import Request, RequestStatus
+from scheduler_svc.sched.scheduler import Scheduler
 
 log = structlog.get_logger("folio.scheduler.watchdog")
 

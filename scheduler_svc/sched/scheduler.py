@@ -64,13 +64,13 @@ from dataclasses import dataclass, field
 import structlog
 
 from protos.plan import CachedRequest, NewRequest, StepPlan
-from scheduler_svc.preemption import preemption_mode, swap_in_fits
-from scheduler_svc.prefix_cache import cached_prefix
-from scheduler_svc.request import Request, RequestStatus
-from scheduler_svc.scheduler_state import InFlight
-from scheduler_svc.sequence_group import BeamGroup, num_seq_slots
-from scheduler_svc.speculation import proposal, speculates
-from scheduler_svc.step_results import StepResults
+from scheduler_svc.sched.preemption import preemption_mode, swap_in_fits
+from scheduler_svc.sched.prefix_cache import cached_prefix
+from scheduler_svc.sched.request import Request, RequestStatus
+from scheduler_svc.sched.scheduler_state import InFlight
+from scheduler_svc.sched.sequence_group import BeamGroup, num_seq_slots
+from scheduler_svc.sched.speculation import proposal, speculates
+from scheduler_svc.sched.step_results import StepResults
 
 log = structlog.get_logger("folio.scheduler.scheduler")
 

@@ -20,8 +20,8 @@ next proposal reads the tokens the last step accepted.
 
 from __future__ import annotations
 
-from scheduler_svc.request import Request
-from scheduler_svc.spec_ngram import propose_ngram
+from scheduler_svc.sched.request import Request
+from scheduler_svc.sched.spec_ngram import propose_ngram
 
 SPECULATIVE_METHODS = ("ngram", "draft")
 

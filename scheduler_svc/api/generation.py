@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator
 
-from scheduler_svc.engine import Engine
-from scheduler_svc.prompts import PromptEncoder
-from scheduler_svc.request import RequestOutput, SubmitParams
-from scheduler_svc.structured_output import StructuredValidator
+from scheduler_svc.api.prompts import PromptEncoder
+from scheduler_svc.api.structured_output import StructuredValidator
+from scheduler_svc.engine.engine import Engine
+from scheduler_svc.sched.request import RequestOutput, SubmitParams
 
 
 async def prepare(params: SubmitParams, prompts: PromptEncoder,

@@ -13,10 +13,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from protos.plan import StepPlan
-from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import PREEMPTION_MODES
-from scheduler_svc.request import Request, RequestStatus
-from scheduler_svc.sequence_group import BeamGroup, ParallelGroup, SequenceGroup
+from scheduler_svc.sched.block_manager import BlockManager
+from scheduler_svc.sched.request import Request, RequestStatus
+from scheduler_svc.sched.sequence_group import BeamGroup, ParallelGroup, SequenceGroup
 
 
 @dataclass
@@ -74,7 +74,7 @@ class SchedulerState:
         self.waiting.append(req)
 
     def add_group(self, group: SequenceGroup) -> None:
-        """Queue the sequences of one public request (scheduler_svc.sequence_group)."""
+        """Queue the sequences of one public request (scheduler_svc.sched.sequence_group)."""
         assert group.req_id not in self.groups, f"duplicate request id {group.req_id}"
         self.groups[group.req_id] = group
         for req in group.initial_requests():

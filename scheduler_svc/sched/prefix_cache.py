@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from scheduler_svc.block_manager import BlockManager
-    from scheduler_svc.request import Request
+    from scheduler_svc.sched.block_manager import BlockManager
+    from scheduler_svc.sched.request import Request
 
 
 def block_key(parent_key: bytes | None, token_ids: Sequence[int], salt: str = "") -> bytes:

@@ -2,7 +2,7 @@
 
 `n` sequences from one prompt either by parallel sampling (each sequence samples on its own,
 with a seed derived from the request's) or, when `beam_width > 1`, by beam search (the `n`
-best of `beam_width` beams). Validation lives in `scheduler_svc.inputs`.
+best of `beam_width` beams). Validation lives in `scheduler_svc.api.inputs`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from scheduler_svc.beam_search import EarlyStopping
+from scheduler_svc.sched.beam_search import EarlyStopping
 
 MAX_N = 128  # sequences per request: each is a running sequence with its own KV blocks
 MAX_BEAM_WIDTH = 32  # beams per request; every step reads 2 * width (or more) logprobs per beam

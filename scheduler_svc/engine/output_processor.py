@@ -14,7 +14,7 @@ one token at a time:
                  finish it in the Scheduler
              --> RequestOutput on the client's queue (last one with finish status, matched
                  stop and usage); the request leaves the registry with its last message
-             --> its latencies (scheduler_svc.metrics): a message with token ids is timed,
+             --> its latencies (scheduler_svc.engine.metrics): a message with token ids is timed,
                  an ending is counted and logged at INFO
 
 A sequence that ends on a stop token id (EOS, stop_token_ids) keeps the id in its token_ids but
@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import time
 
-from scheduler_svc.metrics import RequestMetrics
-from scheduler_svc.registry import ClientRequest, Registry, SequenceOutput
-from scheduler_svc.request import RequestOutput, RequestStatus, TokenLogprobs
-from scheduler_svc.step_results import StepOutput
+from scheduler_svc.engine.metrics import RequestMetrics
+from scheduler_svc.engine.registry import ClientRequest, Registry, SequenceOutput
+from scheduler_svc.sched.request import RequestOutput, RequestStatus, TokenLogprobs
+from scheduler_svc.sched.step_results import StepOutput
 
 
 class OutputProcessor:

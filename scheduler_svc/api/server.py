@@ -20,19 +20,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.channel import SchedulerEnd
 from protos.folio.v1 import generator_pb2 as pb
-from scheduler_svc import generation, inputs
-from scheduler_svc.auth import ApiKeyInterceptor, server_credentials
+from scheduler_svc.api import generation, inputs
+from scheduler_svc.api.auth import ApiKeyInterceptor, server_credentials
+from scheduler_svc.api.grpc_handlers import grpc_errors, register
+from scheduler_svc.api.metrics_http import MetricsServer
+from scheduler_svc.api.prompts import PromptEncoder
+from scheduler_svc.api.reflection import enable_reflection
+from scheduler_svc.api.structured_output import StructuredValidator
+from scheduler_svc.api.vllm_contract import VLLM_SERVICE, VllmEngineService
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine import Engine, ExecutorCallback
-from scheduler_svc.grpc_handlers import grpc_errors, register
-from scheduler_svc.metrics import RequestMetrics
-from scheduler_svc.metrics_http import MetricsServer
-from scheduler_svc.prompts import PromptEncoder
-from scheduler_svc.reflection import enable_reflection
-from scheduler_svc.request import RequestOutput, RequestStatus, TokenLogprobs
-from scheduler_svc.structured_output import StructuredValidator
-from scheduler_svc.tokenizer import Tokenizer
-from scheduler_svc.vllm_contract import VLLM_SERVICE, VllmEngineService
+from scheduler_svc.engine.engine import Engine, ExecutorCallback
+from scheduler_svc.engine.metrics import RequestMetrics
+from scheduler_svc.sched.request import RequestOutput, RequestStatus, TokenLogprobs
+from scheduler_svc.text.tokenizer import Tokenizer
 
 log = structlog.get_logger("folio.scheduler.server")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from protos.plan import SamplingSpec
-from scheduler_svc.sequence_params import SequenceParams
+from scheduler_svc.sched.sequence_params import SequenceParams
 
 
 class RequestStatus(enum.Enum):
@@ -50,7 +50,7 @@ class SubmitParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     sequence: SequenceParams = SequenceParams()  # n > 1 or beam search: a sequence group
-    # Text: stop strings (scheduler_svc.stop_strings) and how the detokenizer shows tokens.
+    # Text: stop strings (scheduler_svc.text.stop_strings) and how the detokenizer shows tokens.
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -113,7 +113,7 @@ class Request:
     cache_salt: str = ""
     block_keys: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
-    # Sequence groups (scheduler_svc.sequence_group): the group this request serves, if any,
+    # Sequence groups (scheduler_svc.sched.sequence_group): the group this request serves, if any,
     # and its sequence index; tokens the scheduler chose (beam search) that the executor does
     # not hold yet, sent in the next CachedRequest.new_token_ids.
     group: object | None = None
