@@ -142,7 +142,7 @@ def convert_gguf(path: Path, cancel: threading.Event | None = None,
     conversion that can take minutes. `log_format` is ours (console/json), so its log lines
     read like ours; by default console in a terminal (with progress bars), json otherwise."""
     # The converter of this installation: executor_svc sits next to scheduler_svc.
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # scheduler_svc/text/tokenizer.py
     env = {**os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     argv = [sys.executable, "-m", "executor_svc.gguf_checkpoint", str(path.resolve()),
