@@ -37,11 +37,11 @@ BLOCK_SIZE = 16
 def build_model(dtype, num_layers: int):
     import torch
 
-    from executor_svc.attention import default_backend
-    from executor_svc.kv_cache import KVCache
-    from executor_svc.loader import prepare_for_device
-    from executor_svc.model_config import ModelConfig
+    from executor_svc.kv.kv_cache import KVCache
+    from executor_svc.loading.loader import prepare_for_device
+    from executor_svc.loading.model_config import ModelConfig
     from executor_svc.models import model_class
+    from executor_svc.step.attention import default_backend
 
     cfg = ModelConfig.from_dict({**QWEN25_05B, "num_hidden_layers": num_layers})
     cls = model_class(cfg.architecture)
@@ -66,7 +66,7 @@ def make_batch(seq_lens: list[int], q_lens: list[int], seq_block_base: int = 12)
     """Flat batch where sequence i owns blocks i*seq_block_base ...; shapes as inputs.py."""
     import torch
 
-    from executor_svc.batch import BatchMetadata
+    from executor_svc.step.batch import BatchMetadata
 
     num_seqs = len(seq_lens)
     max_blocks = max(-(-s // BLOCK_SIZE) for s in seq_lens)

@@ -20,7 +20,7 @@ from pathlib import Path
 def default_float_checkpoint(dest: Path) -> Path:
     from executor_svc.gguf_checkpoint import gguf_checkpoint_dir
     from executor_svc.gguf_checkpoint.dequantize import dequantized_copy
-    from executor_svc.named_models import smollm2_gguf
+    from executor_svc.loading.named_models import smollm2_gguf
 
     return dequantized_copy(gguf_checkpoint_dir(smollm2_gguf()), dest)
 

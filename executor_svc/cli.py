@@ -11,7 +11,6 @@ from pathlib import Path
 
 import structlog
 
-from executor_svc.checkpoint import read_weight_headers, resolve_model_dir, safetensors_files
 from executor_svc.config import (
     DEVICES,
     DTYPES,
@@ -23,10 +22,15 @@ from executor_svc.config import (
 from executor_svc.cpu_threads import apply_cpu_threads, default_cpu_threads
 from executor_svc.host_memory import keep_freed_memory
 from executor_svc.lifecycle import Lifecycle, ShutdownRequested
-from executor_svc.model_config import ModelConfig
-from executor_svc.named_models import is_named, named_model_path
+from executor_svc.loading.checkpoint import (
+    read_weight_headers,
+    resolve_model_dir,
+    safetensors_files,
+)
+from executor_svc.loading.model_config import ModelConfig
+from executor_svc.loading.named_models import is_named, named_model_path
+from executor_svc.parallel.tp_launch import launch, torchrun_env_set
 from executor_svc.quantization import SCHEMES, resolve_quant_config
-from executor_svc.tp_launch import launch, torchrun_env_set
 
 log = structlog.get_logger("executor_svc.cli")
 

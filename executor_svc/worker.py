@@ -24,22 +24,22 @@ from pathlib import Path
 import structlog
 import torch
 
-from executor_svc.checkpoint import resolve_model_dir
 from executor_svc.config import ExecutorConfig
-from executor_svc.distributed import all_reduce_min, init_tp, tp_rank, tp_size
-from executor_svc.draft import DraftProposer, load_draft
-from executor_svc.graph_runner import DecodeGraphRunner
-from executor_svc.kv_cache import KVCache, bytes_per_block, num_blocks_for
-from executor_svc.loader import (
+from executor_svc.kv.kv_cache import KVCache, bytes_per_block, num_blocks_for
+from executor_svc.kv.memory import DEFAULT_GRAPH_RESERVE_BYTES, profiled_kv_budget
+from executor_svc.kv.swap import SwapPool, num_swap_blocks_for
+from executor_svc.loading.checkpoint import resolve_model_dir
+from executor_svc.loading.loader import (
     effective_max_model_len,
     has_random_weights,
     load_model,
 )
-from executor_svc.memory import DEFAULT_GRAPH_RESERVE_BYTES, profiled_kv_budget
-from executor_svc.model_config import ModelConfig
-from executor_svc.runner import ModelRunner
-from executor_svc.swap import SwapPool, num_swap_blocks_for
-from executor_svc.tp_worker import GroupBroken, Leader, follow
+from executor_svc.loading.model_config import ModelConfig
+from executor_svc.parallel.distributed import all_reduce_min, init_tp, tp_rank, tp_size
+from executor_svc.parallel.tp_worker import GroupBroken, Leader, follow
+from executor_svc.spec.draft import DraftProposer, load_draft
+from executor_svc.step.graph_runner import DecodeGraphRunner
+from executor_svc.step.runner import ModelRunner
 from protos.channel import AuthFailed, BadMessage, ExecutorEnd, SchedulerLost
 from protos.channel_keys import ChannelKeys, read_secret
 from protos.plan import (
@@ -124,7 +124,7 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
         draft_model.bind_kv_cache(draft_kv.per_layer())
         draft = DraftProposer(draft_model, draft_kv, cfg.num_draft_tokens, max_model_len, device)
     if device.type == "cuda":  # every attention variant compiled before the first request
-        from executor_svc.warmup import warm_attention  # imports triton: CUDA only
+        from executor_svc.step.warmup import warm_attention  # imports triton: CUDA only
 
         warm_attention(*kv_cache.per_layer()[0], model_cfg.num_heads // tp_size(),
                        cfg.max_num_batched_tokens)  # this rank's q heads

@@ -2,7 +2,7 @@
 
 Shared by both services (llguidance imports no torch): the scheduler validates the grammar at
 the front door (``scheduler_svc/api/structured_output.py``), the executor builds its matchers from
-the same grammar (``executor_svc/structured.py``), so what was accepted is what runs.
+the same grammar (``executor_svc/sample/structured.py``), so what was accepted is what runs.
 """
 
 from __future__ import annotations

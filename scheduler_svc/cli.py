@@ -56,13 +56,13 @@ def configure_logging(log_format: str, level: str) -> None:
         cache_logger_on_first_use=True)
 
 
-NAMED_PREFIX = "folio:"  # executor_svc.named_models: folio:tiny-random
+NAMED_PREFIX = "folio:"  # executor_svc.loading.named_models: folio:tiny-random
 
 
 def named_model_path(model: str | None) -> str:
     """The local path of the default model (None) or a `folio:` name, as printed by
-    executor_svc.named_models (a subprocess: building the tiny model needs torch)."""
-    argv = [sys.executable, "-m", "executor_svc.named_models", *([model] if model else [])]
+    executor_svc.loading.named_models (a subprocess: building the tiny model needs torch)."""
+    argv = [sys.executable, "-m", "executor_svc.loading.named_models", *([model] if model else [])]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     if done.returncode != 0 or not lines:

@@ -86,7 +86,7 @@ def test_the_good_checkpoint_is_good(good_checkpoint):
     """The oracle for every case below: undamaged, both sides load it."""
     import torch
 
-    from executor_svc.loader import load_model
+    from executor_svc.loading.loader import load_model
     from scheduler_svc.text.tokenizer import Tokenizer
 
     assert Tokenizer(good_checkpoint).vocab_size > 0

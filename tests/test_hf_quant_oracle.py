@@ -69,7 +69,7 @@ def run_oracle(model_dir: Path, prompts: list[list[int]], weights_out: Path) -> 
 def folio_weights(quant_dir: Path) -> dict[str, torch.Tensor]:
     """{"<prefix>.weight": [N, K] fp32} of every quantized projection as Folio's loaded model
     holds it (fused layers split back into their projections, act order undone)."""
-    from executor_svc.loader import load_model
+    from executor_svc.loading.loader import load_model
     from executor_svc.quantization.grouped import grouped_of
 
     model = load_model(quant_dir, dtype=torch.float32, device=torch.device("cpu"),

@@ -2,7 +2,7 @@
 
 Folio takes a checkpoint directory, a GGUF file, a hub id or a `folio:` name; vLLM and HF need
 a Hugging Face checkpoint directory. `resolve_model_dir` goes through Folio's own resolution
-(`folio:` names via executor_svc.named_models, GGUF files converted once into the cache), so
+(`folio:` names via executor_svc.loading.named_models, GGUF files converted once into the cache), so
 every peer loads the very files Folio loads.
 
 `--random-model NAME` builds a random-weight checkpoint from a real model's config (seeded,
@@ -108,7 +108,11 @@ def _write_random_model(name: str, seed: int, out_dir: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     from transformers.utils import logging as hf_logging
 
-    from executor_svc.default_model import build_tokenizer, special_token_ids, write_tokenizer
+    from executor_svc.loading.default_model import (
+        build_tokenizer,
+        special_token_ids,
+        write_tokenizer,
+    )
 
     hf_logging.disable_progress_bar()
     tok = build_tokenizer()

@@ -20,8 +20,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from executor_svc.checkpoint import CheckpointError
 from executor_svc.gguf_checkpoint.cache import gguf_cache_root, gguf_checkpoint_dir
+from executor_svc.loading.checkpoint import CheckpointError
 
 __all__ = ["find_gguf_file", "gguf_cache_root", "gguf_checkpoint_dir"]
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import structlog
 
-from executor_svc.checkpoint import CheckpointError
 from executor_svc.gguf_checkpoint import find_gguf_file, gguf_checkpoint_dir
+from executor_svc.loading.checkpoint import CheckpointError
 
 
 def _configure_logging(log_format: str) -> None:

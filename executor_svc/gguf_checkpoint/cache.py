@@ -26,9 +26,9 @@ from pathlib import Path
 
 import structlog
 
-from executor_svc.checkpoint import CheckpointError
-from executor_svc.default_model import default_cache_dir
 from executor_svc.gguf_checkpoint.convert import CONVERTER_VERSION, MARKER_FILE, convert
+from executor_svc.loading.checkpoint import CheckpointError
+from executor_svc.loading.default_model import default_cache_dir
 
 log = structlog.get_logger("executor_svc.gguf")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import structlog
 
-from executor_svc.checkpoint import CheckpointError
+from executor_svc.loading.checkpoint import CheckpointError
 
 log = structlog.get_logger("executor_svc.gguf")
 

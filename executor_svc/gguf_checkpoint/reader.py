@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from executor_svc.checkpoint import CheckpointError
+from executor_svc.loading.checkpoint import CheckpointError
 
 GGUF_MAGIC = b"GGUF"
 

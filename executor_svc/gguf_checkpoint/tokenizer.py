@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from executor_svc.checkpoint import CheckpointError
 from executor_svc.gguf_checkpoint.reader import Metadata
+from executor_svc.loading.checkpoint import CheckpointError
 
 # tokenizer_config names -> the GGUF key holding that token's id
 _SPECIAL_TOKEN_IDS = {

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from executor_svc.checkpoint import INDEX_FILE, CheckpointError
+from executor_svc.loading.checkpoint import INDEX_FILE, CheckpointError
 from executor_svc.quantization.config import GGUF_TYPES
 
 SHARD_BYTES = 2 << 30  # bounds the memory a conversion holds to one shard of float32 tensors

@@ -19,10 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from executor_svc import distributed
-from executor_svc.attention import AttentionBackend
-from executor_svc.batch import BatchMetadata
-from executor_svc.model_config import ModelConfig, check_tensor_parallel, local_kv_heads
+from executor_svc.loading.model_config import ModelConfig, check_tensor_parallel, local_kv_heads
 from executor_svc.models.layers import GatedMLP, RMSNorm
 from executor_svc.models.parallel import (
     ParallelLMHead,
@@ -32,6 +29,9 @@ from executor_svc.models.parallel import (
     VocabParallelEmbedding,
 )
 from executor_svc.models.rope import build_cos_sin_cache
+from executor_svc.parallel import distributed
+from executor_svc.step.attention import AttentionBackend
+from executor_svc.step.batch import BatchMetadata
 from kernels import rotary
 
 

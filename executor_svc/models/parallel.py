@@ -17,7 +17,7 @@ communication in between: one all_reduce per attention block and one per MLP.
 
 Weight loading is described per parameter: ``layer.weight_shard(param_name, shard_id)`` says
 which slice of which checkpoint tensor this rank reads and where it lands (`WeightShard`); the
-loader (executor_svc/loader.py) reads only that slice. Every layer stays a `Linear`, so
+loader (executor_svc/loading/loader.py) reads only that slice. Every layer stays a `Linear`, so
 ``Linear.method`` (CPU packing now, quantized methods later) applies to the rank's shard as
 is; a quantized layer's extra parameters (scales, packed ints) describe their own shards
 through the same method. With one rank every layer is the plain layer it replaces.
@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor_svc import distributed
 from executor_svc.models.linear import Linear, TiedHead
+from executor_svc.parallel import distributed
 from executor_svc.quantization.gguf_blocks import unpack_blocks
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from executor_svc.attention import AttentionBackend
-from executor_svc.model_config import ModelConfig
+from executor_svc.loading.model_config import ModelConfig
 from executor_svc.models.llama import LlamaAttention, LlamaForCausalLM
+from executor_svc.step.attention import AttentionBackend
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from executor_svc.attention import AttentionBackend
-from executor_svc.model_config import ModelConfig
+from executor_svc.loading.model_config import ModelConfig
 from executor_svc.models.layers import RMSNorm
 from executor_svc.models.llama import LlamaAttention, LlamaForCausalLM
+from executor_svc.step.attention import AttentionBackend
 
 
 class Qwen3Attention(LlamaAttention):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from executor_svc.checkpoint import CheckpointError, read_json_object
+from executor_svc.loading.checkpoint import CheckpointError, read_json_object
 
 SCHEMES = ("int8", "fp8", "gptq", "awq", "gguf")
 LOAD_TIME_SCHEMES = ("int8", "fp8")  # the schemes --quantization can apply to float weights

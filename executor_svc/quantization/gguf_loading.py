@@ -3,7 +3,7 @@
 Every layer whose weight config.json's ``quantization_config.tensor_types`` lists (a projection,
 the untied LM head, the embedding) gets, while the model is still on the meta device, a uint8
 ``weight`` [N, row_bytes] (its rows of GGUF blocks) and ``layer.gguf_type``, so the strict
-loader (executor_svc/loader.py) checks and fills it like any other parameter. A fused layer
+loader (executor_svc/loading/loader.py) checks and fills it like any other parameter. A fused layer
 (q|k|v, gate|up) stacks its shards' raw rows, so all its shards must be listed, with one type
 (the converter writes them so). The vocab-parallel embedding and LM head split rows, whole.
 
@@ -27,7 +27,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from executor_svc.checkpoint import CheckpointError, TensorHeader
+from executor_svc.loading.checkpoint import CheckpointError, TensorHeader
 from executor_svc.models.linear import Linear
 from executor_svc.models.parallel import (
     RowParallelLinear,

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from executor_svc.checkpoint import TensorHeader
+from executor_svc.loading.checkpoint import TensorHeader
 from executor_svc.models.linear import Linear
 from executor_svc.models.parallel import WeightShard
 from executor_svc.quantization.config import QuantConfig

@@ -3,7 +3,7 @@ a scale comes from, and the pass that gives the linear layers their quantized me
 
 An fp8 checkpoint layer (one with a ``weight_scale`` tensor) gets, while the model is still on
 the meta device, an e4m3 ``weight`` and fp32 ``weight_scale`` (and ``input_scale``)
-parameters, so the strict loader (executor_svc/loader.py) accounts for every tensor as usual.
+parameters, so the strict loader (executor_svc/loading/loader.py) accounts for every tensor as usual.
 ``layer.scale_layouts[name] = (layout, checkpoint_shape)`` records how each scale is stored:
 
     "tensor"   one scalar per checkpoint tensor; a fused layer (q|k|v, gate|up) keeps one per
@@ -20,7 +20,7 @@ import structlog
 import torch
 from torch import nn
 
-from executor_svc.checkpoint import PACKED_DTYPES, CheckpointError, TensorHeader
+from executor_svc.loading.checkpoint import PACKED_DTYPES, CheckpointError, TensorHeader
 from executor_svc.models.linear import Linear, TiedHead
 from executor_svc.models.parallel import WeightShard
 from executor_svc.quantization import gptq

@@ -35,7 +35,7 @@ from scheduler_svc.text.tokenizer import (
 )
 
 # What the executor assumes when config.json has no max_position_embeddings
-# (executor_svc.model_config); the scheduler may not import the executor, so it is repeated.
+# (executor_svc.loading.model_config); the scheduler may not import the executor, so it is repeated.
 DEFAULT_MAX_POSITION_EMBEDDINGS = 2048
 NUM_TOKENIZER_THREADS = 2  # encodes run in parallel on two cores; more would queue anyway
 

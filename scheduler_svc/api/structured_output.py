@@ -1,7 +1,7 @@
 """Structured output at the front door: read the public oneof, check the constraint compiles.
 
 The scheduler only validates; the executor compiles each constraint again against the model's
-tokenizer and keeps one matcher per request (``executor_svc/structured.py``). Validation uses
+tokenizer and keeps one matcher per request (``executor_svc/sample/structured.py``). Validation uses
 llguidance, which needs no torch (its ``torch`` and ``hf`` submodules are never imported here),
 and no tokenizer: a constraint that llguidance accepts here compiles in the executor.
 

@@ -12,7 +12,7 @@ max_model_len, and take from the step's token budget like any token.
 
 With a draft model (method draft) the executor proposes after each step
 (StepResult.proposals) for the next; every speculating decode then also gets k lookahead KV
-slots, the positions the draft model writes while proposing (executor_svc/draft.py).
+slots, the positions the draft model writes while proposing (executor_svc/spec/draft.py).
 
 Steps that carry proposals run in lockstep (schedule() waits for the previous result): the
 next proposal reads the tokens the last step accepted.

@@ -52,7 +52,7 @@ def hf_fp32():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from executor_svc.named_models import smollm2_gguf
+    from executor_svc.loading.named_models import smollm2_gguf
 
     gguf = smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -72,7 +72,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def reference(hf_fp32, folio_cache_dir):
     """(prompt ids, fp32 greedy continuation) per prompt, and the converted checkpoint dir."""
     from executor_svc.gguf_checkpoint.cache import gguf_checkpoint_dir
-    from executor_svc.named_models import smollm2_gguf
+    from executor_svc.loading.named_models import smollm2_gguf
 
     model, tokenizer = hf_fp32
     prompt_ids = []
@@ -92,10 +92,10 @@ def teacher_forced_matches(model_dir, prompt_ids, continuations) -> tuple[int, i
     argmax equal the fp32 token there? Returns (matched, positions)."""
     import torch
 
-    from executor_svc.kv_cache import KVCache
-    from executor_svc.loader import load_model
-    from executor_svc.model_config import ModelConfig
-    from executor_svc.runner import ModelRunner
+    from executor_svc.kv.kv_cache import KVCache
+    from executor_svc.loading.loader import load_model
+    from executor_svc.loading.model_config import ModelConfig
+    from executor_svc.step.runner import ModelRunner
     from protos.plan import CachedRequest, NewRequest, SamplingSpec, StepPlan
 
     cfg = ModelConfig.from_dir(model_dir)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from executor_svc.kv_cache import KVCache
-from executor_svc.loader import effective_max_model_len, load_model
-from executor_svc.model_config import ModelConfig
-from executor_svc.runner import ModelRunner
-from executor_svc.swap import SwapPool
+from executor_svc.kv.kv_cache import KVCache
+from executor_svc.kv.swap import SwapPool
+from executor_svc.loading.loader import effective_max_model_len, load_model
+from executor_svc.loading.model_config import ModelConfig
+from executor_svc.step.runner import ModelRunner
 from protos.plan import CachedRequest, NewRequest, SamplingSpec, StepPlan
 
 BLOCK_SIZE = 4  # small, so prompts span several blocks

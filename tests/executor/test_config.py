@@ -7,8 +7,8 @@ import torch
 
 from executor_svc.cli import build_parser, config_from_args
 from executor_svc.config import ExecutorConfig, parse_memory
-from executor_svc.kv_cache import bytes_per_block, num_blocks_for
-from executor_svc.model_config import ModelConfig, RopeSpec
+from executor_svc.kv.kv_cache import bytes_per_block, num_blocks_for
+from executor_svc.loading.model_config import ModelConfig, RopeSpec
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -191,7 +191,7 @@ def _forward(runner, plan, oracle: bool) -> torch.Tensor:
     with contextlib.ExitStack() as stack:
         if oracle:
             stack.enter_context(mock.patch("kernels._impl", lambda x: twins))
-            stack.enter_context(mock.patch("executor_svc.attention.cpu_backend_active",
+            stack.enter_context(mock.patch("executor_svc.step.attention.cpu_backend_active",
                                            lambda x: False))
         with torch.inference_mode():
             logits = runner.model(input_ids, positions, batch)  # [num_tokens, vocab]

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from executor_svc.input_batch import InputBatch
-from executor_svc.inputs import build_step_inputs
-from executor_svc.kv_cache import KVCache
-from executor_svc.sampler import seeded_bits
-from executor_svc.swap import SwapPool
+from executor_svc.kv.kv_cache import KVCache
+from executor_svc.kv.swap import SwapPool
+from executor_svc.sample.sampler import seeded_bits
+from executor_svc.step.input_batch import InputBatch
+from executor_svc.step.inputs import build_step_inputs
 from protos.plan import SamplingSpec
 
 pytestmark = [
@@ -85,8 +85,8 @@ def test_logits_processors_on_cuda_equal_the_cpu_path():
     processed logits (elementwise ops: exact) and the same greedy tokens."""
     import random
 
-    from executor_svc.logits_processors import apply_processors
-    from executor_svc.sampler import sample
+    from executor_svc.sample.logits_processors import apply_processors
+    from executor_svc.sample.sampler import sample
     from tests.executor.test_logits_processors import VOCAB, _batch
 
     cpu, specs, *_ = _batch(random.Random(3), 12)
@@ -127,7 +127,7 @@ def test_a_step_syncs_the_host_once(tmp_path):
 
 
 def test_warm_up_compiles_every_attention_variant():
-    from executor_svc.warmup import warm_attention
+    from executor_svc.step.warmup import warm_attention
 
     k = torch.zeros((4, 16, 8, 128), dtype=torch.bfloat16, device=CUDA)
     num = warm_attention(k, k.clone(), num_heads=32, max_num_batched_tokens=2048,

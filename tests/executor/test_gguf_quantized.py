@@ -16,10 +16,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor_svc.checkpoint import CheckpointError
 from executor_svc.gguf_checkpoint import gguf_checkpoint_dir
 from executor_svc.gguf_checkpoint.dequantize import dequantized_copy
-from executor_svc.loader import load_model, model_weight_bytes
+from executor_svc.loading.checkpoint import CheckpointError
+from executor_svc.loading.loader import load_model, model_weight_bytes
 from executor_svc.quantization.config import (
     GGUF_TYPES,
     checkpoint_quant_config,

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc.graph_runner import MAX_CAPTURE_SIZE, DecodeGraphRunner, capture_sizes
-from executor_svc.runner import ModelRunner
+from executor_svc.step.graph_runner import MAX_CAPTURE_SIZE, DecodeGraphRunner, capture_sizes
+from executor_svc.step.runner import ModelRunner
 from protos.plan import SamplingSpec
 from tests.executor.harness import PlanDriver, make_runner
 

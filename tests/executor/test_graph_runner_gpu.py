@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc.graph_runner import DecodeGraphRunner
-from executor_svc.kv_cache import KVCache
-from executor_svc.loader import effective_max_model_len, load_model
-from executor_svc.model_config import ModelConfig
-from executor_svc.runner import ModelRunner
+from executor_svc.kv.kv_cache import KVCache
+from executor_svc.loading.loader import effective_max_model_len, load_model
+from executor_svc.loading.model_config import ModelConfig
+from executor_svc.step.graph_runner import DecodeGraphRunner
+from executor_svc.step.runner import ModelRunner
 from tests.executor.harness import BLOCK_SIZE
 from tests.executor.test_graph_runner import NUM_BLOCKS, drive
 

@@ -15,8 +15,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import executor_svc
-from executor_svc.kv_cache import to_device
-from executor_svc.sampler import SamplingBatch
+from executor_svc.kv.kv_cache import to_device
+from executor_svc.sample.sampler import SamplingBatch
 from protos.sampling_spec import SamplingSpec
 from tests.executor.harness import PlanDriver, make_runner
 

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor_svc.input_batch import InputBatch
-from executor_svc.inputs import build_step_inputs
-from executor_svc.sampler import seed_bits
+from executor_svc.sample.sampler import seed_bits
+from executor_svc.step.input_batch import InputBatch
+from executor_svc.step.inputs import build_step_inputs
 from protos.plan import SamplingSpec
 
 CPU = torch.device("cpu")
@@ -177,7 +177,7 @@ def _check_held(batch: InputBatch, reqs: dict[str, _Req]) -> None:
 def test_every_staging_segment_starts_16_byte_aligned(counts, dtypes):
     """Triton specializes pointers on 16-byte divisibility: a segment's alignment must not
     depend on the sizes of the segments before it, or a new step shape compiles anew."""
-    from executor_svc.inputs import _Staging
+    from executor_svc.step.inputs import _Staging
 
     staging = _Staging([(f"s{i}", dtypes[i], n) for i, n in enumerate(counts)],
                        torch.device("cpu"))

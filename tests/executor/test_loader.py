@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from executor_svc.checkpoint import resolve_model_dir, safetensors_files
-from executor_svc.loader import load_model
-from executor_svc.model_config import ModelConfig
+from executor_svc.loading.checkpoint import resolve_model_dir, safetensors_files
+from executor_svc.loading.loader import load_model
+from executor_svc.loading.model_config import ModelConfig
 from executor_svc.models import model_class
 from executor_svc.models.rope import inv_freq_for
 from tests.executor.harness import make_hf_model, save_checkpoint

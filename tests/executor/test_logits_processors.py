@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from executor_svc.input_batch import InputBatch
-from executor_svc.inputs import build_step_inputs
-from executor_svc.logits_processors import apply_processors
-from executor_svc.sampler import GREEDY_EPS, sample, seed_bits, seeded_exponentials
+from executor_svc.sample.logits_processors import apply_processors
+from executor_svc.sample.sampler import GREEDY_EPS, sample, seed_bits, seeded_exponentials
+from executor_svc.step.input_batch import InputBatch
+from executor_svc.step.inputs import build_step_inputs
 from protos.plan import SamplingSpec
 
 CPU = torch.device("cpu")

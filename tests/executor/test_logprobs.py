@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc.runner import PlanError
+from executor_svc.step.runner import PlanError
 from protos.plan import CachedRequest, NewRequest, SamplingSpec
 from tests.executor.harness import BLOCK_SIZE, PlanDriver, hf_top_logprobs, make_runner
 

@@ -7,17 +7,17 @@ import pytest
 import torch
 
 from executor_svc.config import ExecutorConfig
-from executor_svc.kv_cache import KVCache
-from executor_svc.loader import effective_max_model_len, load_model
-from executor_svc.memory import (
+from executor_svc.kv.kv_cache import KVCache
+from executor_svc.kv.memory import (
     MIB,
     MemoryProfile,
     host_memory,
     profile_plan,
     profiled_kv_budget,
 )
-from executor_svc.model_config import ModelConfig
-from executor_svc.runner import ModelRunner
+from executor_svc.loading.loader import effective_max_model_len, load_model
+from executor_svc.loading.model_config import ModelConfig
+from executor_svc.step.runner import ModelRunner
 from tests.executor.harness import PlanDriver, make_runner
 
 

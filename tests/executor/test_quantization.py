@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from executor_svc.checkpoint import CheckpointError
 from executor_svc.config import ExecutorConfig
-from executor_svc.loader import load_model
-from executor_svc.model_config import ModelConfig
+from executor_svc.loading.checkpoint import CheckpointError
+from executor_svc.loading.loader import load_model
+from executor_svc.loading.model_config import ModelConfig
 from executor_svc.models.linear import Linear
 from executor_svc.quantization.config import checkpoint_quant_config, resolve_quant_config
 from executor_svc.quantization.methods import METHODS, quantized_weight, quantized_weight_bytes

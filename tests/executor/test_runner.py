@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from executor_svc.input_batch import INITIAL_CAPACITY
-from executor_svc.runner import PlanError
+from executor_svc.step.input_batch import INITIAL_CAPACITY
+from executor_svc.step.runner import PlanError
 from protos.plan import CachedRequest, NewRequest, SamplingSpec
 from tests.executor.harness import BLOCK_SIZE, PlanDriver, make_runner
 

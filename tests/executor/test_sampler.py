@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor_svc.sampler import (
+from executor_svc.sample.sampler import (
     SamplingBatch,
     sample,
     sample_with_distribution,

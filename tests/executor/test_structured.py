@@ -11,7 +11,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from executor_svc.structured import GrammarCompiler, StructuredRows, apply_bitmask
+from executor_svc.sample.structured import GrammarCompiler, StructuredRows, apply_bitmask
 from protos.sampling_spec import StructuredSpec
 
 CHOICES = ["yes", "no", "maybe", "yesterday"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc.kv_cache import KVCache
-from executor_svc.runner import PlanError
-from executor_svc.swap import SwapPool, num_swap_blocks_for
+from executor_svc.kv.kv_cache import KVCache
+from executor_svc.kv.swap import SwapPool, num_swap_blocks_for
+from executor_svc.step.runner import PlanError
 from tests.executor.harness import PlanDriver, hf_greedy, make_runner
 
 PROMPTS = {"x": [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], "w": [40, 41, 42, 43, 44, 45, 46, 47, 48],

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from executor_svc.cli import build_parser, config_from_args
-from executor_svc.tp_launch import rank_argv
+from executor_svc.parallel.tp_launch import rank_argv
 from scheduler_svc.config import SchedulerConfig
 
 
@@ -42,7 +42,7 @@ def test_a_follower_ends_the_group_on_a_frame_it_cannot_run(monkeypatch):
     plan, a message that is no plan) would desync the collectives, so it is GroupBroken."""
     import torch
 
-    from executor_svc import tp_worker
+    from executor_svc.parallel import tp_worker
     from protos.channel import encode
     from protos.plan import Shutdown, StepPlan
 

@@ -14,10 +14,9 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from executor_svc import distributed
-from executor_svc.checkpoint import read_weight_headers
-from executor_svc.loader import load_weights, plan_weights
-from executor_svc.model_config import ModelConfig, check_tensor_parallel, local_kv_heads
+from executor_svc.loading.checkpoint import read_weight_headers
+from executor_svc.loading.loader import load_weights, plan_weights
+from executor_svc.loading.model_config import ModelConfig, check_tensor_parallel, local_kv_heads
 from executor_svc.models.linear import PackedCpuLinear, use_linear_method
 from executor_svc.models.parallel import (
     ColumnParallelLinear,
@@ -30,6 +29,7 @@ from executor_svc.models.parallel import (
     kv_head_start,
     vocab_range,
 )
+from executor_svc.parallel import distributed
 from tests.executor.tp_procs import run_ranks
 
 HIDDEN, HEAD_DIM, NUM_HEADS, INTER, COLS, VOCAB = 16, 4, 4, 24, 10, 13  # 13: a padded range

@@ -15,17 +15,22 @@ import numpy as np
 import pytest
 import torch
 
-from executor_svc import distributed
-from executor_svc.checkpoint import (
+from executor_svc.kv.kv_cache import KVCache
+from executor_svc.loading.checkpoint import (
     open_safetensors,
     read_weight_headers,
     safetensors_files,
 )
-from executor_svc.kv_cache import KVCache
-from executor_svc.loader import effective_max_model_len, load_model, load_weights, plan_weights
-from executor_svc.model_config import ModelConfig, check_tensor_parallel, local_kv_heads
+from executor_svc.loading.loader import (
+    effective_max_model_len,
+    load_model,
+    load_weights,
+    plan_weights,
+)
+from executor_svc.loading.model_config import ModelConfig, check_tensor_parallel, local_kv_heads
 from executor_svc.models import model_class
-from executor_svc.runner import ModelRunner
+from executor_svc.parallel import distributed
+from executor_svc.step.runner import ModelRunner
 from tests.executor.harness import ARCHS, BLOCK_SIZE, NUM_BLOCKS, PlanDriver, make_hf_model
 from tests.executor.harness import save_checkpoint as save_hf
 from tests.executor.tp_procs import run_ranks

@@ -9,7 +9,7 @@ import asyncio
 import subprocess
 import sys
 
-from executor_svc.tp_launch import free_port
+from executor_svc.parallel.tp_launch import free_port
 from protos.channel import SchedulerEnd
 from protos.plan import (
     PROTOCOL_VERSION,

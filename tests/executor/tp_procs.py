@@ -32,7 +32,7 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple)
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     faulthandler.enable()  # a rank killed by a signal still shows where it was
-    from executor_svc import distributed
+    from executor_svc.parallel import distributed
 
     distributed.init_tp(world_size, "cpu", timeout_s=60.0)
     try:

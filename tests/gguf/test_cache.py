@@ -131,7 +131,7 @@ def test_racing_converters_do_the_work_once(gguf_file, tmp_path):
 
 def test_the_executor_resolves_a_gguf_and_a_directory_holding_one(gguf_file, tmp_path,
                                                                   monkeypatch):
-    from executor_svc.checkpoint import resolve_model_dir
+    from executor_svc.loading.checkpoint import resolve_model_dir
 
     monkeypatch.setenv("FOLIO_CACHE_DIR", str(tmp_path))
     converted = resolve_model_dir(str(gguf_file))

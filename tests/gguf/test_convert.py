@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from executor_svc.gguf_checkpoint import gguf_checkpoint_dir
-from executor_svc.model_config import ModelConfig
+from executor_svc.loading.model_config import ModelConfig
 from executor_svc.models.rope import inv_freq_for
 from scheduler_svc.text.tokenizer import ChatTurn, Tokenizer
 from tests.checkpoints import make_checkpoint

@@ -1,11 +1,11 @@
 """A null-model executor that tracks what every KV slot holds, for tests of shared blocks.
 
 `KVMirror` follows the step-plan protocol (new/cached requests, `new_token_ids`,
-`append_sampled`, top, sampled and prompt logprobs (executor_svc/inputs.py's positions),
+`append_sampled`, top, sampled and prompt logprobs (executor_svc/step/inputs.py's positions),
 min_tokens masking, block copies, swaps, reset, and
-speculative decoding: `CachedRequest.spec_token_ids` verified as executor_svc/runner_spec.py
+speculative decoding: `CachedRequest.spec_token_ids` verified as executor_svc/spec/runner_spec.py
 does, and with `num_draft_tokens` > 0 a draft model's `StepResult.proposals` as
-executor_svc/draft.py makes them) and records, for each slot it writes, a digest of the token
+executor_svc/spec/draft.py makes them) and records, for each slot it writes, a digest of the token
 prefix whose last position it computed. Before a request computes, every earlier position of
 its block table must hold exactly its own prefix, so a block shared wrongly (a sibling overwrote
 it, a copy-on-write that never happened, a block freed while in use) fails the step. Writes are
@@ -292,7 +292,7 @@ class KVMirror:
         return emitted
 
     def _propose(self, step_id: int, req_id: str, req: _Req) -> list[int]:
-        """executor_svc/draft.py: up to k proposals, as many as the row's blocks and
+        """executor_svc/spec/draft.py: up to k proposals, as many as the row's blocks and
         max_model_len leave room for; the draft writes its KV at the positions after the last
         real token, which must lie in blocks this request alone holds."""
         num_tokens = len(req.token_ids)

@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor_svc.draft import DraftProposer, load_draft
-from executor_svc.kv_cache import KVCache
-from executor_svc.model_config import ModelConfig
-from executor_svc.runner import PlanError
+from executor_svc.kv.kv_cache import KVCache
+from executor_svc.loading.model_config import ModelConfig
+from executor_svc.spec.draft import DraftProposer, load_draft
+from executor_svc.step.runner import PlanError
 from protos.plan import CachedRequest, SamplingSpec
 from tests.executor.harness import PlanDriver, make_runner
 

@@ -12,11 +12,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor_svc.input_batch import InputBatch
-from executor_svc.inputs import SpecPositions
-from executor_svc.runner_spec import verify
-from executor_svc.sampler import SamplingBatch, sample
-from executor_svc.spec_decode import verify as verify_tokens
+from executor_svc.sample.sampler import SamplingBatch, sample
+from executor_svc.spec.runner_spec import verify
+from executor_svc.spec.spec_decode import verify as verify_tokens
+from executor_svc.step.input_batch import InputBatch
+from executor_svc.step.inputs import SpecPositions
 from protos.plan import SamplingSpec
 from scheduler_svc.sched.spec_ngram import propose_ngram
 

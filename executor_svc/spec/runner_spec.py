@@ -31,10 +31,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from executor_svc.input_batch import InputBatch
-from executor_svc.inputs import SpecPositions
-from executor_svc.sampler import GREEDY_EPS, SamplingBatch, sample
-from executor_svc.spec_decode import verify as accept_matching
+from executor_svc.sample.sampler import GREEDY_EPS, SamplingBatch, sample
+from executor_svc.spec.spec_decode import verify as accept_matching
+from executor_svc.step.input_batch import InputBatch
+from executor_svc.step.inputs import SpecPositions
 
 
 def refusal(batch: InputBatch, row: int, structured: bool) -> str | None:

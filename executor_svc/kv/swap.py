@@ -36,7 +36,7 @@ import numpy as np
 import structlog
 import torch
 
-from executor_svc.kv_cache import KVCache, to_device
+from executor_svc.kv.kv_cache import KVCache, to_device
 
 log = structlog.get_logger(__name__)
 

@@ -22,8 +22,8 @@ import numpy as np
 import structlog
 import torch
 
-from executor_svc.distributed import tp_size
-from executor_svc.model_config import ModelConfig, local_kv_heads
+from executor_svc.loading.model_config import ModelConfig, local_kv_heads
+from executor_svc.parallel.distributed import tp_size
 
 log = structlog.get_logger(__name__)
 

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from executor_svc.processor_rows import ProcessorRows
-from executor_svc.sampler import seed_bits
+from executor_svc.sample.processor_rows import ProcessorRows
+from executor_svc.sample.sampler import seed_bits
 from protos.plan import SamplingSpec
 
 INITIAL_CAPACITY = 32
@@ -100,7 +100,7 @@ class InputBatch(Mapping[str, RequestState]):
         # Speculative decoding: proposals appended to token_ids for this step's verification
         # (the row's last num_spec tokens are not its own yet; runner_spec.py settles them).
         self.num_spec = np.zeros(capacity, np.int64)
-        # The draft model's KV positions of the row's real tokens (executor_svc/draft.py).
+        # The draft model's KV positions of the row's real tokens (executor_svc/spec/draft.py).
         self.draft_computed = np.zeros(capacity, np.int64)
         self.processors = ProcessorRows(capacity)
 

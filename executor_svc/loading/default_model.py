@@ -10,7 +10,7 @@ Everything is derived from constants in this file: the tokenizer is trained on t
 under a versioned name (bump `VERSION` when anything here changes) in a temp dir that is
 renamed into place, so concurrent first uses never see a half-written model.
 
-    python -m executor_svc.default_model [--cache-dir D]   # prints the directory last
+    python -m executor_svc.loading.default_model [--cache-dir D]   # prints the directory last
 """
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ def write_default_model(out_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m executor_svc.default_model",
+        prog="python -m executor_svc.loading.default_model",
         description="Create (once) and print the directory of Folio's embedded default model.")
     parser.add_argument("--cache-dir", default=None,
                         help="cache root (default: $FOLIO_CACHE_DIR or ~/.cache/folio)")

@@ -8,7 +8,7 @@
                         shapes for tests, no download, honest `random_weights`
 
 Torch-free, so the scheduler can ask for a path in a subprocess
-(`python -m executor_svc.named_models [NAME]` prints it) and the executor before its torch import.
+(`python -m executor_svc.loading.named_models [NAME]` prints it) and the executor before its torch import.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def named_model_path(model: str | None, cache_dir: str | None = None) -> Path:
     if model is None:
         return smollm2_gguf()
     if model == TINY_RANDOM:
-        from executor_svc.default_model import default_model_dir  # builds it on first use
+        from executor_svc.loading.default_model import default_model_dir  # builds it on first use
 
         return default_model_dir(cache_dir)
     raise ValueError(f"unknown model name {model!r}: Folio knows {', '.join(NAMES)} (or give "
@@ -57,7 +57,7 @@ def named_model_path(model: str | None, cache_dir: str | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m executor_svc.named_models",
+        prog="python -m executor_svc.loading.named_models",
         description="Print the local path of the default model or of a folio: model name.")
     parser.add_argument("model", nargs="?", default=None,
                         help=f"a name ({', '.join(NAMES)}); none: the default model")

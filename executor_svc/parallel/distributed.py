@@ -4,7 +4,7 @@ Every executor rank joins one group (the default process group) before its model
 the group is the tensor-parallel group (there is no pipeline or data parallelism inside an
 executor). Ranks find each other through torchrun's environment variables (`RANK`,
 `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`), whoever set them: torchrun across
-nodes, or `executor_svc.tp_launch` on one node.
+nodes, or `executor_svc.parallel.tp_launch` on one node.
 
 Without a group (one rank) every helper here is the identity, so a model built for one rank
 runs no collective and imports nothing it does not use.

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor_svc.batch import BatchMetadata
-from executor_svc.input_batch import InputBatch
-from executor_svc.logits_processors import LogitsProcessing
-from executor_svc.processor_rows import ProcessorInputs
-from executor_svc.sampler import GREEDY_EPS, SamplingBatch
+from executor_svc.sample.logits_processors import LogitsProcessing
+from executor_svc.sample.processor_rows import ProcessorInputs
+from executor_svc.sample.sampler import GREEDY_EPS, SamplingBatch
+from executor_svc.step.batch import BatchMetadata
+from executor_svc.step.input_batch import InputBatch
 
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 

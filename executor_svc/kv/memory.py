@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from executor_svc.kv_cache import KVCache
-from executor_svc.model_config import ModelConfig
-from executor_svc.runner import ModelRunner
+from executor_svc.kv.kv_cache import KVCache
+from executor_svc.loading.model_config import ModelConfig
+from executor_svc.step.runner import ModelRunner
 from protos.plan import NewRequest, SamplingSpec, StepPlan
 
 log = structlog.get_logger(__name__)

@@ -28,7 +28,7 @@ from typing import TypeVar
 import structlog
 import torch
 
-from executor_svc.distributed import broadcast_bytes, broadcast_tensor, tp_rank, tp_size
+from executor_svc.parallel.distributed import broadcast_bytes, broadcast_tensor, tp_rank, tp_size
 from protos.channel import ProtocolError, decode, encode
 from protos.plan import StepPlan
 

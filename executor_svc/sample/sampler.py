@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from executor_svc.logits_processors import LogitsProcessing, apply_min_p, apply_processors
+from executor_svc.sample.logits_processors import LogitsProcessing, apply_min_p, apply_processors
 from protos.plan import PromptLogprobs, SamplingSpec
 
 if TYPE_CHECKING:  # inputs.py imports this module
-    from executor_svc.inputs import PromptPositions
+    from executor_svc.step.inputs import PromptPositions
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy
 _MASK32 = 0xFFFFFFFF

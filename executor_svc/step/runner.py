@@ -33,14 +33,10 @@ import structlog
 import torch
 from torch import nn
 
-from executor_svc.draft import DraftProposer
-from executor_svc.graph_runner import DecodeGraphRunner
-from executor_svc.input_batch import InputBatch, RequestState
-from executor_svc.inputs import StepInputs, build_step_inputs
-from executor_svc.kv_cache import KVCache, to_device
-from executor_svc.runner_checks import PlanChecks, PlanError
-from executor_svc.runner_spec import refusal, settle, verify
-from executor_svc.sampler import (
+from executor_svc.kv.kv_cache import KVCache, to_device
+from executor_svc.kv.swap import SwapPool
+from executor_svc.parallel.tp_worker import collectives, share_sampled
+from executor_svc.sample.sampler import (
     prompt_logprobs_records,
     sample,
     sample_with_distribution,
@@ -48,9 +44,13 @@ from executor_svc.sampler import (
     token_logprobs,
     top_logprobs,
 )
-from executor_svc.structured import StructuredRows, apply_bitmask
-from executor_svc.swap import SwapPool
-from executor_svc.tp_worker import collectives, share_sampled
+from executor_svc.sample.structured import StructuredRows, apply_bitmask
+from executor_svc.spec.draft import DraftProposer
+from executor_svc.spec.runner_spec import refusal, settle, verify
+from executor_svc.step.graph_runner import DecodeGraphRunner
+from executor_svc.step.input_batch import InputBatch, RequestState
+from executor_svc.step.inputs import StepInputs, build_step_inputs
+from executor_svc.step.runner_checks import PlanChecks, PlanError
 from protos.plan import CachedRequest, NewRequest, PromptLogprobs, StepPlan
 
 __all__ = ["ModelRunner", "PlanError", "RequestState", "Scheduled", "StepOutput"]

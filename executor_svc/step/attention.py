@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from executor_svc.batch import BatchMetadata
+from executor_svc.step.batch import BatchMetadata
 from kernels import cpu, cpu_backend_active, paged_attention, store_kv
 
 

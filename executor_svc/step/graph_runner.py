@@ -48,8 +48,8 @@ import structlog
 import torch
 from torch import nn
 
-from executor_svc.batch import BatchMetadata
-from executor_svc.inputs import StepInputs
+from executor_svc.step.batch import BatchMetadata
+from executor_svc.step.inputs import StepInputs
 
 log = structlog.get_logger(__name__)
 

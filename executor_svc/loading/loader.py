@@ -6,7 +6,7 @@ naming the file and the tensor. It is found from the safetensors headers while t
 still on the meta device, before any weight memory is allocated. Two exceptions:
 ``lm_head.weight`` is ignored when embeddings are tied (the model reuses the embedding matrix),
 and rotary ``inv_freq`` buffers that old checkpoints carry are skipped (the model computes its
-own RoPE table). Damaged files themselves are caught by `executor_svc.checkpoint`.
+own RoPE table). Damaged files themselves are caught by `executor_svc.loading.checkpoint`.
 
 Tensor parallel: each parameter's layer says which slice of its checkpoint tensor this rank
 holds (`WeightShard`, models/parallel.py); the headers are checked against the whole tensor's
@@ -27,8 +27,7 @@ import torch
 from torch import nn
 
 import kernels
-from executor_svc.attention import AttentionBackend, default_backend
-from executor_svc.checkpoint import (
+from executor_svc.loading.checkpoint import (
     INDEX_FILE,
     PACKED_DTYPES,
     CheckpointError,
@@ -37,7 +36,7 @@ from executor_svc.checkpoint import (
     read_weight_headers,
     safetensors_files,
 )
-from executor_svc.model_config import ModelConfig
+from executor_svc.loading.model_config import ModelConfig
 from executor_svc.models import model_class
 from executor_svc.models.linear import TiedHead, cpu_linear_method, use_linear_method
 from executor_svc.models.parallel import WeightShard, replicated
@@ -49,6 +48,7 @@ from executor_svc.quantization.loading import (
     quantize_model,
     scale_shard,
 )
+from executor_svc.step.attention import AttentionBackend, default_backend
 
 log = structlog.get_logger(__name__)
 
@@ -221,7 +221,7 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
     `quantization`: --quantization (int8, fp8, gguf or None); an fp8 checkpoint or a
     converted GGUF file's raw blocks are quantized whatever it says
     (executor_svc/quantization). `num_layers`: keep only the first N decoder layers (a
-    draft model cut from the served one, executor_svc/draft.py); the others' tensors are
+    draft model cut from the served one, executor_svc/spec/draft.py); the others' tensors are
     skipped, every kept parameter is still filled."""
     cfg = cfg or ModelConfig.from_dir(model_dir)
     if num_layers is not None and num_layers < cfg.num_layers:

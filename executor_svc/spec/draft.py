@@ -29,11 +29,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from executor_svc.batch import BatchMetadata
-from executor_svc.input_batch import InputBatch
-from executor_svc.kv_cache import KVCache, to_device
-from executor_svc.loader import load_model
-from executor_svc.model_config import ModelConfig
+from executor_svc.kv.kv_cache import KVCache, to_device
+from executor_svc.loading.loader import load_model
+from executor_svc.loading.model_config import ModelConfig
+from executor_svc.step.batch import BatchMetadata
+from executor_svc.step.input_batch import InputBatch
 
 
 class DraftProposer:
