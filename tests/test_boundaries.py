@@ -94,3 +94,91 @@ def test_gguf_converter_runs_without_torch(gguf_file, tmp_path):
     loaded = _probe(GGUF_CONVERTER_PROBE, [str(gguf_file)], tmp_path)
     assert "transformers" in loaded  # it did convert (the tokenizer comes from transformers)
     assert not loaded & {"torch", "triton", "kernels", "scheduler_svc"}
+
+
+FIRST_PARTY = ("protos", "checkpoints", "kernels", "scheduler_svc", "executor_svc", "client")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the first-party modules it imports anywhere in its body: lazy imports inside
+    functions and `if TYPE_CHECKING:` imports count too (a type-only circle is still two modules
+    that each need the other to be read). `from pkg import name` points at pkg.name when that is
+    a module, else at pkg."""
+    import ast
+
+    modules = {_module_name(p): p for top in FIRST_PARTY if (ROOT / top).is_dir()
+               for p in (ROOT / top).rglob("*.py")}
+
+    def target(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                edges.update(target(a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, *([base] if base else [])])
+                for a in node.names:
+                    edges.add(target(f"{base}.{a.name}") if f"{base}.{a.name}" in modules
+                              else target(base))
+        edges.discard(None)
+        edges.discard(name)
+        graph[name] = edges
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycles():
+    """No module reaches itself through imports, lazy ones included: each package's modules
+    form a layered graph a reader can follow from the bottom up."""
+    graph = import_graph()
+    assert len(graph) > 100
+    assert import_cycles(graph) == []
