@@ -167,19 +167,19 @@ async def run_case(workload: str, num_running: int, sizes: dict, address: str) -
         max_tokens = sched.max_model_len - sizes["prompt_len"]
         for i in range(num_running):
             sched.add_request(request(f"decode-{i}", sizes["prompt_len"], max_tokens))
-        decodes = list(sched.requests.values())
-        while sched.waiting or any(r.num_output_tokens == 0 for r in decodes):
+        decodes = list(sched.queues.requests.values())
+        while sched.queues.waiting or any(r.num_output_tokens == 0 for r in decodes):
             await timed_step(sched, end, identity)  # prefill, not recorded
         samples: list[dict[str, int]] = []
         num_long = 0
         for step in range(sizes["warmup_steps"] + sizes["steps"]):
-            if long_prompt_len and len(sched.requests) == num_running:
+            if long_prompt_len and len(sched.queues.requests) == num_running:
                 sched.add_request(request(f"long-{num_long}", long_prompt_len, 1))
                 num_long += 1
             sample = await timed_step(sched, end, identity)
             if step >= sizes["warmup_steps"]:
                 samples.append(sample)
-        assert sched.num_preemptions == 0, "the KV pool was sized to avoid preemption"
+        assert sched.counters.num_preemptions == 0, "the KV pool was sized to avoid preemption"
         await end.send(identity, Shutdown())
         peer_rc = await asyncio.to_thread(peer.wait, STEP_TIMEOUT_S)
         if peer_rc != 0:

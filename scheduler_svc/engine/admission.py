@@ -29,8 +29,8 @@ def submit_request(sched: Scheduler, registry: Registry, params: SubmitParams,
     if params.req_id in registry:
         raise DuplicateRequest(f"request_id {params.req_id!r} is already in use by a "
                                "waiting or running request; pick another or leave it empty")
-    if len(sched.waiting) >= MAX_WAITING_REQUESTS:
-        raise Overloaded(f"{len(sched.waiting)} requests are already waiting; retry later")
+    if len(sched.queues.waiting) >= MAX_WAITING_REQUESTS:
+        raise Overloaded(f"{len(sched.queues.waiting)} requests are already waiting; retry later")
     client = ClientRequest(params.req_id, params, max_tokens, arrival,
                            [new_sequence_output(i, params, tokenizer)
                             for i in range(params.sequence.n)])

@@ -357,8 +357,8 @@ class Engine:
         if sched is None or self.executor is None:
             return
         try:
-            blamed = sched.abandon_in_flight() or sched.running_ids() or \
-                [r.req_id for r in list(sched.waiting)[:1]]
+            blamed = sched.abandon_in_flight() or sched.queues.running_ids() or \
+                [r.req_id for r in list(sched.queues.waiting)[:1]]
             failure = ExecutorFailed(f"internal scheduler error ({type(error).__name__}: "
                                      f"{error}) while running this request; see the server log")
             for client in self.registry.clients_of(blamed):

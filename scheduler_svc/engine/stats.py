@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("folio.scheduler.stats")
 
-# Cumulative ServerStats counters (Scheduler attributes), kept across executor changes.
+# Cumulative ServerStats counters (Scheduler.counters fields), kept across executor changes.
 COUNTERS = ("num_preemptions", "num_swap_outs", "num_finished_requests", "num_prompt_tokens",
             "num_generated_tokens", "num_steps", "prefix_cache_queries", "prefix_cache_hits",
             "num_draft_tokens", "num_accepted_tokens")
@@ -26,12 +26,13 @@ def server_stats(s: Scheduler | None, past_totals: dict[str, int], executor_conn
                  ) -> dict[str, int | bool]:
     """ServerStats fields: `past_totals` holds the counters of schedulers retired with their
     executor (`retire_counters`), so the counters cover every executor this server has had."""
-    totals = {k: v + (getattr(s, k) if s else 0) for k, v in past_totals.items()}
+    totals = {k: v + (getattr(s.counters, k) if s else 0) for k, v in past_totals.items()}
     bm = s.block_manager if s else None
     queries = totals["prefix_cache_queries"]
-    return dict(num_running=len(s.running) if s else 0,
-                num_waiting=len(s.waiting) if s else 0,
-                num_swapped=len(s.swapped) if s else 0,
+    queues = s.queues if s else None
+    return dict(num_running=len(queues.running) if queues else 0,
+                num_waiting=len(queues.waiting) if queues else 0,
+                num_swapped=len(queues.swapped) if queues else 0,
                 kv_blocks_total=bm.num_blocks if bm else 0,
                 kv_blocks_free=bm.num_free_blocks if bm else 0,
                 swap_blocks_total=bm.num_cpu_blocks if bm else 0,
@@ -52,7 +53,7 @@ def retire_counters(past_totals: dict[str, int], scheduler: Scheduler) -> None:
     after an error); its unfinished requests live on in the registry and count when they end
     on a later scheduler."""
     for name in COUNTERS:
-        past_totals[name] += getattr(scheduler, name)
+        past_totals[name] += getattr(scheduler.counters, name)
 
 
 class StatsLogger:

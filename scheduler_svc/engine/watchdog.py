@@ -71,10 +71,10 @@ class StallWatchdog:
         if sched is None:  # no executor: --resume-timeout governs; progress restarts after
             self._progress.clear()
             return []
-        steps_completing = sched.num_steps != self._num_steps  # since the last check
-        self._num_steps = sched.num_steps
+        steps_completing = sched.counters.num_steps != self._num_steps  # since the last check
+        self._num_steps = sched.counters.num_steps
         by_client: dict[str, list[Request]] = {}
-        for req in sched.requests.values():
+        for req in sched.queues.requests.values():
             by_client.setdefault(req.req_id.split("/", 1)[0], []).append(req)
         stalled, progress = [], {}
         for client in registry:
@@ -96,8 +96,8 @@ class StallWatchdog:
 
     def _report(self, client: ClientRequest, reqs: list[Request], sched: Scheduler,
                 idle_s: float) -> FolioError:
-        bm = sched.block_manager
-        waiting_ids = [r.req_id for r in sched.waiting]
+        bm, queues = sched.block_manager, sched.queues
+        waiting_ids = [r.req_id for r in queues.waiting]
         sequences = [dict(seq_id=r.req_id, status=r.status.value,
                           num_computed_tokens=r.num_computed_tokens, num_tokens=r.num_tokens,
                           num_blocks=len(bm.block_tables.get(r.req_id, ())),
@@ -109,8 +109,8 @@ class StallWatchdog:
         log.error("request stalled: ended by the watchdog", req_id=client.req_id,
                   seconds_without_progress=round(idle_s, 1), state=state, sequences=sequences,
                   num_streamed=[len(s.token_ids) for s in client.sequences],
-                  num_running=len(sched.running), num_waiting=len(sched.waiting),
-                  num_swapped=len(sched.swapped), kv_blocks_free=bm.num_free_blocks,
+                  num_running=len(queues.running), num_waiting=len(queues.waiting),
+                  num_swapped=len(queues.swapped), kv_blocks_free=bm.num_free_blocks,
                   num_in_flight=sched.num_in_flight)
         return RequestStalled(
             f"the request made no progress for {idle_s:.0f}s ({state}) while the server could "

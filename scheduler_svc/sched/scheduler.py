@@ -14,11 +14,22 @@ long prompt spreads over several steps. `max_num_batched_tokens` bounds every st
 5. waiting requests, FCFS (not after a preemption, nor while any request is swapped out),
    each reusing every cached block of its leading tokens (prefix caching, `prefix_cache.py`).
 
-One owner: `SchedulerState` (scheduler_state.py), which this class extends with the building
-of steps (and `StepResults`, step_results.py, with the applying of their results), makes every
-state transition (queues, statuses, block tables, what the executor
-holds). `preemption.py` and the sequence groups only return decisions, which it applies. A Scheduler serves one executor connection; what outlives the connection (every
-client's request and the tokens streamed so far) is in `registry.py`.
+The Scheduler plans; its parts own the state, each whole in one place:
+
+    Scheduler (this module: builds each StepPlan; its config: budget, caps, policies)
+     |- block_manager   BlockManager    every block table, ref count, the prefix cache
+     |- queues          RequestQueues   which request is waiting, running or swapped, the
+     |                                  sequence groups, every move between queues (queues.py)
+     |- executor_view   ExecutorView    what the executor holds and must be told, the plans
+     |                                  in flight (executor_view.py)
+     |- results         ResultApplier   applies each result: tokens, stops, beams, speculation
+     |                                  (step_results.py)
+     '- counters        SchedulerCounters  what it has done, for ServerStats (counters.py)
+
+`preemption.py` and the sequence groups only return decisions, which the planner and the
+result applier carry out through the queues. A Scheduler serves one executor connection; what
+outlives the connection (every client's request and the tokens streamed so far) is in
+`registry.py`.
 
 Overlap. The engine plans step N+1 while the executor runs step N: `schedule()` may be called
 with one plan in flight (never two). A request that samples in a step in flight holds a
@@ -37,14 +48,10 @@ or max_model_len counting placeholders. Requests sent as NewRequest (admitted, r
 have no placeholder. The executor runs plans in order, so a block freed (or offered to the
 prefix cache) while a step is in flight is only reused by a later step.
 
-Invariants between plans (at most two plans are in flight):
-- `running` and `swapped` are sorted by arrival (oldest first); `waiting` is FCFS with
-  recompute-preempted requests put back at the front.
-- a running request has a GPU block table covering its computed tokens, a swapped one a CPU
-  table; waiting ones have none.
-- `_executor_req_ids` are the requests whose state the executor holds: sent as NewRequest and
-  not since reported finished or preempted. Only these appear in CachedRequest, finished and
-  preempted lists. A held request whose table changed under copy-on-write is re-sent as a
+Invariants between plans (at most two plans are in flight): each part's docstring states
+those of the state it owns (queues, tables, what the executor holds). Across them:
+- a running request's GPU table covers its computed tokens;
+- a request the executor holds whose table changed under copy-on-write is re-sent as a
   NewRequest (the executor replaces its copy), because CachedRequest can only append blocks.
   So is a running request the executor does not hold yet: a sequence forked from another.
 - sequence groups (n > 1, beam search; `sequence_group.py`) run as ordinary requests, except
@@ -58,19 +65,22 @@ Invariants between plans (at most two plans are in flight):
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 
 import structlog
 
-from protos.plan import CachedRequest, NewRequest, StepPlan
+from protos.plan import CachedRequest, NewRequest, StepPlan, StepResult
+from scheduler_svc.config import PREEMPTION_MODES
+from scheduler_svc.sched.block_manager import BlockManager
+from scheduler_svc.sched.counters import SchedulerCounters
+from scheduler_svc.sched.executor_view import ExecutorView
 from scheduler_svc.sched.preemption import preemption_mode, swap_in_fits
 from scheduler_svc.sched.prefix_cache import cached_prefix
+from scheduler_svc.sched.queues import RequestQueues
 from scheduler_svc.sched.request import Request, RequestStatus
-from scheduler_svc.sched.scheduler_state import InFlight
-from scheduler_svc.sched.sequence_group import BeamGroup, num_seq_slots
+from scheduler_svc.sched.sequence_group import BeamGroup, SequenceGroup, num_seq_slots
 from scheduler_svc.sched.speculation import proposal, speculates
-from scheduler_svc.sched.step_results import StepResults
+from scheduler_svc.sched.step_results import ResultApplier, StepOutput
 
 log = structlog.get_logger("folio.scheduler.scheduler")
 
@@ -94,17 +104,42 @@ class _Step:
     num_seq_slots: int = 0  # of max_num_seqs, held by the running requests (num_seq_slots)
 
 
-class Scheduler(StepResults):
-    """Builds one step plan at a time on the state it inherits, and applies the result."""
+class Scheduler:
+    """Plans one step at a time over the parts it owns (see the module docstring), and applies
+    each result through `results`. Its methods are what the engine's loop does with it: add,
+    abort, fail and stop requests; schedule, update and abandon plans. What it holds is read
+    from its parts (`queues.waiting`, `counters.num_steps`, `block_manager`...)."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, *,
+                 enable_prefix_caching: bool = True, preemption_mode: str = "auto",
+                 first_step_id: int = 0, reset_executor: bool = False,
+                 num_speculative_tokens: int = 0, speculative_method: str = "ngram"):
+        assert preemption_mode in PREEMPTION_MODES, preemption_mode
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_prefix_caching = enable_prefix_caching
+        self.preemption_mode = preemption_mode
+        self.num_speculative_tokens = num_speculative_tokens  # 0: no speculative decoding
+        self.speculative_method = speculative_method  # ngram | draft (speculation.py)
+        self.block_manager = block_manager
+        self.counters = SchedulerCounters()
+        self.executor_view = ExecutorView(first_step_id, reset_executor)
+        self.queues = RequestQueues(block_manager, self.executor_view, self.counters)
+        self.results = ResultApplier(self.queues, block_manager, self.counters, max_model_len,
+                                     enable_prefix_caching=enable_prefix_caching,
+                                     num_speculative_tokens=num_speculative_tokens)
 
     # ---- one step --------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
         """The next step's plan, or None when nothing can be scheduled now (with a plan in
         flight: also when this step must wait for its result, see "Overlap")."""
-        assert len(self._in_flight) < MAX_IN_FLIGHT, "schedule() with two plans in flight"
-        overlapping = bool(self._in_flight)
-        if overlapping and (self.num_speculative_tokens or self.has_beam_search()):
+        queues, executor_view = self.queues, self.executor_view
+        assert executor_view.num_in_flight < MAX_IN_FLIGHT, "schedule() with two plans in flight"
+        overlapping = bool(executor_view.num_in_flight)
+        if overlapping and (self.num_speculative_tokens or queues.has_beam_search()):
             return None
         step = _Step(budget=self.max_num_batched_tokens)
         # 1-2. Running requests get their tokens: decodes first, then prompt chunks.
@@ -114,7 +149,7 @@ class Scheduler(StepResults):
             return None  # someone must be preempted: only with nothing in flight
         # 3. Blocks for them, preempting the newest running requests if need be.
         wants = self._make_room(wants, num_needed, step)
-        while step.preempted and not wants and self.running:
+        while step.preempted and not wants and queues.running:
             # The victims held the whole budget (decodes take it first, and the newest request
             # may decode while an older one is mid-prompt): hand it out again, or the step
             # would be empty and the engine would idle with requests it could run.
@@ -125,59 +160,83 @@ class Scheduler(StepResults):
             wants = self._make_room(wants, self._num_blocks_needed(wants, step.lookahead), step)
         self._schedule_running(wants, step)
         # 4-5. Only if nobody had to make room: swapped requests, then waiting ones.
-        step.num_seq_slots = num_seq_slots(self.running)
-        if not step.preempted and not (overlapping and self._in_flight[-1].plan.swap_out):
+        step.num_seq_slots = num_seq_slots(queues.running)
+        if not step.preempted and not (overlapping and executor_view.newest_plan().swap_out):
             self._resume_swapped(step)
-        if not step.preempted and not self.swapped:
+        if not step.preempted and not queues.swapped:
             self._admit_waiting(step)
         if not (step.new_reqs or step.cached_reqs or step.swap_out or step.block_copies):
             return None  # nothing to run; pending finished/preempted ids ride the next plan
-        plan = StepPlan(step_id=self._next_step_id, new_reqs=step.new_reqs,
-                        cached_reqs=step.cached_reqs,
-                        finished_req_ids=self._pending_finished_ids,
-                        preempted_req_ids=self._pending_preempted_ids,
-                        block_copies=step.block_copies, swap_out=step.swap_out,
-                        swap_in=step.swap_in, reset=self._reset_executor)
-        self._reset_executor = False
-        self._pending_finished_ids, self._pending_preempted_ids = [], []
-        self._next_step_id += 1
-        self._in_flight.append(InFlight(plan, step.swapped_out))
-        return plan
+        return executor_view.make_plan(new_reqs=step.new_reqs, cached_reqs=step.cached_reqs,
+                                       block_copies=step.block_copies, swap_out=step.swap_out,
+                                       swap_in=step.swap_in, swapped_out=step.swapped_out)
 
-    def stop_request(self, req_id: str) -> None:
-        """Finish a sequence whose text completed a stop string (found after `update`, by the
-        output processor). A token a step in flight computes for it is discarded by `update`,
-        and its id rides the next plan's finished_req_ids. No-op if it already finished."""
-        req = self.requests.get(req_id)
-        if req is None:
-            return
-        self._finish(req, RequestStatus.FINISHED_STOPPED)
-        if req.group is not None and req.group.is_done():
-            self.groups.pop(req.group.req_id, None)
+    # ---- results, and plans that fail ------------------------------------------------------
+
+    def update(self, result: StepResult) -> list[StepOutput]:
+        """Apply the oldest in-flight plan's sampled tokens; finish requests that hit a stop
+        (step_results.py)."""
+        return self.results.apply(self.executor_view.complete(result.step_id), result)
 
     def abandon_oldest(self) -> list[str]:
         """The oldest in-flight step failed: forget it and return the ids it scheduled (the
         caller fails them). A plan still in flight behind it stays: the executor skips the
         failed requests in it (executor_svc/worker.py)."""
-        if not self._in_flight:
+        failed = self.executor_view.abandon_oldest()
+        if failed is None:
             return []
-        failed = self._in_flight.popleft()
         # Requests it swapped out may have no KV on the CPU: they start over by recompute.
         for req in failed.swapped_out:
-            if req.status is RequestStatus.SWAPPED:
-                self.swapped.remove(req)
-                self.block_manager.free(req.req_id)
-                req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
-                self.waiting.appendleft(req)
+            self.queues.requeue_swapped(req)
         plan = failed.plan
         return [r.req_id for r in plan.new_reqs] + [r.req_id for r in plan.cached_reqs]
 
     def abandon_in_flight(self) -> list[str]:
         """Forget every plan in flight; returns the ids they scheduled."""
         req_ids: list[str] = []
-        while self._in_flight:
+        while self.executor_view.num_in_flight:
             req_ids += self.abandon_oldest()
         return list(dict.fromkeys(req_ids))
+
+    # ---- requests in and out (queues.py) ---------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        self.queues.add_request(req)
+
+    def add_group(self, group: SequenceGroup) -> None:
+        self.queues.add_group(group)
+
+    def abort_request(self, req_id: str) -> Request | None:
+        return self.queues.abort_request(req_id)
+
+    def abort_group(self, req_id: str) -> list[Request]:
+        return self.queues.abort_group(req_id)
+
+    def fail_requests(self, req_ids: list[str]) -> list[Request]:
+        return self.queues.fail_requests(req_ids)
+
+    def stop_request(self, req_id: str) -> None:
+        """Finish a sequence whose text completed a stop string (found after `update`, by the
+        output processor). A token a step in flight computes for it is discarded by `update`,
+        and its id rides the next plan's finished_req_ids. No-op if it already finished."""
+        self.queues.stop_request(req_id)
+
+    def has_unfinished(self) -> bool:
+        return self.queues.has_unfinished()
+
+    # ---- plans in flight (executor_view.py) ------------------------------------------------
+
+    @property
+    def next_step_id(self) -> int:
+        return self.executor_view.next_step_id
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.executor_view.num_in_flight
+
+    def oldest_in_flight(self) -> StepPlan | None:
+        """The plan whose result comes next (the executor runs plans in order)."""
+        return self.executor_view.oldest_plan()
 
     # ---- the phases of schedule() ----------------------------------------------------------
 
@@ -185,7 +244,7 @@ class Scheduler(StepResults):
         """Token budget for running requests: decodes first, then prompt chunks."""
         decodes: list[tuple[Request, int]] = []
         prefills: list[tuple[Request, int]] = []
-        for req in self.running:  # one pass: it runs every step over every running request
+        for req in self.queues.running:  # one pass: it runs every step over every running one
             num_placeholders = req.num_placeholders
             num_lacking = req.num_tokens + num_placeholders - req.num_computed_tokens
             if num_placeholders and (
@@ -224,59 +283,45 @@ class Scheduler(StepResults):
                 step.lookahead.clear()
                 num_needed = self._num_blocks_needed(wants, step.lookahead)
                 continue
-            self._preempt(self.running[-1], step)  # non-empty: wants holds running requests
+            self._preempt(self.queues.running[-1], step)  # non-empty: wants holds running ones
             # Not just the victim: preempting a beam ends all beams of its search.
             wants = [(r, n) for r, n in wants if r.status is RequestStatus.RUNNING]
             num_needed = self._num_blocks_needed(wants, step.lookahead)
         return wants
 
     def _preempt(self, req: Request, step: _Step) -> None:
-        self.num_preemptions += 1
+        self.counters.num_preemptions += 1
         step.preempted = True
         if isinstance(req.group, BeamGroup):
             # Beams share blocks and wait for each other every step: resumed one by one they
             # could hold blocks forever. The search restarts instead; greedy, it replays.
             log.info("beam search preempted: restarting it", req_id=req.group.req_id,
                      num_beams=len(req.group.beams))
-            self._restart_beam_search(req.group)
+            self.queues.restart_beam_search(req.group)
             return
         mode = preemption_mode(self.preemption_mode, self.block_manager, req)
         log.info("request preempted", req_id=req.req_id, mode=mode,
                  num_computed_tokens=req.num_computed_tokens)
-        self.running.remove(req)
+        step.swap_out.extend(self.queues.preempt(req, mode))
         if mode == "swap":
-            step.swap_out.extend(self.block_manager.swap_out([req.req_id]))
             step.swapped_out.append(req)
-            req.status = RequestStatus.SWAPPED
-            bisect.insort(self.swapped, req, key=lambda r: r.arrival)
-            self.num_swap_outs += 1
-        else:
-            self.block_manager.free(req.req_id)
-            req.status = RequestStatus.WAITING
-            req.num_computed_tokens = 0
-            self.waiting.appendleft(req)
-        req.num_preemptions += 1
-        if req.req_id in self._executor_req_ids:
-            self._executor_req_ids.discard(req.req_id)
-            self._pending_preempted_ids.append(req.req_id)
+            self.counters.num_swap_outs += 1
 
     def _resume_swapped(self, step: _Step) -> None:
         """Swap requests back in, oldest first, while their blocks, a token and their sequence
         slots fit. The executor gets each as a NewRequest with all its tokens and new table."""
-        bm = self.block_manager
-        while self.swapped and step.budget > 0:
-            req = self.swapped[0]
+        bm, swapped = self.block_manager, self.queues.swapped
+        while swapped and step.budget > 0:
+            req = swapped[0]
             if not self._fits_seq_cap(req, step):
                 break
             num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
             if not swap_in_fits(bm, req, num_new):
                 break  # the oldest goes first; younger ones wait behind it
-            self.swapped.pop(0)
-            step.swap_in.extend(bm.swap_in([req.req_id]))
+            step.swap_in.extend(self.queues.swap_in(req))
             alloc = bm.allocate(req.req_id, req.num_computed_tokens + num_new)
             if alloc.copy is not None:
                 step.block_copies.append(alloc.copy)
-            self._start_running(req)
             step.num_seq_slots += num_seq_slots([req])
             step.new_reqs.append(self._new_request(req, num_new))
             self._advance(req, num_new)
@@ -285,7 +330,7 @@ class Scheduler(StepResults):
     def _schedule_running(self, wants: list[tuple[Request, int]], step: _Step) -> None:
         """Blocks for each running request's tokens (there are enough: `_make_room`), and its
         plan entry (a loop over every running request at every step)."""
-        allocate, held = self.block_manager.allocate, self._executor_req_ids
+        allocate, held = self.block_manager.allocate, self.executor_view.held_req_ids
         cached_reqs = step.cached_reqs
         lookahead, max_len = step.lookahead, self.max_model_len
         for req, num_new in wants:
@@ -308,9 +353,9 @@ class Scheduler(StepResults):
 
     def _admit_waiting(self, step: _Step) -> None:
         """Admit waiting requests FCFS while budget, sequence slots and blocks last."""
-        bm = self.block_manager
-        while self.waiting and step.budget > 0:
-            req = self.waiting[0]
+        bm, waiting = self.block_manager, self.queues.waiting
+        while waiting and step.budget > 0:
+            req = waiting[0]
             if not self._fits_seq_cap(req, step):
                 break  # FCFS: a group waits for its sequence slots, no one overtakes it
             # Prompt logprobs need every prompt position computed: no prefix cache read then.
@@ -318,16 +363,14 @@ class Scheduler(StepResults):
                                 and req.sampling.prompt_logprobs < 0 else [])
             num_cached = len(cached_block_ids) * bm.block_size
             num_new = min(req.num_tokens - num_cached, step.budget)
-            if bm.allocate_new(req.req_id, num_cached + num_new, cached_block_ids) is None:
+            if not self.queues.admit(req, num_cached + num_new, cached_block_ids):
                 break  # head-of-line waits for blocks; FCFS lets no one overtake it
-            self.waiting.popleft()
             if self.enable_prefix_caching:
-                self.prefix_cache_queries += req.num_tokens
-                self.prefix_cache_hits += num_cached
+                self.counters.prefix_cache_queries += req.num_tokens
+                self.counters.prefix_cache_hits += num_cached
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_cached
             req.num_computed_tokens = num_cached
-            self._start_running(req)
             step.num_seq_slots += num_seq_slots([req])
             step.new_reqs.append(self._new_request(req, num_new))
             self._advance(req, num_new)
@@ -345,7 +388,7 @@ class Scheduler(StepResults):
     def _new_request(self, req: Request, num_new: int) -> NewRequest:
         # The executor's copy is replaced by the known tokens: nothing may be in flight for it.
         assert req.num_placeholders == 0, f"{req.req_id} re-sent with a token in flight"
-        self._executor_req_ids.add(req.req_id)
+        self.executor_view.mark_sent(req.req_id)
         req.pending_token_ids = []  # all_token_ids carries them
         req.executor_prompt_logprobs = req.sampling.prompt_logprobs >= 0
         return NewRequest(req.req_id, req.all_token_ids, req.sampling,
@@ -355,7 +398,7 @@ class Scheduler(StepResults):
     def _fits_seq_cap(self, req: Request, step: _Step) -> bool:
         """Room under `max_num_seqs` for `req` and the sequences it forks into. With nothing
         running anything fits, so a group wider than the cap still runs (alone)."""
-        return not self.running or \
+        return not self.queues.running or \
             step.num_seq_slots + num_seq_slots([req]) <= self.max_num_seqs
 
     def _advance(self, req: Request, num_new: int) -> None:
@@ -364,7 +407,7 @@ class Scheduler(StepResults):
         assert num_new >= 1
         if req.num_computed_tokens < len(req.prompt_token_ids):  # a prompt chunk
             prompt_end = min(req.num_computed_tokens + num_new, len(req.prompt_token_ids))
-            self.num_prompt_tokens += prompt_end - req.num_computed_tokens
+            self.counters.num_prompt_tokens += prompt_end - req.num_computed_tokens
         req.num_computed_tokens += num_new
         if (req.num_computed_tokens - len(req.spec_token_ids)
                 == req.num_tokens + req.num_placeholders

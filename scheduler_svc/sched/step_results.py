@@ -1,17 +1,23 @@
-"""The result side of a step: `StepResults.update` applies an executor's StepResult to the
-requests (the in-flight placeholders become real tokens, stops finish requests, logprobs are
-filed) and returns a StepOutput per request that sampled; the Scheduler (scheduler.py), which
-builds the plans, extends it. See scheduler.py for overlap and the invariants both keep."""
+"""Applying a step's result: the executor's sampled tokens become the requests' tokens, stops
+finish requests, logprobs are filed, a sequence group's hidden samples fork children or feed
+its beam search, and speculative proposals are settled. `ResultApplier.apply` returns a
+StepOutput per request that sampled, for the output processor (engine/output_processor.py).
+
+See scheduler.py, "Overlap", for the placeholders a plan in flight leaves behind.
+"""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import NamedTuple
 
-from protos.plan import StepResult
+from protos.plan import StepPlan, StepResult
+from scheduler_svc.sched.block_manager import BlockManager
+from scheduler_svc.sched.counters import SchedulerCounters
 from scheduler_svc.sched.prefix_cache import cache_computed_blocks_many
+from scheduler_svc.sched.queues import RequestQueues
 from scheduler_svc.sched.request import Request, RequestStatus, TokenLogprobs
-from scheduler_svc.sched.scheduler_state import SchedulerState
+from scheduler_svc.sched.sequence_group import BeamGroup, ParallelGroup
 
 
 class StepOutput(NamedTuple):
@@ -24,21 +30,44 @@ class StepOutput(NamedTuple):
     logprobs: list[TokenLogprobs] | None = None  # one per new token, if the request asks
 
 
-class StepResults(SchedulerState):
-    """Applies step results to the state it inherits."""
+class ResultApplier:
+    """Applies each step's result to the requests, in plan order (one call per plan).
 
-    def update(self, result: StepResult) -> list[StepOutput]:
-        """Apply the oldest in-flight plan's sampled tokens; finish requests that hit a stop."""
-        assert self._in_flight and self._in_flight[0].plan.step_id == result.step_id, \
-            f"result for step {result.step_id} does not match the oldest plan in flight"
-        plan = self._in_flight.popleft().plan
-        self.num_steps += 1
-        requests, running = self.requests, RequestStatus.RUNNING
+    What it keeps true, once `apply` returns:
+    - each request the plan sampled for that still runs has its oldest placeholder turned
+      into the sampled token(s); a token for a request that ended meanwhile (a stop, an abort)
+      is dropped;
+    - a request whose token is a stop (EOS or stop id after min_tokens, max_tokens,
+      max_model_len) is finished, so its blocks are free before the next plan;
+    - with prefix caching, every full block the step computed is offered to the cache before
+      anything is freed; a speculating request's computed count is back to what the executor
+      kept (its accepted proposals);
+    - a sequence group's hidden samples (a parallel-sampling parent's, a beam's) reach no
+      stream: they fork children or feed the beam search, whose decisions move requests
+      through the queues.
+    Beyond its settings it holds no state: it changes requests and, through its methods only,
+    the queues.
+    """
+
+    def __init__(self, queues: RequestQueues, block_manager: BlockManager,
+                 counters: SchedulerCounters, max_model_len: int, *,
+                 enable_prefix_caching: bool, num_speculative_tokens: int):
+        self._queues = queues
+        self._block_manager = block_manager
+        self._counters = counters
+        self.max_model_len = max_model_len
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_speculative_tokens = num_speculative_tokens
+
+    def apply(self, plan: StepPlan, result: StepResult) -> list[StepOutput]:
+        """Apply `plan`'s result: its sampled tokens; finish requests that hit a stop."""
+        self._counters.num_steps += 1
+        requests, running = self._queues.requests, RequestStatus.RUNNING
         if self.num_speculative_tokens:
             self._settle_proposals(plan, result)
         if self.enable_prefix_caching:
             # The step wrote its blocks: full ones become reusable, before anything is freed.
-            cache_computed_blocks_many(self.block_manager, [
+            cache_computed_blocks_many(self._block_manager, [
                 req for scheduled in (*plan.new_reqs, *plan.cached_reqs)
                 if (req := requests.get(scheduled.req_id)) is not None
                 and req.status is running])
@@ -70,7 +99,7 @@ class StepResults(SchedulerState):
                 if (status := self._stop_status(req, token_id)) is not None:
                     if status is RequestStatus.FINISHED_STOPPED:
                         req.matched_stop = token_id
-                    self._finish(req, status)
+                    self._queues.finish(req, status)
                     finished = True
                     new_token_ids = token_ids[:i + 1]
                     break
@@ -83,15 +112,42 @@ class StepResults(SchedulerState):
             if req.sampling.sampled_logprob:
                 token_lps = self._token_logprobs(req, new_token_ids, sampled_lps, logprobs)
             outputs.append(new_output(StepOutput, (req, new_token_ids, finished, token_lps)))
-            if req.group is not None and req.group.is_done():
-                self.groups.pop(req.group.req_id, None)
-        self.num_generated_tokens += num_generated
+            if req.group is not None:
+                self._queues.forget_group_if_done(req.group)
+        self._counters.num_generated_tokens += num_generated
         for req_id, ids in result.proposals:  # the draft model's, for the next step
             if (req := requests.get(req_id)) is not None:
                 req.draft_proposals = (req.num_tokens, ids)
         return outputs
 
-    def _settle_proposals(self, plan, result: StepResult) -> None:
+    def _on_hidden_sample(self, req: Request, logprobs: list[tuple[int, float]] | None
+                          ) -> list[Request]:
+        """A parallel-sampling parent or a beam finished computing its tokens: fork the
+        children, or feed the beam search. Returns the group outputs now complete."""
+        queues, group = self._queues, req.group
+        if isinstance(group, ParallelGroup):
+            for child in group.outputs:
+                queues.fork(req, child)
+            queues.finish(req, RequestStatus.FINISHED_STOPPED)  # its draw is discarded
+            return []
+        assert isinstance(group, BeamGroup) and logprobs, f"beam {req.req_id} without logprobs"
+        decision = group.on_logprobs(req, logprobs)
+        if decision is None:
+            return []
+        for parent, child in decision.forks:  # before the parents grow: children copy their KV
+            queues.fork(parent, child)
+        for beam, token_id in decision.continues:
+            beam.output_token_ids.append(token_id)
+            beam.pending_token_ids.append(token_id)
+        for beam in decision.dropped:
+            queues.finish(beam, RequestStatus.FINISHED_ABORTED)
+        self._counters.num_generated_tokens += len(decision.forks) + len(decision.continues)
+        if decision.finals:
+            queues.forget_group(group)
+            self._counters.num_finished_requests += len(decision.finals)
+        return decision.finals
+
+    def _settle_proposals(self, plan: StepPlan, result: StepResult) -> None:
         """Speculative decoding: each request's computed count, which counted its proposals,
         rolled back to what the executor kept (the accepted proposals and the token before
         them), before prefix caching keys a block and the tokens are appended. The block
@@ -100,7 +156,7 @@ class StepResults(SchedulerState):
         for scheduled in plan.cached_reqs:
             if not scheduled.spec_token_ids:
                 continue
-            req = self.requests.get(scheduled.req_id)
+            req = self._queues.requests.get(scheduled.req_id)
             if req is None or not req.spec_token_ids:
                 continue
             if emitted is None:
@@ -109,8 +165,8 @@ class StepResults(SchedulerState):
             num_accepted = max(0, min(emitted.get(req.req_id, 1) - 1, num_drafts))
             req.num_computed_tokens -= num_drafts - num_accepted
             req.spec_token_ids = []
-            self.num_draft_tokens += num_drafts
-            self.num_accepted_tokens += num_accepted
+            self._counters.num_draft_tokens += num_drafts
+            self._counters.num_accepted_tokens += num_accepted
 
     def _token_logprobs(self, req: Request, token_ids: list[int],
                         sampled_lps: dict[str, tuple[float, int]],
@@ -126,7 +182,7 @@ class StepResults(SchedulerState):
         """File each reported prompt position under its token (index - 1), by position, so a
         chunk computed again after a recompute preemption replaces rather than repeats."""
         for entry in result.prompt_logprobs:
-            req = self.requests.get(entry.req_id)
+            req = self._queues.requests.get(entry.req_id)
             if req is None or req.sampling.prompt_logprobs < 0:
                 continue
             prompt = req.prompt_token_ids

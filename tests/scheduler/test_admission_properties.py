@@ -189,16 +189,17 @@ def check_all_free(engine: LocalEngine) -> None:
     """Nothing left anywhere: registry, queues, groups, block tables, both pools; and the
     executor holds exactly the requests the next plan tells it to drop."""
     sched, bm = engine.sched, engine.sched.block_manager
+    queues, executor_view = sched.queues, sched.executor_view
     assert len(engine.registry) == 0
-    assert not (sched.waiting or sched.running or sched.swapped or sched.requests
-                or sched.groups)
+    assert not (queues.waiting or queues.running or queues.swapped or queues.requests
+                or queues.groups)
     assert not bm.block_tables and not bm.cpu_tables
     assert bm.num_free_blocks == bm.num_blocks
     assert bm.num_free_cpu_blocks == bm.num_cpu_blocks
     assert bm.ref_counts == [0] * bm.num_blocks
     assert bm.cpu_ref_counts == [0] * bm.num_cpu_blocks
     bm.check_invariants()
-    to_drop = set(sched._pending_finished_ids) | set(sched._pending_preempted_ids)
+    to_drop = set(executor_view.pending_finished_ids) | set(executor_view.pending_preempted_ids)
     assert set(engine.mirror.reqs) == to_drop
 
 
@@ -236,9 +237,9 @@ def test_every_request_is_refused_or_ends_and_every_block_comes_back(workload, t
     assert turns <= turn_bound(batch, server)
     sched = engine.sched
     for name, happened in (("refused", any(isinstance(o, Refused) for o in outcomes.values())),
-                           ("preempted", sched.num_preemptions),
-                           ("swapped", sched.num_swap_outs),
-                           ("prefix hit", sched.prefix_cache_hits),
+                           ("preempted", sched.counters.num_preemptions),
+                           ("swapped", sched.counters.num_swap_outs),
+                           ("prefix hit", sched.counters.prefix_cache_hits),
                            ("proposals", engine.mirror.num_proposed),
                            ("proposals accepted", engine.mirror.num_accepted),
                            ("beam search", any(r.beam_width > 1 for r in batch)),

@@ -100,7 +100,7 @@ def test_preemption_restarts_the_search_with_the_same_answer(extra):
     assert {k: v for k, v in got.items() if k[0] == "b"} == \
         {("b", i): v for i, v in direct(case).items()}
     assert len(got[("old", 0)][0]) == 12
-    assert group.num_restarts > 0 and sched.num_preemptions > 0
+    assert group.num_restarts > 0 and sched.counters.num_preemptions > 0
 
 
 def test_beams_next_to_parallel_and_plain_requests():
@@ -142,7 +142,7 @@ def test_a_beam_search_holds_beam_width_sequence_slots():
 
     def watch(_):
         nonlocal peak
-        peak = max(peak, len(sched.running))
+        peak = max(peak, len(sched.queues.running))
 
     tokens, finished, _ = run(sched, mirror, on_step=watch)
     got = {key: (tokens[key], finished[key]) for key in finished}
@@ -177,7 +177,7 @@ def test_a_pool_of_the_admission_bound_runs_the_search_alone(case, num_prompt, m
     sched.add_group(make_beam_group("b", case, prompt=prompt))
     got, _ = served(sched, mirror)
     assert got == {("b", i): v for i, v in direct(case, prompt).items()}
-    assert sched.num_preemptions == 0
+    assert sched.counters.num_preemptions == 0
     assert sched.block_manager.num_free_blocks == bound
 
 

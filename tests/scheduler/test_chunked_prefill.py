@@ -57,7 +57,7 @@ def test_decodes_go_first_even_when_prompts_are_older():
     for _ in range(4):
         plan = step(sched, mirror)
         assert scheduled(plan) == {"young": 1, "old-long": 7}
-        assert sched.running[0] is old_long  # older, yet the decode went first
+        assert sched.queues.running[0] is old_long  # older, yet the decode went first
         assert (plan.cached_reqs + plan.new_reqs)[0].req_id == "young"
     run_to_end(sched, mirror)
 

@@ -220,4 +220,4 @@ def test_random_workloads_finish_exactly_and_leak_nothing(ops, num_blocks, bs, n
     assert not bm.block_tables and not bm.cpu_tables
     assert bm.num_free_blocks == num_blocks and bm.num_free_cpu_blocks == num_cpu_blocks
     assert bm.ref_counts == [0] * num_blocks and bm.cpu_ref_counts == [0] * num_cpu_blocks
-    assert not sched.running and not sched.swapped and not sched.waiting
+    assert not sched.queues.running and not sched.queues.swapped and not sched.queues.waiting

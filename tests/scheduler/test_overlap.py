@@ -46,7 +46,7 @@ def test_overlapped_runs_equal_lockstep_runs(pool):
         workload(sched)
         tokens, finished, plans = run(sched, mirror, overlap=overlap)
         results[overlap] = (tokens, finished)
-        if overlap and sched.num_preemptions == 0:
+        if overlap and sched.counters.num_preemptions == 0:
             # Nothing is computed past max_tokens: "a" ends with 13 + 12 tokens and its last
             # sampled token is never fed back, though its plans went out before its results.
             scheduled_a = sum(r.num_scheduled_tokens for p in plans

@@ -152,7 +152,7 @@ def test_seeded_sequences_are_reproducible_and_preemption_keeps_them():
         sched.add_group(make_group("g", num_prompt=13, n=4, max_tokens=10))
         tight, _, _ = run(sched, mirror)
         assert tight == roomy, extra
-        assert sched.num_preemptions > 0
+        assert sched.counters.num_preemptions > 0
 
 
 def test_small_token_budget_chunks_the_shared_prompt():
@@ -189,7 +189,7 @@ def test_abort_before_and_after_the_fork_frees_everything():
         aborted = sched.abort_group("g")
         assert sorted(r.index for r in aborted) == [0, 1, 2]
         assert all(r.status is RequestStatus.FINISHED_ABORTED for r in group.outputs)
-        assert not sched.has_unfinished() and "g" not in sched.groups
+        assert not sched.has_unfinished() and "g" not in sched.queues.groups
         assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
         assert sched.abort_group("g") == []
         sched.add_request(Request(req_id="next", prompt_token_ids=[30, 31], arrival=9,
@@ -209,7 +209,7 @@ def test_forks_stay_within_max_num_seqs():
 
     def watch(_):
         nonlocal peak
-        peak = max(peak, len(sched.running))
+        peak = max(peak, len(sched.queues.running))
 
     tokens, _, _ = run(sched, mirror, on_step=watch)
     assert peak == 4  # "a"'s three and "c", never "b"'s three next to "a"'s
@@ -227,8 +227,8 @@ def test_a_group_wider_than_max_num_seqs_runs_alone():
     alone = []
 
     def watch(_):
-        if any(r.group is not None for r in sched.running):
-            alone.append(all(r.group is not None for r in sched.running))
+        if any(r.group is not None for r in sched.queues.running):
+            alone.append(all(r.group is not None for r in sched.queues.running))
 
     tokens, _, _ = run(sched, mirror, on_step=watch)
     assert alone and all(alone)  # "g" waits for "c", and "d" waits for "g"

@@ -40,9 +40,9 @@ def test_swap_out_then_swap_in_with_exact_pairs():
     assert plan.swap_out == [(2, 0), (3, 1)]  # new's table [2, 3] -> CPU blocks [0, 1]
     assert [(c.req_id, c.new_block_ids) for c in plan.cached_reqs] == [("old", [3])]
     assert new.status is RequestStatus.SWAPPED and new.num_computed_tokens == 8
-    assert sched.swapped == [new] and [r.req_id for r in sched.waiting] == ["late"]
+    assert sched.queues.swapped == [new] and [r.req_id for r in sched.queues.waiting] == ["late"]
     assert sched.block_manager.cpu_block_table("new") == [0, 1]
-    assert sched.num_swap_outs == 1 and sched.num_preemptions == 1
+    assert sched.counters.num_swap_outs == 1 and sched.counters.num_preemptions == 1
     # "old" runs alone to its end; "new" comes back before "late" (swapped before waiting).
     plans = run_to_end(sched, mirror)
     back = next(i for i, p in enumerate(plans) if p.swap_in)
@@ -70,8 +70,8 @@ def test_swap_out_then_swap_in_with_exact_pairs():
 def test_preemption_mode_policy(mode, num_cpu_blocks, prompt_len, expected):
     sched, mirror, old, new = two_growing_requests(mode, num_cpu_blocks, prompt_len)
     run_to_end(sched, mirror)
-    assert sched.num_preemptions >= 1
-    assert (sched.num_swap_outs > 0) == (expected == "swap")
+    assert sched.counters.num_preemptions >= 1
+    assert (sched.counters.num_swap_outs > 0) == (expected == "swap")
     want = uninterrupted_outputs({"old": prompt_len, "new": 7}, max_tokens=6)
     assert (old.output_token_ids, new.output_token_ids) == (want["old"], want["new"])
 
@@ -90,7 +90,7 @@ def test_auto_recomputes_a_context_shorter_than_a_block():
     plan = step(sched, mirror)  # old writes position 7 (block 0), new position 4
     plan = step(sched, mirror)  # old needs block 2 of 2: new (5 computed < 8) is recomputed
     assert plan.preempted_req_ids == ["new"] and plan.swap_out == []
-    assert new.status is RequestStatus.WAITING and sched.num_swap_outs == 0
+    assert new.status is RequestStatus.WAITING and sched.counters.num_swap_outs == 0
     run_to_end(sched, mirror)
 
 
@@ -100,7 +100,7 @@ def test_abort_of_a_swapped_request_frees_its_cpu_blocks():
         step(sched, mirror)
     assert new.status is RequestStatus.SWAPPED
     assert sched.abort_request("new") is new
-    assert sched.block_manager.num_free_cpu_blocks == 4 and sched.swapped == []
+    assert sched.block_manager.num_free_cpu_blocks == 4 and sched.queues.swapped == []
     plan = step(sched, mirror)
     assert "new" not in plan.finished_req_ids  # the executor dropped it at swap-out
     run_to_end(sched, mirror)
@@ -117,8 +117,8 @@ def test_many_requests_under_pressure_match_an_uninterrupted_run():
         for r in reqs:
             sched.add_request(r)
         run_to_end(sched, mirror, max_steps=400)
-        assert sched.num_preemptions > 0
-        assert (sched.num_swap_outs > 0) == (mode != "recompute")
+        assert sched.counters.num_preemptions > 0
+        assert (sched.counters.num_swap_outs > 0) == (mode != "recompute")
         expected = uninterrupted_outputs(prompts, max_tokens=14)
         assert {r.req_id: r.output_token_ids for r in reqs} == expected, mode
 
@@ -132,6 +132,6 @@ def test_a_failed_step_that_swapped_out_requeues_the_victim_for_recompute():
     mirror.fail(plan)  # the CPU copy of new's blocks may never have been made
     assert sched.fail_requests(sched.abandon_in_flight()) == [old]
     assert new.status is RequestStatus.WAITING and new.num_computed_tokens == 0
-    assert sched.block_manager.num_free_cpu_blocks == 4 and sched.swapped == []
+    assert sched.block_manager.num_free_cpu_blocks == 4 and sched.queues.swapped == []
     run_to_end(sched, mirror)
     assert new.output_token_ids == uninterrupted_outputs({"old": 7, "new": 7}, 6)["new"]

@@ -26,7 +26,7 @@ def test_a_shared_system_prompt_is_computed_once():
     first = req("first", SYSTEM + [5, 6], 0)
     sched.add_request(first)
     p0 = step(sched, mirror)
-    assert p0.new_reqs[0].num_computed_tokens == 0 and sched.num_prompt_tokens == 42
+    assert p0.new_reqs[0].num_computed_tokens == 0 and sched.counters.num_prompt_tokens == 42
     first_blocks = p0.new_reqs[0].block_ids
     second = req("second", SYSTEM + [7, 8, 9], 1)
     sched.add_request(second)
@@ -36,8 +36,9 @@ def test_a_shared_system_prompt_is_computed_once():
     assert new.block_ids[:10] == first_blocks[:10]
     assert (new.num_computed_tokens, new.num_scheduled_tokens) == (40, 3)
     assert second.num_cached_tokens == 40 and first.num_cached_tokens == 0
-    assert sched.num_prompt_tokens == 42 + 3
-    assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (42 + 43, 40)
+    assert sched.counters.num_prompt_tokens == 42 + 3
+    counters = sched.counters
+    assert (counters.prefix_cache_queries, counters.prefix_cache_hits) == (42 + 43, 40)
     assert sched.block_manager.ref_counts[first_blocks[0]] == 2
     run_to_end(sched, mirror)
     assert first.output_token_ids and second.output_token_ids
@@ -63,7 +64,7 @@ def test_blocks_are_cached_only_after_the_step_that_computed_them():
     sched.add_request(req("b", SYSTEM, 1))
     plan = step(sched, mirror)  # both in one step: nothing is cached yet
     assert [n.num_computed_tokens for n in plan.new_reqs] == [0, 0]
-    assert sched.prefix_cache_hits == 0
+    assert sched.counters.prefix_cache_hits == 0
     sched.add_request(req("c", SYSTEM, 2))
     assert step(sched, mirror).new_reqs[0].num_computed_tokens == 36
     run_to_end(sched, mirror)
@@ -86,7 +87,8 @@ def test_salt_and_the_switch_isolate_the_cache():
         sched.add_request(req("b", SYSTEM, 1, salt=salt))
         assert step(sched, mirror).new_reqs[0].num_computed_tokens == 0
         run_to_end(sched, mirror)
-    assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (0, 0)  # switched off
+    counters = sched.counters
+    assert (counters.prefix_cache_queries, counters.prefix_cache_hits) == (0, 0)  # switched off
 
 
 def test_evicted_blocks_are_never_read_and_survivors_are_reused():
@@ -119,7 +121,7 @@ def test_recompute_resumes_from_surviving_blocks_and_counts_cached_tokens_once()
     sched.add_request(a)
     sched.add_request(b)
     plans = run_to_end(sched, mirror)
-    assert sched.num_preemptions >= 1 and b.num_preemptions >= 1
+    assert sched.counters.num_preemptions >= 1 and b.num_preemptions >= 1
     resumed = [n for p in plans for n in p.new_reqs if n.req_id == "b"][1:]
     assert resumed and all(n.num_computed_tokens % BS == 0 for n in resumed)
     assert b.num_cached_tokens == 0  # usage counts the first admission only

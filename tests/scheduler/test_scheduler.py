@@ -86,7 +86,7 @@ def test_token_budget_and_sequence_cap():
     # sequences keeps r3 waiting although 1 token of budget is left.
     assert [(r.req_id, r.num_scheduled_tokens) for r in p1.cached_reqs] == [("r0", 1), ("r1", 4)]
     assert [(r.req_id, r.num_scheduled_tokens) for r in p1.new_reqs] == [("r2", 10)]
-    assert [r.req_id for r in sched.waiting] == ["r3", "r4"]
+    assert [r.req_id for r in sched.queues.waiting] == ["r3", "r4"]
     run_to_end(sched, mirror)
 
 
@@ -139,7 +139,7 @@ def test_preempts_newest_by_recompute_and_resumes_with_generated_tokens(prefix_c
     # "new" held blocks 2 and 3; freed tail first, so block 3 is handed out first.
     assert [(c.req_id, c.new_block_ids) for c in plan.cached_reqs] == [("old", [3])]
     assert plan.new_reqs == []  # no admissions in a step that preempted
-    assert [r.req_id for r in sched.waiting] == ["new", "late"]  # requeued at the front
+    assert [r.req_id for r in sched.queues.waiting] == ["new", "late"]  # requeued at the front
     assert new.num_computed_tokens == 0 and new.num_output_tokens == 2
     assert sched.block_manager.block_table("new") == []
     generated_before = list(new.output_token_ids)
@@ -150,7 +150,7 @@ def test_preempts_newest_by_recompute_and_resumes_with_generated_tokens(prefix_c
     # With prefix caching, "new"'s first block (full, computed, freed last) survived in the
     # evictable pool: the resumed request skips it.
     assert resumed.num_computed_tokens == (4 if prefix_caching else 0)
-    assert sched.num_preemptions >= 1
+    assert sched.counters.num_preemptions >= 1
     # Recompute is invisible in the output: same tokens as a run with a roomy pool.
     expected = uninterrupted_outputs({"old": 7, "new": 7, "late": 3}, max_tokens=6)
     assert old.output_token_ids == expected["old"]

@@ -27,10 +27,10 @@ def test_counters_cover_every_executor_and_fit_server_stats():
     past_totals = dict.fromkeys(COUNTERS, 0)
     first = make_scheduler()
     assert server_stats(first, past_totals, True)["num_draft_tokens"] == 0
-    first.num_draft_tokens, first.num_accepted_tokens = 12, 7
+    first.counters.num_draft_tokens, first.counters.num_accepted_tokens = 12, 7
     retire_counters(past_totals, first)  # its executor went away; a new scheduler follows
     second = make_scheduler()
-    second.num_draft_tokens, second.num_accepted_tokens = 5, 5
+    second.counters.num_draft_tokens, second.counters.num_accepted_tokens = 5, 5
     stats = server_stats(second, past_totals, True)
     assert (stats["num_draft_tokens"], stats["num_accepted_tokens"]) == (12 + 5, 7 + 5)
     assert server_stats(None, past_totals, False)["num_draft_tokens"] == 12
@@ -51,14 +51,14 @@ def test_the_info_line_has_the_acceptance_rate_once_proposals_were_verified():
     base = dict.fromkeys(COUNTERS, 0)
     stats = server_stats(s, base, True) | {"num_running": 1}
     assert "spec_acceptance_rate" not in _stats_line(stats)  # speculation off, or no draft yet
-    s.num_draft_tokens, s.num_accepted_tokens = 8, 3
+    s.counters.num_draft_tokens, s.counters.num_accepted_tokens = 8, 3
     stats = server_stats(s, base, True) | {"num_running": 1}
     assert _stats_line(stats)["spec_acceptance_rate"] == round(3 / 8, 3)
 
 
 def test_prometheus_counters_equal_the_server_stats():
     s = make_scheduler()
-    s.num_draft_tokens, s.num_accepted_tokens = 9, 4
+    s.counters.num_draft_tokens, s.counters.num_accepted_tokens = 9, 4
     metrics = RequestMetrics("tiny", export=True)
 
     async def scrape() -> str:
@@ -69,8 +69,9 @@ def test_prometheus_counters_equal_the_server_stats():
         return generate_latest(metrics.registry).decode()
 
     families = {f.name: f for f in text_string_to_metric_families(asyncio.run(scrape()))}
-    for name, value in (("vllm:spec_decode_num_draft_tokens", s.num_draft_tokens),
-                        ("vllm:spec_decode_num_accepted_tokens", s.num_accepted_tokens),
+    counters = s.counters
+    for name, value in (("vllm:spec_decode_num_draft_tokens", counters.num_draft_tokens),
+                        ("vllm:spec_decode_num_accepted_tokens", counters.num_accepted_tokens),
                         ("folio:num_stalled_requests", 2)):
         family = families[name]
         assert family.type == "counter"

@@ -57,11 +57,11 @@ def test_stopping_one_sequence_of_a_group_leaves_the_others_running():
     while not outputs:
         outputs = sched.update(mirror.apply(sched.schedule()))
     sched.stop_request("g/0")
-    assert "g" in sched.groups and [r.req_id for r in sched.running] == ["g/1"]
+    assert "g" in sched.queues.groups and [r.req_id for r in sched.queues.running] == ["g/1"]
     while sched.has_unfinished():
         for out in sched.update(mirror.apply(sched.schedule())):
             assert out.req.req_id == "g/1"
-    assert "g" not in sched.groups
+    assert "g" not in sched.queues.groups
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
 
 

@@ -88,7 +88,7 @@ def test_a_request_waiting_its_turn_behind_progress_is_never_stalled(tiny_tokeni
         engine.step()
         now += TIMEOUT_S + 1
         assert watchdog.check(now, engine.registry, engine.sched) == []
-        assert engine.sched.requests[waiting.req_id].status.value == "waiting"
+        assert engine.sched.queues.requests[waiting.req_id].status.value == "waiting"
     # The engine stops stepping (a bug): nothing completes, so both are stalled.
     now += TIMEOUT_S + 1
     with structlog.testing.capture_logs() as logs:
