@@ -1,7 +1,8 @@
 """Preemption policy: which way a victim leaves the KV pool, and what a swap-in needs.
 
-Pure functions of the block manager's state; the Scheduler applies what they decide
-(`Scheduler._make_room`, `_preempt`, `_resume_swapped`). The newest running request goes first;
+Pure functions of the block manager's state; the Scheduler's planner applies what they decide
+(`Scheduler._make_room`, `_preempt`, `_resume_swapped`) and moves the requests through
+`RequestQueues.preempt` and `swap_in` (queues.py). The newest running request goes first;
 the oldest is never preempted while another runs, and any request fits the pool alone
 (`max_model_len` is capped to it), so the oldest always finishes and every request eventually
 does. A step that preempted admits no one. A victim is

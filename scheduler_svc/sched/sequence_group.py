@@ -26,9 +26,10 @@ The group's `outputs[i]` is the Request whose stream carries index i: a child fo
 sampling, a result holder (never scheduled) for beam search. Hidden requests (the parent, the
 beams) reach no stream.
 
-Groups only decide: the Scheduler owns every queue, table and status and applies what a group
-decides (`BeamDecision`, `restart`). After the loss of an executor a group is not rebuilt as it
-was: see `registry.py` for how each kind resumes.
+Groups only decide: the Scheduler's parts own every queue, table and status and carry out what
+a group decides (`BeamDecision`: step_results.py; `restart`: `RequestQueues.restart_beam_search`).
+After the loss of an executor a group is not rebuilt as it was: see `registry.py` for how each
+kind resumes.
 """
 
 from __future__ import annotations
