@@ -27,7 +27,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from executor_svc.loading.checkpoint import CheckpointError, TensorHeader
+from checkpoints.files import CheckpointError, TensorHeader
 from executor_svc.models.linear import Linear
 from executor_svc.models.parallel import (
     RowParallelLinear,
