@@ -64,8 +64,8 @@ CHAT_TEMPLATE = (
 README = f"""# {MODEL_NAME}
 
 Folio's embedded tiny model (`folio:tiny-random`). **The weights are random** (seed {SEED}):
-the model produces noise. It exists so that Folio can start, stream and be tested without downloading anything.
-The tokenizer is a real byte-level BPE trained on a small built-in corpus.
+the model produces noise. It exists so that Folio can start, stream and be tested without
+downloading anything. The tokenizer is a real byte-level BPE trained on a small built-in corpus.
 
 Serve a real model with `folio serve --model DIR_OR_HUB_ID`.
 """

@@ -1,4 +1,4 @@
-"""A converted GGUF file's raw block rows in the loader (scheme "gguf", quantization/config.py).
+"""A converted GGUF file's raw block rows in the loader (scheme "gguf": checkpoints/quant_config).
 
 Every layer whose weight config.json's ``quantization_config.tensor_types`` lists (a projection,
 the untied LM head, the embedding) gets, while the model is still on the meta device, a uint8
