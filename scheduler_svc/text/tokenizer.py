@@ -20,12 +20,7 @@ import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
-from checkpoints.resolve import (
-    HUB_CONFIG_FILES,
-    HubDownloadError,
-    convert_in_subprocess,
-)
-from checkpoints.resolve import resolve_model_dir as checkpoints_resolve_model_dir
+from checkpoints import resolve
 
 
 class ModelDirError(ValueError):
@@ -132,11 +127,12 @@ def resolve_model_dir(model: str, cancel: threading.Event | None = None,
     resolve.py): a hub id fetches config and tokenizer files only; a GGUF model is converted
     (once, cached) by the converter in a subprocess, which keeps transformers out of this
     process and ends when `cancel` is set. Every failure is a ModelDirError."""
-    converter = functools.partial(convert_in_subprocess, cancel=cancel, log_format=log_format)
+    converter = functools.partial(resolve.convert_in_subprocess, cancel=cancel,
+                                  log_format=log_format)
     try:
-        return checkpoints_resolve_model_dir(model, hub_files=HUB_CONFIG_FILES,
-                                             convert_gguf=converter)
-    except HubDownloadError as e:
+        return resolve.resolve_model_dir(model, hub_files=resolve.HUB_CONFIG_FILES,
+                                         convert_gguf=converter)
+    except resolve.HubDownloadError as e:
         raise ModelDirError(f"--model {model!r} is not a directory and could not be fetched "
                             f"from the model hub ({e.cause}); pass a local checkpoint "
                             "directory") from e
