@@ -56,6 +56,7 @@ RUN set -e; \
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY protos/ protos/
+COPY checkpoints/ checkpoints/
 COPY kernels/ kernels/
 COPY scheduler_svc/ scheduler_svc/
 COPY executor_svc/ executor_svc/

@@ -6,7 +6,7 @@ For each scheme one real `folio serve` (with `--quantization SCHEME`, none: with
 `LABEL=DIR` entry serves the checkpoint DIR as it is, e.g. a GPTQ or AWQ checkpoint written by
 `python -m bench.rtn_checkpoint`) on 127.0.0.1, driven over gRPC:
 - **perplexity** over a fixed text set: the English corpus Folio's default tokenizer is trained
-  on (`executor_svc/loading/default_model.py` CORPUS, ~6 KB of prose and dialogue, versioned with that
+  on (`checkpoints/tiny_random.py` CORPUS, ~6 KB of prose and dialogue, versioned with that
   file), tokenized by the served model's tokenizer and cut into windows of `--window` tokens;
   each window is one request with prompt_logprobs=0 and max_tokens=1, and the perplexity is
   exp(-mean log p) over every window token after the first (the model's own predictions,
@@ -87,7 +87,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def run_scheme(model: str, scheme: str, extra: list[str], args) -> dict:
-    from executor_svc.loading.default_model import CORPUS
+    from checkpoints.tiny_random import CORPUS
 
     scheme, _, checkpoint = scheme.partition("=")
     if checkpoint:  # a quantized checkpoint, served as it is
@@ -136,7 +136,7 @@ def write(rows: list[dict], args, out: Path) -> None:
     (out / "quant-accuracy.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = ["# Quantization accuracy", "",
              f"- model: {args.model or 'the default (SmolLM2-135M-Instruct GGUF)'}; commit {commit}",
-             f"- perplexity: the default tokenizer's corpus (executor_svc/loading/default_model.py), "
+             f"- perplexity: the default tokenizer's corpus (checkpoints/tiny_random.py), "
              f"windows of {args.window} tokens",
              f"- greedy: {args.num_prompts} prompts x {args.max_tokens} tokens against "
              f"`{rows[0]['scheme']}`",
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     model = args.model
     if model is None:  # the default model's GGUF file, as `folio serve` finds it
-        from executor_svc.loading.named_models import smollm2_gguf
+        from checkpoints.named_models import smollm2_gguf
 
         model = str(smollm2_gguf())
     rows = [run_scheme(model, s, args.serve_arg, args) for s in args.schemes.split(",")]

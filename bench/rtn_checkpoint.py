@@ -4,7 +4,7 @@
 
 `--src`: a float HF checkpoint directory (one model.safetensors); default: Folio's default
 model (the SmolLM2-135M-Instruct GGUF), converted and then dequantized to float32
-(executor_svc/gguf_checkpoint/dequantize.py). The values are RTN (each group's range spread
+(checkpoints/gguf/dequantize.py). The values are RTN (each group's range spread
 over the 4-bit steps), NOT GPTQ's or AWQ's algorithms: these checkpoints exercise the formats
 and the kernels, and their accuracy is RTN's. Layouts and conventions:
 tests/int4_checkpoints.py, whose writers this calls.
@@ -18,9 +18,9 @@ from pathlib import Path
 
 
 def default_float_checkpoint(dest: Path) -> Path:
-    from executor_svc.gguf_checkpoint import gguf_checkpoint_dir
-    from executor_svc.gguf_checkpoint.dequantize import dequantized_copy
-    from executor_svc.loading.named_models import smollm2_gguf
+    from checkpoints.gguf import gguf_checkpoint_dir
+    from checkpoints.gguf.dequantize import dequantized_copy
+    from checkpoints.named_models import smollm2_gguf
 
     return dequantized_copy(gguf_checkpoint_dir(smollm2_gguf()), dest)
 

@@ -11,6 +11,10 @@ from pathlib import Path
 
 import structlog
 
+from checkpoints.files import read_weight_headers, safetensors_files
+from checkpoints.named_models import is_named, named_model_path
+from checkpoints.quant_config import SCHEMES, resolve_quant_config
+from checkpoints.resolve import resolve_model_dir
 from executor_svc.config import (
     DEVICES,
     DTYPES,
@@ -22,15 +26,8 @@ from executor_svc.config import (
 from executor_svc.cpu_threads import apply_cpu_threads, default_cpu_threads
 from executor_svc.host_memory import keep_freed_memory
 from executor_svc.lifecycle import Lifecycle, ShutdownRequested
-from executor_svc.loading.checkpoint import (
-    read_weight_headers,
-    resolve_model_dir,
-    safetensors_files,
-)
 from executor_svc.loading.model_config import ModelConfig
-from executor_svc.loading.named_models import is_named, named_model_path
 from executor_svc.parallel.tp_launch import launch, torchrun_env_set
-from executor_svc.quantization import SCHEMES, resolve_quant_config
 
 log = structlog.get_logger("executor_svc.cli")
 
@@ -201,7 +198,7 @@ def check_checkpoint(cfg: ExecutorConfig) -> Path:
     are checked by the loader.) A GGUF file is converted here, also before torch: the
     converter needs none, and a bad file fails as fast as a bad directory."""
     model = str(named_model_path(cfg.model)) if is_named(cfg.model) else cfg.model
-    model_dir = resolve_model_dir(model, cfg.hub_cache_dir)
+    model_dir = resolve_model_dir(model, cache_dir=cfg.hub_cache_dir)
     ModelConfig.from_dir(model_dir)
     # Before the headers: a GPTQ checkpoint is refused naming its scheme, not an int tensor.
     resolve_quant_config(cfg.quantization, model_dir)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from executor_svc.quantization.config import SCHEMES as QUANTIZATION_SCHEMES
+from checkpoints.quant_config import SCHEMES as QUANTIZATION_SCHEMES
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")

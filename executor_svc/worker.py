@@ -24,11 +24,11 @@ from pathlib import Path
 import structlog
 import torch
 
+from checkpoints.resolve import resolve_model_dir
 from executor_svc.config import ExecutorConfig
 from executor_svc.kv.kv_cache import KVCache, bytes_per_block, num_blocks_for
 from executor_svc.kv.memory import DEFAULT_GRAPH_RESERVE_BYTES, profiled_kv_budget
 from executor_svc.kv.swap import SwapPool, num_swap_blocks_for
-from executor_svc.loading.checkpoint import resolve_model_dir
 from executor_svc.loading.loader import (
     effective_max_model_len,
     has_random_weights,
@@ -97,8 +97,8 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
                        cfg=model_cfg, quantization=cfg.quantization)
     draft_model = draft_cfg = None
     if cfg.num_draft_tokens:  # speculative decoding's draft model (draft.py)
-        draft_dir = resolve_model_dir(cfg.draft_model, cfg.hub_cache_dir) if cfg.draft_model \
-            else model_dir
+        draft_dir = (resolve_model_dir(cfg.draft_model, cache_dir=cfg.hub_cache_dir)
+                     if cfg.draft_model else model_dir)
         draft_model, draft_cfg = load_draft(draft_dir, model_cfg, cfg.draft_layers, dtype=dtype,
                                             device=device, max_model_len=max_model_len)
     # Measured after the weights are in place, by a step of the largest shape (memory.py).

@@ -11,7 +11,6 @@ import asyncio
 import gc
 import logging
 import signal
-import subprocess
 import sys
 import threading
 from dataclasses import replace
@@ -20,6 +19,7 @@ from pathlib import Path
 import structlog
 import zmq
 
+from checkpoints import named_models
 from protos.channel import SchedulerEnd
 from protos.channel_keys import (
     SECRET_ENV,
@@ -56,20 +56,14 @@ def configure_logging(log_format: str, level: str) -> None:
         cache_logger_on_first_use=True)
 
 
-NAMED_PREFIX = "folio:"  # executor_svc.loading.named_models: folio:tiny-random
-
-
 def named_model_path(model: str | None) -> str:
-    """The local path of the default model (None) or a `folio:` name, as printed by
-    executor_svc.loading.named_models (a subprocess: building the tiny model needs torch)."""
-    argv = [sys.executable, "-m", "executor_svc.loading.named_models", *([model] if model else [])]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-    lines = [line for line in done.stdout.splitlines() if line.strip()]
-    if done.returncode != 0 or not lines:
+    """The local path of the default model (None) or a `folio:` name (building folio:tiny-random
+    on first use)."""
+    try:
+        return str(named_models.named_model_path(model))
+    except ValueError as e:
         what = f"model {model!r}" if model else "the default model"
-        raise ModelDirError(f"could not find {what}: "
-                            f"{done.stderr.strip()[-500:] or f'exit {done.returncode}'}")
-    return lines[-1].strip()
+        raise ModelDirError(f"could not find {what}: {e}") from None
 
 
 GC_GEN0_THRESHOLD = 10_000  # net container allocations per young collection (default 700)
@@ -206,7 +200,7 @@ async def _serve_until(config: SchedulerConfig, spawn_executor: bool, stop: asyn
 async def _load_tokenizer(config: SchedulerConfig) -> tuple[str, Path, Tokenizer]:
     """(the model as a path or hub id, its checkpoint directory, its tokenizer)."""
     model = config.model
-    if model is None or model.startswith(NAMED_PREFIX):
+    if named_models.is_named(model):
         model = await asyncio.to_thread(named_model_path, model)
     cancel = threading.Event()
     try:

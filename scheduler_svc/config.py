@@ -11,9 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# The executor's --quantization schemes (executor_svc/quantization/config.py SCHEMES; the
-# scheduler never imports the executor, so the list lives here too: a test keeps them equal).
-QUANTIZATION_SCHEMES = ("int8", "fp8", "gptq", "awq", "gguf")
+from checkpoints.quant_config import SCHEMES as QUANTIZATION_SCHEMES
 
 DEFAULT_EXECUTOR_ADDRESS = "tcp://127.0.0.1:5557"
 # Flags `folio serve` hands to the executor child unchanged (dest name -> flag).

@@ -82,7 +82,7 @@ def _classes(arch: str):
 
 @functools.cache
 def _tokenizer():
-    from executor_svc.loading.default_model import build_tokenizer
+    from checkpoints.tiny_random import build_tokenizer
 
     return build_tokenizer()
 
@@ -97,7 +97,7 @@ def make_checkpoint(arch: str, path: str | Path, **overrides: Any) -> Path:
     from transformers import GenerationConfig
     from transformers.utils import logging as hf_logging
 
-    from executor_svc.loading.default_model import special_token_ids, write_tokenizer
+    from checkpoints.tiny_random import special_token_ids, write_tokenizer
 
     if arch not in _ARCH_CONFIGS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY_RANDOM = "folio:tiny-random"  # executor_svc.loading.named_models
+TINY_RANDOM = "folio:tiny-random"  # checkpoints.named_models
 SERVER_START_TIMEOUT_S = 180.0  # model load + torch import on a busy 2-core machine
 SERVER_STOP_TIMEOUT_S = 20.0
 STALL_LINE = "request stalled: ended by the watchdog"  # scheduler_svc/engine/watchdog.py's ERROR
@@ -207,7 +207,7 @@ def folio_cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_dir(folio_cache_dir) -> Path:
-    from executor_svc.loading.default_model import default_model_dir as build
+    from checkpoints.tiny_random import tiny_random_dir as build
 
     return build(folio_cache_dir)
 

@@ -8,7 +8,7 @@ does: llama q/k rows are permuted for its interleaved RoPE, llama3 RoPE scaling 
 `rope_freqs` tensor, 1-D tensors stay F32, and 2-D ones take the requested type.
 
 This is test-side code, written from llama.cpp's documented behaviour, independent of the
-converter under test (executor_svc/gguf_checkpoint).
+converter under test (checkpoints/gguf).
 """
 
 from __future__ import annotations

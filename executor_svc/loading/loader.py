@@ -6,7 +6,7 @@ naming the file and the tensor. It is found from the safetensors headers while t
 still on the meta device, before any weight memory is allocated. Two exceptions:
 ``lm_head.weight`` is ignored when embeddings are tied (the model reuses the embedding matrix),
 and rotary ``inv_freq`` buffers that old checkpoints carry are skipped (the model computes its
-own RoPE table). Damaged files themselves are caught by `executor_svc.loading.checkpoint`.
+own RoPE table). Damaged files themselves are caught by `checkpoints.files`.
 
 Tensor parallel: each parameter's layer says which slice of its checkpoint tensor this rank
 holds (`WeightShard`, models/parallel.py); the headers are checked against the whole tensor's
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 import kernels
-from executor_svc.loading.checkpoint import (
+from checkpoints.files import (
     INDEX_FILE,
     PACKED_DTYPES,
     CheckpointError,
@@ -36,11 +36,11 @@ from executor_svc.loading.checkpoint import (
     read_weight_headers,
     safetensors_files,
 )
+from checkpoints.quant_config import resolve_quant_config
 from executor_svc.loading.model_config import ModelConfig
 from executor_svc.models import model_class
 from executor_svc.models.linear import TiedHead, cpu_linear_method, use_linear_method
 from executor_svc.models.parallel import WeightShard, replicated
-from executor_svc.quantization import resolve_quant_config
 from executor_svc.quantization.gguf_loading import gguf_weight_shard, prepare_gguf_params
 from executor_svc.quantization.loading import (
     check_header_dtype,

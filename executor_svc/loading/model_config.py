@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from executor_svc.loading.checkpoint import CheckpointError, read_json_object
+from checkpoints.files import CheckpointError, read_json_object
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,3 @@
-"""Quantized linear weights: the schemes (config.py, no torch), their linear methods
-(methods.py) and the loader's part (loading.py). Import the torch modules directly; this
-package's root stays importable before torch."""
-
-from executor_svc.quantization.config import SCHEMES, QuantConfig, resolve_quant_config
-
-__all__ = ["SCHEMES", "QuantConfig", "resolve_quant_config"]
+"""Quantized linear weights in the executor: their linear methods (methods.py), the loader's
+part (loading.py), GPTQ/AWQ and GGUF block unpacking. Which scheme a checkpoint uses is read
+without torch in checkpoints/quant_config.py; the modules here all need torch."""

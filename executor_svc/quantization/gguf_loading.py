@@ -1,4 +1,4 @@
-"""A converted GGUF file's raw block rows in the loader (scheme "gguf", quantization/config.py).
+"""A converted GGUF file's raw block rows in the loader (scheme "gguf": checkpoints/quant_config).
 
 Every layer whose weight config.json's ``quantization_config.tensor_types`` lists (a projection,
 the untied LM head, the embedding) gets, while the model is still on the meta device, a uint8
@@ -27,7 +27,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from executor_svc.loading.checkpoint import CheckpointError, TensorHeader
+from checkpoints.files import CheckpointError, TensorHeader
 from executor_svc.models.linear import Linear
 from executor_svc.models.parallel import (
     RowParallelLinear,

@@ -31,10 +31,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from executor_svc.loading.checkpoint import TensorHeader
+from checkpoints.files import TensorHeader
+from checkpoints.quant_config import QuantConfig
 from executor_svc.models.linear import Linear
 from executor_svc.models.parallel import WeightShard
-from executor_svc.quantization.config import QuantConfig
 from executor_svc.quantization.grouped import GroupedWeight, GroupedWeightOnly
 
 PARAMS = ("qweight", "qzeros", "scales", "g_idx")

@@ -20,11 +20,11 @@ import structlog
 import torch
 from torch import nn
 
-from executor_svc.loading.checkpoint import PACKED_DTYPES, CheckpointError, TensorHeader
+from checkpoints.files import PACKED_DTYPES, CheckpointError, TensorHeader
+from checkpoints.quant_config import QuantConfig
 from executor_svc.models.linear import Linear, TiedHead
 from executor_svc.models.parallel import WeightShard
 from executor_svc.quantization import gptq
-from executor_svc.quantization.config import QuantConfig
 from executor_svc.quantization.gguf_loading import TiedGgufWeights, check_raw_header
 from executor_svc.quantization.methods import make_method
 

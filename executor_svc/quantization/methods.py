@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 import kernels
 import kernels.cpu
+from checkpoints.quant_config import QuantConfig
 from executor_svc.models.linear import Linear, pack_skinny_weight
 from executor_svc.models.parallel import RowParallelLinear
-from executor_svc.quantization.config import QuantConfig
 from executor_svc.quantization.gguf_loading import GgufWeights
 from executor_svc.quantization.gptq import AwqWeights, GptqWeights
 from kernels import cpu_quant

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
-import sys
 import threading
 from dataclasses import dataclass
 from datetime import datetime
@@ -22,6 +19,8 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
+
+from checkpoints import resolve
 
 
 class ModelDirError(ValueError):
@@ -122,89 +121,23 @@ class _GenerationTag(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body, lineno=lineno)
 
 
-def is_gguf_model(path: Path) -> bool:
-    """`--model` names a GGUF model: a .gguf path, or a directory with .gguf files and no
-    config.json. The same rule as executor_svc.gguf_checkpoint.find_gguf_file (which this
-    process may not import); the converter itself refuses a directory with several files."""
-    if path.suffix.lower() == ".gguf" and not path.is_dir():
-        return True
-    return (path.is_dir() and not (path / "config.json").exists()
-            and any(p.suffix.lower() == ".gguf" for p in path.iterdir()))
-
-
-def convert_gguf(path: Path, cancel: threading.Event | None = None,
-                 log_format: str | None = None) -> Path:
-    """The checkpoint directory converted from a GGUF model, by the executor package's
-    converter run as a subprocess (it is torch-free, but this process keeps even its imports
-    out). Its stderr (progress, logs) is passed through; on failure its last line, which
-    names the file and the problem, becomes the ModelDirError. Setting `cancel` ends the
-    subprocess and raises ModelDirError: a server told to stop does not wait for a
-    conversion that can take minutes. `log_format` is ours (console/json), so its log lines
-    read like ours; by default console in a terminal (with progress bars), json otherwise."""
-    # The converter of this installation: executor_svc sits next to scheduler_svc.
-    root = str(Path(__file__).resolve().parents[2])  # scheduler_svc/text/tokenizer.py
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    argv = [sys.executable, "-m", "executor_svc.gguf_checkpoint", str(path.resolve()),
-            "--log-format", log_format or ("console" if sys.stderr.isatty() else "json")]
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env)
-    tail: list[bytes] = []
-    forward = threading.Thread(target=_forward_stderr, args=(proc.stderr, tail), daemon=True)
-    forward.start()
-    try:
-        while True:
-            try:
-                proc.wait(timeout=0.2)
-                break
-            except subprocess.TimeoutExpired:
-                if cancel is not None and cancel.is_set():
-                    raise ModelDirError(f"{path}: GGUF conversion cancelled") from None
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        forward.join(timeout=5)
-        stdout = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-    lines = [line.strip() for line in stdout.splitlines() if line.strip()]
-    if proc.returncode != 0 or not lines:
-        last = b"".join(tail).decode(errors="replace").strip().splitlines()
-        raise ModelDirError(last[-1] if last else
-                            f"{path}: the GGUF converter exited with status {proc.returncode}")
-    return Path(lines[-1])
-
-
-def _forward_stderr(stream, tail: list[bytes]) -> None:
-    """Copy the converter's stderr to ours as it comes, keeping the last 4 KiB."""
-    out = getattr(sys.stderr, "buffer", None)
-    for chunk in iter(lambda: stream.read1(4096), b""):
-        if out is not None:
-            out.write(chunk)
-            out.flush()
-        tail.append(chunk)
-        while sum(map(len, tail)) > 4096 and len(tail) > 1:
-            tail.pop(0)
-
-
 def resolve_model_dir(model: str, cancel: threading.Event | None = None,
                       log_format: str | None = None) -> Path:
-    """A local directory as is; a GGUF model converted (once, cached) into a checkpoint
-    directory (see `convert_gguf` for `cancel` and `log_format`); otherwise a hub id fetched
-    (config + tokenizer files only)."""
-    path = Path(model).expanduser()
-    if is_gguf_model(path):
-        return convert_gguf(path, cancel, log_format)
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise ModelDirError(f"--model {model!r} is a file; give the checkpoint's directory "
-                            "or a .gguf file")
+    """The local checkpoint directory behind `model`, the scheduler's way (checkpoints/
+    resolve.py): a hub id fetches config and tokenizer files only; a GGUF model is converted
+    (once, cached) by the converter in a subprocess, which keeps transformers out of this
+    process and ends when `cancel` is set. Every failure is a ModelDirError."""
+    converter = functools.partial(resolve.convert_in_subprocess, cancel=cancel,
+                                  log_format=log_format)
     try:
-        from huggingface_hub import snapshot_download  # lazy: only for hub ids
-        return Path(snapshot_download(model, allow_patterns=["*.json", "FOLIO_RANDOM_WEIGHTS"]))
-    except Exception as e:
+        return resolve.resolve_model_dir(model, hub_files=resolve.HUB_CONFIG_FILES,
+                                         convert_gguf=converter)
+    except resolve.HubDownloadError as e:
         raise ModelDirError(f"--model {model!r} is not a directory and could not be fetched "
-                            f"from the model hub ({e}); pass a local checkpoint directory") from e
+                            f"from the model hub ({e.cause}); pass a local checkpoint "
+                            "directory") from e
+    except ValueError as e:  # the converter's line, or a CheckpointError naming the file
+        raise ModelDirError(str(e)) from e
 
 
 class Tokenizer:

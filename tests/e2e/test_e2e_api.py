@@ -28,7 +28,7 @@ def client(default_server):
 
 def test_model_info_reports_the_tiny_random_model(client, hf_tokenizer):
     info = client.model_info()
-    assert info["random_weights"] is True and info["model_name"] == "default-model-v1"
+    assert info["random_weights"] is True and info["model_name"] == "tiny-random-v2"
     assert info["architecture"] == "LlamaForCausalLM"
     assert info["vocab_size"] == len(hf_tokenizer)
     assert client.health() == "SERVING"

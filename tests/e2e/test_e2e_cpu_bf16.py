@@ -52,7 +52,7 @@ def hf_fp32():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from executor_svc.loading.named_models import smollm2_gguf
+    from checkpoints.named_models import smollm2_gguf
 
     gguf = smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -71,8 +71,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 @pytest.fixture(scope="module")
 def reference(hf_fp32, folio_cache_dir):
     """(prompt ids, fp32 greedy continuation) per prompt, and the converted checkpoint dir."""
-    from executor_svc.gguf_checkpoint.cache import gguf_checkpoint_dir
-    from executor_svc.loading.named_models import smollm2_gguf
+    from checkpoints.gguf.cache import gguf_checkpoint_dir
+    from checkpoints.named_models import smollm2_gguf
 
     model, tokenizer = hf_fp32
     prompt_ids = []

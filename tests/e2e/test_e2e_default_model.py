@@ -1,4 +1,4 @@
-"""`python -m executor_svc.loading.default_model`: deterministic, safe under concurrent first use, and a
+"""`python -m checkpoints.tiny_random`: deterministic, safe under concurrent first use, and a
 checkpoint HF transformers loads as it is."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenize
 
 
 def start_build(cache_dir: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "executor_svc.loading.default_model", "--cache-dir",
+    return subprocess.Popen([sys.executable, "-m", "checkpoints.tiny_random", "--cache-dir",
                              str(cache_dir)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(900)
 
 @pytest.fixture(scope="module")
 def gguf_file():
-    from executor_svc.loading.named_models import smollm2_gguf
+    from checkpoints.named_models import smollm2_gguf
 
     try:
         return smollm2_gguf()

@@ -16,15 +16,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor_svc.gguf_checkpoint import gguf_checkpoint_dir
-from executor_svc.gguf_checkpoint.dequantize import dequantized_copy
-from executor_svc.loading.checkpoint import CheckpointError
-from executor_svc.loading.loader import load_model, model_weight_bytes
-from executor_svc.quantization.config import (
+from checkpoints.files import CheckpointError
+from checkpoints.gguf import gguf_checkpoint_dir
+from checkpoints.gguf.dequantize import dequantized_copy
+from checkpoints.quant_config import (
     GGUF_TYPES,
     checkpoint_quant_config,
     resolve_quant_config,
 )
+from executor_svc.loading.loader import load_model, model_weight_bytes
 from executor_svc.quantization.gguf_blocks import BLOCK_TYPES
 from executor_svc.quantization.gguf_loading import GgufWeights, TiedGgufWeights
 from tests.executor.test_tp_model import greedy_run

@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from executor_svc.loading.checkpoint import CheckpointError
+from checkpoints.files import CheckpointError
+from checkpoints.quant_config import checkpoint_quant_config, resolve_quant_config
 from executor_svc.loading.loader import load_model
-from executor_svc.quantization.config import checkpoint_quant_config, resolve_quant_config
 from executor_svc.quantization.gptq import AWQ_ORDER, awq_grouped, gptq_grouped, unpack_words
 from executor_svc.quantization.grouped import grouped_of
 from tests.checkpoints import make_checkpoint

@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from executor_svc.loading.checkpoint import resolve_model_dir, safetensors_files
+from checkpoints.files import safetensors_files
+from checkpoints.resolve import resolve_model_dir
 from executor_svc.loading.loader import load_model
 from executor_svc.loading.model_config import ModelConfig
 from executor_svc.models import model_class

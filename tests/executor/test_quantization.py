@@ -14,12 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
+from checkpoints.files import CheckpointError
+from checkpoints.quant_config import checkpoint_quant_config, resolve_quant_config
 from executor_svc.config import ExecutorConfig
-from executor_svc.loading.checkpoint import CheckpointError
 from executor_svc.loading.loader import load_model
 from executor_svc.loading.model_config import ModelConfig
 from executor_svc.models.linear import Linear
-from executor_svc.quantization.config import checkpoint_quant_config, resolve_quant_config
 from executor_svc.quantization.methods import METHODS, quantized_weight, quantized_weight_bytes
 from scheduler_svc.config import SchedulerConfig, build_parser
 from tests.checkpoints import make_checkpoint
@@ -222,8 +222,12 @@ def test_int8_tp2_equals_tp1(tmp_path):
 
 
 def test_scheduler_knows_every_scheme():
-    """`folio serve` checks --quantization before it starts the executor, from its own list."""
-    from executor_svc.quantization.config import SCHEMES
-    from scheduler_svc.config import QUANTIZATION_SCHEMES
+    """`folio serve` checks --quantization before it starts the executor, against the list
+    the executor loads (checkpoints.quant_config)."""
+    from checkpoints.quant_config import SCHEMES
+    from scheduler_svc.config import SchedulerConfig
 
-    assert QUANTIZATION_SCHEMES == SCHEMES
+    for scheme in SCHEMES:
+        assert SchedulerConfig(quantization=scheme).quantization == scheme
+    with pytest.raises(ValueError, match="--quantization must be one of int8, fp8"):
+        SchedulerConfig(quantization="nf4")

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from executor_svc.loading.checkpoint import read_weight_headers
+from checkpoints.files import read_weight_headers
 from executor_svc.loading.loader import load_weights, plan_weights
 from executor_svc.loading.model_config import ModelConfig, check_tensor_parallel, local_kv_heads
 from executor_svc.models.linear import PackedCpuLinear, use_linear_method

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from executor_svc.kv.kv_cache import KVCache
-from executor_svc.loading.checkpoint import (
+from checkpoints.files import (
     open_safetensors,
     read_weight_headers,
     safetensors_files,
 )
+from executor_svc.kv.kv_cache import KVCache
 from executor_svc.loading.loader import (
     effective_max_model_len,
     load_model,

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from executor_svc.gguf_checkpoint import gguf_checkpoint_dir
-from executor_svc.gguf_checkpoint.cache import is_complete
+from checkpoints.gguf import gguf_checkpoint_dir
+from checkpoints.gguf.cache import is_complete
 from tests.gguf_files import make_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def sha256_of(path: Path) -> str:
 def converter(path: Path, cache: Path, **popen_kwargs) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
-        [sys.executable, "-m", "executor_svc.gguf_checkpoint", str(path), "--cache-dir",
+        [sys.executable, "-m", "checkpoints.gguf", str(path), "--cache-dir",
          str(cache), "--log-format", "json"], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, text=True, **popen_kwargs)
 
@@ -131,7 +131,7 @@ def test_racing_converters_do_the_work_once(gguf_file, tmp_path):
 
 def test_the_executor_resolves_a_gguf_and_a_directory_holding_one(gguf_file, tmp_path,
                                                                   monkeypatch):
-    from executor_svc.loading.checkpoint import resolve_model_dir
+    from checkpoints.resolve import resolve_model_dir
 
     monkeypatch.setenv("FOLIO_CACHE_DIR", str(tmp_path))
     converted = resolve_model_dir(str(gguf_file))

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from executor_svc.gguf_checkpoint import gguf_checkpoint_dir
+from checkpoints.gguf import gguf_checkpoint_dir
 from executor_svc.loading.model_config import ModelConfig
 from executor_svc.models.rope import inv_freq_for
 from scheduler_svc.text.tokenizer import ChatTurn, Tokenizer

@@ -120,7 +120,7 @@ CONVERTER_CASES = ["garbage", "empty", "truncated", "unknown-architecture", "mis
 @pytest.mark.parametrize("name", CONVERTER_CASES)
 def test_converter_cli_prints_one_line(name, bad_inputs, tmp_path):
     case = bad_inputs[name]
-    done = _run(["-m", "executor_svc.gguf_checkpoint", str(case.model),
+    done = _run(["-m", "checkpoints.gguf", str(case.model),
                  "--cache-dir", str(tmp_path)])
     assert done.returncode == 1, done.stderr[-3000:]
     assert done.stdout == ""
@@ -131,7 +131,7 @@ def test_converter_cli_prints_one_line(name, bad_inputs, tmp_path):
 
 
 def test_converter_cli_refuses_a_directory_without_gguf(tmp_path):
-    done = _run(["-m", "executor_svc.gguf_checkpoint", str(tmp_path)])
+    done = _run(["-m", "checkpoints.gguf", str(tmp_path)])
     assert done.returncode == 1
     assert done.stderr.strip() == f"{tmp_path}: holds no .gguf file"
 

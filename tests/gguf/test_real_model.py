@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from executor_svc.gguf_checkpoint import gguf_checkpoint_dir
+from checkpoints.gguf import gguf_checkpoint_dir
 from scheduler_svc.text.tokenizer import ChatTurn, Tokenizer
 from tests.conftest import _descendants, run_server
 from tests.executor.harness import hf_greedy

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from executor_svc.gguf_checkpoint import gguf_checkpoint_dir
+from checkpoints.gguf import gguf_checkpoint_dir
 from scheduler_svc.text.tokenizer import ChatTurn, Tokenizer
 from tests.gguf_files import make_gguf
 

@@ -1,16 +1,21 @@
-"""The embedded default model: a real tokenizer, a small Llama with random weights.
+"""`folio:tiny-random`: a real tokenizer, a small Llama with random weights, built without torch.
 
-`folio serve` with no `--model` runs on this, so a fresh machine with no model hub can serve,
-stream and be tested. The weights are random (the directory carries a `FOLIO_RANDOM_WEIGHTS`
-marker that both services report as `random_weights`), so the text is noise; the tokenizer is
-real byte-level BPE, so every UTF-8 string round-trips and detokenization is honest work.
+Tests and `folio serve --model folio:tiny-random` run on this, so a fresh machine with no model
+hub can serve, stream and be tested. The weights are random (the directory carries a
+`FOLIO_RANDOM_WEIGHTS` marker that both services report as `random_weights`), so the text is
+noise; the tokenizer is real byte-level BPE, so every UTF-8 string round-trips and
+detokenization is honest work.
 
 Everything is derived from constants in this file: the tokenizer is trained on the corpus
-`CORPUS` below, the weights come from a fixed seed. The directory is built once per cache dir
+`CORPUS` below, the weights are numpy draws from a fixed seed, initialized as transformers
+initializes a LlamaForCausalLM (normal(0, initializer_range) for linear and embedding weights,
+the padding token's embedding row zero, ones for RMSNorm weights), and config.json and
+generation_config.json hold what transformers writes for that LlamaConfig, so transformers
+loads the directory as its own (the tests' oracle). The directory is built once per cache dir
 under a versioned name (bump `VERSION` when anything here changes) in a temp dir that is
 renamed into place, so concurrent first uses never see a half-written model.
 
-    python -m executor_svc.loading.default_model [--cache-dir D]   # prints the directory last
+    python -m checkpoints.tiny_random [--cache-dir D]   # prints the directory last
 """
 
 from __future__ import annotations
@@ -23,11 +28,22 @@ import sys
 import tempfile
 from pathlib import Path
 
-VERSION = 1
-MODEL_NAME = "folio-default-random"
+import numpy as np
+
+from checkpoints.cache_dir import default_cache_dir
+
+VERSION = 2  # 2: weights drawn by numpy (1: by torch through transformers)
+MODEL_NAME = "folio-tiny-random"
 SEED = 1234
 VOCAB_SIZE_TARGET = 2048  # the corpus holds enough merges to reach it exactly
 MAX_POSITION_EMBEDDINGS = 2048
+HIDDEN_SIZE = 256
+INTERMEDIATE_SIZE = 688
+NUM_HIDDEN_LAYERS = 4
+NUM_ATTENTION_HEADS = 8
+NUM_KEY_VALUE_HEADS = 2
+HEAD_DIM = HIDDEN_SIZE // NUM_ATTENTION_HEADS
+INITIALIZER_RANGE = 0.05  # wider than 0.02 so greedy outputs are not a sea of ties
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -47,9 +63,9 @@ CHAT_TEMPLATE = (
 
 README = f"""# {MODEL_NAME}
 
-Folio's embedded default model. **The weights are random** (seed {SEED}): the model produces
-noise. It exists so that Folio can start, stream and be tested without downloading anything.
-The tokenizer is a real byte-level BPE trained on a small built-in corpus.
+Folio's embedded tiny model (`folio:tiny-random`). **The weights are random** (seed {SEED}):
+the model produces noise. It exists so that Folio can start, stream and be tested without
+downloading anything. The tokenizer is a real byte-level BPE trained on a small built-in corpus.
 
 Serve a real model with `folio serve --model DIR_OR_HUB_ID`.
 """
@@ -135,21 +151,16 @@ eating vegetables, fruit and whole grains. Small habits, repeated for years, mat
 """
 
 
-def default_cache_dir() -> Path:
-    env = os.environ.get("FOLIO_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "folio"
-
-
-def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+def tiny_random_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """The model directory, building it first if this cache dir does not hold it yet."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / f"default-model-v{VERSION}"
+    target = root / f"tiny-random-v{VERSION}"
     if (target / "FOLIO_RANDOM_WEIGHTS").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
     try:
-        write_default_model(tmp)
+        write_tiny_random(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private; the model is meant to be shared
         try:
             os.rename(tmp, target)  # atomic; fails if a concurrent builder got there first
@@ -221,44 +232,88 @@ def special_token_ids(tok) -> dict[str, int]:
     }
 
 
+def hf_config(vocab_size: int, ids: dict[str, int]) -> dict:
+    """config.json: the fields transformers writes for this LlamaConfig (its own version
+    number aside)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": ids["bos_token_id"],
+        "dtype": "float32",
+        "eos_token_id": ids["eos_token_id"],
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "hidden_size": HIDDEN_SIZE,
+        "initializer_range": INITIALIZER_RANGE,
+        "intermediate_size": INTERMEDIATE_SIZE,
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": NUM_ATTENTION_HEADS,
+        "num_hidden_layers": NUM_HIDDEN_LAYERS,
+        "num_key_value_heads": NUM_KEY_VALUE_HEADS,
+        "pad_token_id": ids["pad_token_id"],
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "tie_word_embeddings": True,  # no lm_head.weight: the head is the embedding
+        "use_cache": True,
+        "vocab_size": vocab_size,
+    }
+
+
+def generation_config(ids: dict[str, int]) -> dict:
+    return {
+        "bos_token_id": ids["bos_token_id"],
+        "do_sample": True,
+        "eos_token_id": [ids["eos_token_id"], ids["im_end_id"]],  # a chat turn ends at <|im_end|>
+        "pad_token_id": ids["pad_token_id"],
+        "temperature": 1.0,
+        "top_p": 1.0,
+    }
+
+
+def random_weights(vocab_size: int, pad_token_id: int) -> dict[str, np.ndarray]:
+    """Every tensor of the model, float32, HF names, drawn in this fixed order from SEED."""
+    rng = np.random.default_rng(SEED)
+
+    def normal(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(INITIALIZER_RANGE)
+
+    q_rows, kv_rows = NUM_ATTENTION_HEADS * HEAD_DIM, NUM_KEY_VALUE_HEADS * HEAD_DIM
+    embed = normal(vocab_size, HIDDEN_SIZE)
+    embed[pad_token_id] = 0.0  # nn.Embedding(padding_idx=pad_token_id), as HF initializes it
+    weights = {"model.embed_tokens.weight": embed,
+               "model.norm.weight": np.ones(HIDDEN_SIZE, dtype=np.float32)}
+    for i in range(NUM_HIDDEN_LAYERS):
+        p = f"model.layers.{i}."
+        weights |= {
+            p + "self_attn.q_proj.weight": normal(q_rows, HIDDEN_SIZE),
+            p + "self_attn.k_proj.weight": normal(kv_rows, HIDDEN_SIZE),
+            p + "self_attn.v_proj.weight": normal(kv_rows, HIDDEN_SIZE),
+            p + "self_attn.o_proj.weight": normal(HIDDEN_SIZE, q_rows),
+            p + "mlp.gate_proj.weight": normal(INTERMEDIATE_SIZE, HIDDEN_SIZE),
+            p + "mlp.up_proj.weight": normal(INTERMEDIATE_SIZE, HIDDEN_SIZE),
+            p + "mlp.down_proj.weight": normal(HIDDEN_SIZE, INTERMEDIATE_SIZE),
+            p + "input_layernorm.weight": np.ones(HIDDEN_SIZE, dtype=np.float32),
+            p + "post_attention_layernorm.weight": np.ones(HIDDEN_SIZE, dtype=np.float32),
+        }
+    return weights
+
+
 def write_model(out_dir: Path, vocab_size: int, ids: dict[str, int]) -> None:
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
+    from safetensors.numpy import save_file
 
-    hf_logging.disable_progress_bar()  # keep stderr clean for `folio serve`
-
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        initializer_range=0.05,  # wider than 0.02 so greedy outputs are not a sea of ties
-        tie_word_embeddings=True,
-        bos_token_id=ids["bos_token_id"],
-        eos_token_id=ids["eos_token_id"],
-        pad_token_id=ids["pad_token_id"],
-        dtype="float32",
-    )
-    with torch.random.fork_rng(devices=[]):  # don't disturb the caller's global generator
-        torch.manual_seed(SEED)
-        model = LlamaForCausalLM(config).eval()
-    model.save_pretrained(out_dir)
-    gen = GenerationConfig(
-        bos_token_id=ids["bos_token_id"],
-        eos_token_id=[ids["eos_token_id"], ids["im_end_id"]],  # a chat turn ends at <|im_end|>
-        pad_token_id=ids["pad_token_id"],
-        do_sample=True, temperature=1.0, top_p=1.0,
-    )
-    gen.save_pretrained(out_dir)
+    weights = random_weights(vocab_size, ids["pad_token_id"])
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "model.safetensors").chmod(0o644)  # safetensors creates it private
+    for name, value in (("config.json", hf_config(vocab_size, ids)),
+                        ("generation_config.json", generation_config(ids))):
+        (out_dir / name).write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
-def write_default_model(out_dir: Path) -> None:
+def write_tiny_random(out_dir: Path) -> None:
     out_dir = Path(out_dir)
     tok = build_tokenizer()
     write_tokenizer(tok, out_dir)
@@ -271,12 +326,12 @@ def write_default_model(out_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m executor_svc.loading.default_model",
-        description="Create (once) and print the directory of Folio's embedded default model.")
+        prog="python -m checkpoints.tiny_random",
+        description="Create (once) and print the directory of folio:tiny-random.")
     parser.add_argument("--cache-dir", default=None,
                         help="cache root (default: $FOLIO_CACHE_DIR or ~/.cache/folio)")
     args = parser.parse_args(argv)
-    path = default_model_dir(args.cache_dir)
+    path = tiny_random_dir(args.cache_dir)
     print(path, flush=True)
     return 0
 

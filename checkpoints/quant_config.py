@@ -1,8 +1,9 @@
 """Which quantization scheme a model's linear weights use: from --quantization and from the
 checkpoint's config.json ``quantization_config``. No torch here: the executor checks this
-before its torch import, with the rest of the checkpoint (cli.check_checkpoint).
+before its torch import, with the rest of the checkpoint (executor_svc/cli.py
+check_checkpoint), and the scheduler checks --quantization against SCHEMES.
 
-Schemes (methods in quantization/methods.py):
+Schemes (methods in executor_svc/quantization/methods.py):
 
 - ``int8``: W8A16, symmetric int8 weights with one fp32 scale per output channel
   (absmax / 127), quantized at load from an unquantized checkpoint.
@@ -23,10 +24,11 @@ Schemes (methods in quantization/methods.py):
 - ``awq``: AutoAWQ's GEMM checkpoints (``quant_method: "awq"``, bits 4, ``group_size``,
   ``zero_point`` true, ``version`` "gemm"): ``qweight`` int32 [K, N/8] and ``qzeros`` int32
   [G, N/8] with AWQ's interleaved order inside each int32, ``scales`` [G, N].
-  Both load as they are (quantization/gptq.py), never quantized at load.
+  Both load as they are (executor_svc/quantization/gptq.py), never quantized at load.
 - ``gguf``: a GGUF file's block-quantized linear weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), kept
-  as the converter wrote them (executor_svc/gguf_checkpoint): each such layer's ``weight`` is
-  its raw block rows, uint8 [N, row_bytes], unpacked at load (quantization/gguf_blocks.py).
+  as the converter wrote them (checkpoints/gguf): each such layer's ``weight`` is
+  its raw block rows, uint8 [N, row_bytes], unpacked at load
+  (executor_svc/quantization/gguf_blocks.py).
   Only from a checkpoint: ``quantization_config = {"quant_method": "gguf", "tensor_types":
   {hf_weight_name: ggml_type, ...}}``; the layers it does not list hold float weights.
 """
@@ -37,11 +39,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from executor_svc.loading.checkpoint import CheckpointError, read_json_object
+from checkpoints.files import CheckpointError, read_json_object
 
 SCHEMES = ("int8", "fp8", "gptq", "awq", "gguf")
 LOAD_TIME_SCHEMES = ("int8", "fp8")  # the schemes --quantization can apply to float weights
-# GGUF block types kept quantized (the converter writes, quantization/gguf_blocks.py unpacks).
+# GGUF block types kept quantized (the converter writes, executor_svc/quantization/gguf_blocks.py
+# unpacks).
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 ACTIVATION_SCHEMES = ("dynamic", "static")
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import structlog
 
-from executor_svc.loading.checkpoint import CheckpointError
+from checkpoints.files import CheckpointError
 
-log = structlog.get_logger("executor_svc.gguf")
+log = structlog.get_logger("checkpoints.gguf")
 
 MARKER_FILE = "folio-gguf.json"  # written last: a directory without it is not finished
 CONVERTER_VERSION = 3  # bump when the output for the same file changes; old entries rebuild
@@ -36,15 +36,15 @@ def convert(gguf_file: Path, out_dir: Path, sha256: str, progress: bool) -> None
     """Write the checkpoint for `gguf_file` into the existing, empty `out_dir`."""
     import gguf
 
-    from executor_svc.gguf_checkpoint.config import (
+    from checkpoints.gguf.hf_config import (
         build_config,
         build_generation_config,
         read_rope_freqs,
         tensor_names,
     )
-    from executor_svc.gguf_checkpoint.reader import Metadata, open_gguf
-    from executor_svc.gguf_checkpoint.tokenizer import write_tokenizer
-    from executor_svc.gguf_checkpoint.weights import (
+    from checkpoints.gguf.hf_tokenizer import write_tokenizer
+    from checkpoints.gguf.reader import Metadata, open_gguf
+    from checkpoints.gguf.weights import (
         kept_quantized,
         plan_tensors,
         write_safetensors,

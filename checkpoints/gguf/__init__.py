@@ -5,14 +5,16 @@ turns the file into config.json + tokenizer files + safetensors (projections of 
 types as raw blocks, everything else dequantized) under
 `$FOLIO_CACHE_DIR/gguf/<sha256>/` (`cache.py`), which the executor's loader and the scheduler's
 tokenizer then read like any other checkpoint. Nothing here imports torch: the scheduler runs it
-as a subprocess and the executor runs it in-process before its torch import.
+as a subprocess (its tokenizer step imports transformers, which the scheduler keeps out) and the
+executor runs it in-process before its torch import (checkpoints/resolve.py).
 
-    python -m executor_svc.gguf_checkpoint PATH [--cache-dir D]   # prints the directory last
+    python -m checkpoints.gguf PATH [--cache-dir D]   # prints the directory last
 
-Module map: `reader.py` (opening the file, typed metadata), `config.py` (config.json),
-`weights.py` (names, rotary un-permutation, raw blocks or dequantization, safetensors), `tokenizer.py`
-(transformers' GGUF tokenizer conversion), `convert.py` (one conversion), `cache.py` (hash,
-lock, temp dir and rename).
+Module map: `reader.py` (opening the file, typed metadata), `hf_config.py` (config.json),
+`weights.py` (names, rotary un-permutation, raw blocks or dequantization, safetensors),
+`hf_tokenizer.py` (transformers' GGUF tokenizer conversion), `convert.py` (one conversion),
+`cache.py` (hash, lock, temp dir and rename), `dequantize.py` (a float copy of a conversion, for
+oracles and peers that cannot read raw blocks), `__main__.py` (the command line).
 """
 
 from __future__ import annotations
@@ -20,12 +22,23 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from executor_svc.gguf_checkpoint.cache import gguf_cache_root, gguf_checkpoint_dir
-from executor_svc.loading.checkpoint import CheckpointError
+from checkpoints.files import CheckpointError
+from checkpoints.gguf.cache import gguf_cache_root, gguf_checkpoint_dir
 
-__all__ = ["find_gguf_file", "gguf_cache_root", "gguf_checkpoint_dir"]
+__all__ = ["find_gguf_file", "gguf_cache_root", "gguf_checkpoint_dir", "names_gguf"]
 
 GGUF_SUFFIX = ".gguf"
+
+
+def names_gguf(model: str | os.PathLike) -> bool:
+    """`model` stands for a GGUF model: a .gguf path (there or not), or a directory holding
+    .gguf files and no config.json. It never raises: `find_gguf_file` says which file, or why
+    none can be chosen."""
+    path = Path(model).expanduser()
+    if path.suffix.lower() == GGUF_SUFFIX and not path.is_dir():
+        return True
+    return (path.is_dir() and not (path / "config.json").exists()
+            and any(p.suffix.lower() == GGUF_SUFFIX and p.is_file() for p in path.iterdir()))
 
 
 def find_gguf_file(model: str | os.PathLike) -> Path | None:

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from executor_svc.gguf_checkpoint.reader import Metadata
-from executor_svc.loading.checkpoint import CheckpointError
+from checkpoints.files import CheckpointError
+from checkpoints.gguf.reader import Metadata
 
 # GGUF `general.architecture` -> (HF class, HF model_type). Mistral files say "llama".
 ARCHITECTURES: dict[str, tuple[str, str]] = {

@@ -1,4 +1,4 @@
-"""`python -m executor_svc.gguf_checkpoint PATH`: convert (or find in the cache) and print the
+"""`python -m checkpoints.gguf PATH`: convert (or find in the cache) and print the
 checkpoint directory as the last stdout line. Any failure is one stderr line,
 `<file>: <what is wrong>`, and exit status 1 (the scheduler shows that line to the operator)."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import structlog
 
-from executor_svc.gguf_checkpoint import find_gguf_file, gguf_checkpoint_dir
-from executor_svc.loading.checkpoint import CheckpointError
+from checkpoints.files import CheckpointError
+from checkpoints.gguf import find_gguf_file, gguf_checkpoint_dir
 
 
 def _configure_logging(log_format: str) -> None:
@@ -43,7 +43,7 @@ def _gguf_file(path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m executor_svc.gguf_checkpoint",
+        prog="python -m checkpoints.gguf",
         description="Convert a GGUF file (once) into a Folio/HF checkpoint directory and print "
                     "that directory.")
     parser.add_argument("path", help="a .gguf file, or a directory holding exactly one")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,34 +58,6 @@ def read_json_object(path: Path) -> dict[str, Any]:
 def _json_type(value: Any) -> str:
     return {list: "list", str: "string", bool: "boolean", int: "number", float: "number",
             type(None): "null"}.get(type(value), type(value).__name__)
-
-
-def resolve_model_dir(model: str, cache_dir: str | None = None) -> Path:
-    """A local checkpoint directory as is; a GGUF file (or a directory holding one and no
-    config.json) converted into a cached checkpoint directory; anything else is a hub id to
-    download. `cache_dir` is where hub downloads go (GGUF conversions: $FOLIO_CACHE_DIR)."""
-    # Imported here: the converter package imports this module.
-    from executor_svc.gguf_checkpoint import find_gguf_file, gguf_checkpoint_dir
-
-    gguf_file = find_gguf_file(model)
-    if gguf_file is not None:
-        return gguf_checkpoint_dir(gguf_file, progress=sys.stderr.isatty())
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise ValueError(f"--model {model!r} is a file; give the checkpoint's directory or a "
-                         ".gguf file")
-    try:
-        from huggingface_hub import snapshot_download
-
-        local = snapshot_download(
-            repo_id=model, cache_dir=cache_dir,
-            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
-    except Exception as e:  # the hub client raises many types (offline, 404, auth, bad id)
-        raise ValueError(f"--model {model!r} is not a local directory and downloading it from "
-                         f"the model hub failed: {type(e).__name__}: {e}") from e
-    return Path(local)
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

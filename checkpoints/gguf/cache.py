@@ -26,11 +26,11 @@ from pathlib import Path
 
 import structlog
 
-from executor_svc.gguf_checkpoint.convert import CONVERTER_VERSION, MARKER_FILE, convert
-from executor_svc.loading.checkpoint import CheckpointError
-from executor_svc.loading.default_model import default_cache_dir
+from checkpoints.cache_dir import default_cache_dir
+from checkpoints.files import CheckpointError
+from checkpoints.gguf.convert import CONVERTER_VERSION, MARKER_FILE, convert
 
-log = structlog.get_logger("executor_svc.gguf")
+log = structlog.get_logger("checkpoints.gguf")
 
 _HASH_CHUNK = 8 << 20
 

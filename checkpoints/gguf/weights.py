@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from executor_svc.loading.checkpoint import INDEX_FILE, CheckpointError
-from executor_svc.quantization.config import GGUF_TYPES
+from checkpoints.files import INDEX_FILE, CheckpointError
+from checkpoints.quant_config import GGUF_TYPES
 
 SHARD_BYTES = 2 << 30  # bounds the memory a conversion holds to one shard of float32 tensors
 

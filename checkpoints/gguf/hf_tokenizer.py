@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from executor_svc.gguf_checkpoint.reader import Metadata
-from executor_svc.loading.checkpoint import CheckpointError
+from checkpoints.files import CheckpointError
+from checkpoints.gguf.reader import Metadata
 
 # tokenizer_config names -> the GGUF key holding that token's id
 _SPECIAL_TOKEN_IDS = {

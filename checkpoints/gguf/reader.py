@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from executor_svc.loading.checkpoint import CheckpointError
+from checkpoints.files import CheckpointError
 
 GGUF_MAGIC = b"GGUF"
 
