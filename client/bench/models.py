@@ -48,8 +48,9 @@ MARKER = "FOLIO_RANDOM_WEIGHTS"
 
 
 def bench_models_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    root = cache_dir or os.environ.get("FOLIO_CACHE_DIR") or Path.home() / ".cache" / "folio"
-    return Path(root) / "bench-models"
+    from checkpoints.cache_dir import default_cache_dir
+
+    return Path(cache_dir or default_cache_dir()) / "bench-models"
 
 
 def random_model_dir(name: str, seed: int = 0, cache_dir: str | os.PathLike | None = None,
