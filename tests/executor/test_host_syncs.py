@@ -88,7 +88,7 @@ def test_every_step_makes_at_most_the_one_transfer_of_sampled_ids(checkpoint_cac
     assert len(per_step) == 6
     for calls in per_step:
         assert len(calls) == 1, calls
-        assert calls[0].startswith("tolist at runner.py"), calls
+        assert calls[0].startswith("cpu at outputs.py"), calls
 
 
 def test_the_counter_sees_reads_and_blocking_copies():
