@@ -37,15 +37,11 @@ asks them to be reproducible).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from executor_svc.sample.logits_processors import LogitsProcessing, apply_min_p, apply_processors
-from protos.plan import PromptLogprobs, SamplingSpec
-
-if TYPE_CHECKING:  # inputs.py imports this module
-    from executor_svc.step.inputs import PromptPositions
+from protos.plan import SamplingSpec
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy
 _MASK32 = 0xFFFFFFFF
@@ -238,30 +234,3 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor
     own = logprobs.gather(1, token_ids[:, None])  # [n, 1]
     ranks = (logprobs > own).sum(dim=-1) + 1  # [n]
     return own.squeeze(1), ranks, logprobs
-
-
-def split_flat(values: list, sizes: list[int]) -> list[list]:
-    """values cut into consecutive pieces of the given sizes."""
-    pieces, start = [], 0
-    for size in sizes:
-        pieces.append(values[start:start + size])
-        start += size
-    return pieces
-
-
-def prompt_logprobs_records(pl: PromptPositions, req_ids: list[str | None], k: int, own: list[float],
-                     ranks: list[float], top_ids: list[float], top_lps: list[float]
-                     ) -> list[PromptLogprobs]:
-    """Per prompt row: its positions' own logprobs and ranks and its top `num_top` of `k`."""
-    out, start = [], 0
-    for row, first, count, n in zip(pl.rows.tolist(), pl.starts.tolist(), pl.counts.tolist(),
-                                    pl.num_top.tolist(), strict=True):
-        end = start + count
-        req_id = req_ids[row]
-        assert req_id is not None
-        out.append(PromptLogprobs(
-            req_id, first, own[start:end], [int(r) for r in ranks[start:end]],
-            [[int(t) for t in top_ids[i * k:i * k + n]] for i in range(start, end)],
-            [top_lps[i * k:i * k + n] for i in range(start, end)]))
-        start = end
-    return out

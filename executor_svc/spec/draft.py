@@ -4,11 +4,11 @@ the next one (`--speculative-method draft`).
 A second, smaller model sharing the target's tokenizer (or the target's own checkpoint cut
 to its first layers: `--speculative-draft-layers`) with a KV cache of its own, laid out like
 the target's: the same block ids and block tables, so it needs no allocation of its own from
-the scheduler. After a step, each row that sampled and may speculate (runner_spec.refusal)
+the scheduler. After a step, each row that sampled and may speculate (SpecVerifier.refusal)
 gets up to k greedy proposals: the draft first catches up on the row's real tokens it has not
 computed (from `InputBatch.draft_computed` to the last token: the whole sequence for a new or
 resumed row, usually one or two tokens), which yields d_0, then runs k - 1 single-token steps.
-Greedy proposals are deterministic, so verification treats them as one-hot (runner_spec.py):
+Greedy proposals are deterministic, so verification treats them as one-hot (verifier.py):
 the emitted tokens stay distributed exactly as the target's.
 
 Invariants:

@@ -5,10 +5,10 @@ The target model scores a request's last token and its k proposals d_0..d_{k-1} 
 forward pass: position i's distribution p_i predicts the token after d_{i-1} (p_0 the one after
 the last real token). A request may propose fewer than k tokens (`num_draft`; the rest of its
 row is padding, -1). Given the target's own token t_i at every position (the argmax for greedy
-requests, the sampler's draw for the others: executor_svc/spec/runner_spec.py), the proposals are
+requests, the sampler's draw for the others: executor_svc/spec/verifier.py), the proposals are
 accepted while d_i = t_i; at the first i = a where they differ (or after the last proposal)
 t_a is emitted after d_0..d_{a-1}. Greedy, that is exactly non-speculative greedy decoding;
-sampled, it is rejection sampling for deterministic proposals (runner_spec.py says why).
+sampled, it is rejection sampling for deterministic proposals (verifier.py says why).
 Each request emits 1..num_draft+1 tokens.
 """
 

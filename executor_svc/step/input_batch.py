@@ -98,7 +98,7 @@ class InputBatch(Mapping[str, RequestState]):
         self.prompt_logprobs = np.full(capacity, -1, np.int64)  # -1 = off
         self.processed_logprobs = np.zeros(capacity, bool)
         # Speculative decoding: proposals appended to token_ids for this step's verification
-        # (the row's last num_spec tokens are not its own yet; runner_spec.py settles them).
+        # (the row's last num_spec tokens are not its own yet; SpecVerifier.settle settles them).
         self.num_spec = np.zeros(capacity, np.int64)
         # The draft model's KV positions of the row's real tokens (executor_svc/spec/draft.py).
         self.draft_computed = np.zeros(capacity, np.int64)

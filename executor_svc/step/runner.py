@@ -1,11 +1,21 @@
 """Apply a step plan to the executor's request state, move KV blocks, run the model, sample.
 
-The runner mirrors what the scheduler has told it about each request in a persistent
-``InputBatch`` (``input_batch.py``): one row per held request, updated in place from each plan's
-diff. ``runner.requests`` is that batch, read as a Mapping ``req_id -> RequestState`` (a copy);
-``requests.clear()`` (or ``reset()``) drops everything.
+The runner owns a step's parts and calls them in order; each owns its state whole::
 
-Invariants (checked every step, a violation fails the step with a message):
+    ModelRunner
+      input_batch   InputBatch        the held requests, one row each (input_batch.py)
+      structured    StructuredRows    structured output's matchers, by row (sample/structured.py)
+      verifier      SpecVerifier      verifies proposals, settles their rows (spec/verifier.py)
+      validator     PlanValidator     the rules every plan must satisfy (plan_validation.py)
+      graph_runner  DecodeGraphRunner pure-decode steps replayed from CUDA graphs (None: eager)
+      draft         DraftProposer     the draft model's proposals after a step (None: no draft)
+
+A step crosses to the device in one host-to-device copy (inputs.py) and back in one
+device-to-host transfer of named segments (outputs.py). ``runner.requests`` is the batch,
+read as a Mapping ``req_id -> RequestState`` (a copy); ``requests.clear()`` (or ``reset()``)
+drops everything.
+
+Invariants (checked every step by the validator, a violation fails the step with a message):
 - ``num_computed_tokens + num_scheduled <= num_tokens`` (the tokens held) and fits the request's
   blocks and max_model_len;
 - a request samples exactly when that sum equals ``num_tokens``. With ``append_sampled`` (the
@@ -13,7 +23,8 @@ Invariants (checked every step, a violation fails the step with a message):
   scheduler resending any token ids; otherwise the scheduler picks the next token (beam search)
   and sends it in ``CachedRequest.new_token_ids``, appended before computing;
 - a row verifying speculative proposals (``CachedRequest.spec_token_ids``) holds them for the
-  step only: ``runner_spec.py`` verifies them and settles the row to what it keeps.
+  step only: the verifier checks them against the step's logits and settles the row to what it
+  keeps.
 
 Order within a step, after the plan is validated and request state updated:
 ``swap_out`` (device -> CPU pool), then ``swap_in`` (CPU pool -> device), then ``block_copies``
@@ -25,7 +36,7 @@ swap-out through ``preempted_req_ids``).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,21 +48,28 @@ from executor_svc.kv.kv_cache import KVCache, to_device
 from executor_svc.kv.swap import SwapPool
 from executor_svc.parallel.tp_worker import collectives, share_sampled
 from executor_svc.sample.sampler import (
-    prompt_logprobs_records,
     sample,
     sample_with_distribution,
-    split_flat,
     token_logprobs,
     top_logprobs,
 )
 from executor_svc.sample.structured import StructuredRows, apply_bitmask
 from executor_svc.spec.draft import DraftProposer
-from executor_svc.spec.runner_spec import refusal, settle, verify
+from executor_svc.spec.verifier import SpecVerifier
 from executor_svc.step.graph_runner import DecodeGraphRunner
 from executor_svc.step.input_batch import InputBatch, RequestState
 from executor_svc.step.inputs import StepInputs, build_step_inputs
-from executor_svc.step.runner_checks import PlanChecks, PlanError
-from protos.plan import CachedRequest, NewRequest, PromptLogprobs, StepPlan
+from executor_svc.step.outputs import (
+    Proposal,
+    Sampled,
+    SampledTokens,
+    StepOutput,
+    read_back,
+    read_sampled,
+    sampled_tokens,
+)
+from executor_svc.step.plan_validation import PlanError, PlanValidator
+from protos.plan import CachedRequest, NewRequest, StepPlan
 
 __all__ = ["ModelRunner", "PlanError", "RequestState", "Scheduled", "StepOutput"]
 
@@ -66,30 +84,15 @@ class Scheduled:
     query_lens: np.ndarray  # [num_seqs] int64 >= 1: tokens computed this step
 
 
-@dataclass(frozen=True)
-class StepOutput:
-    sampled: list[tuple[str, list[int]]]
-    num_tokens: int  # tokens computed this step
-    execute_time_s: float
-    # (req_id, top token ids, their logprobs), best first, for requests with num_logprobs > 0
-    logprobs: list[tuple[str, list[int], list[float]]]
-    # (req_id, sampled token's logprob, its rank) for requests with sampled_logprob
-    sampled_logprobs: list[tuple[str, float, int]] = field(default_factory=list)
-    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
-    proposals: list[tuple[str, list[int]]] = field(default_factory=list)  # draft model's
+class ModelRunner:
+    """Runs step plans over the parts it owns (the module docstring draws them).
 
+    Invariants: after a step that succeeds the batch holds exactly what the plans said
+    (plus the tokens it appended); a step that fails drops every request its plan touched,
+    so the scheduler can only resend them whole. The parts share the one InputBatch and
+    StructuredRows, each reading or writing them only through their public fields.
+    """
 
-@dataclass
-class _Sampled:
-    """What `_sample` brings back from the device, in its one transfer."""
-
-    token_ids: list[int]
-    logprobs: list[tuple[str, list[int], list[float]]] = field(default_factory=list)
-    sampled_logprobs: list[tuple[str, float, int]] = field(default_factory=list)
-    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
-
-
-class ModelRunner(PlanChecks):
     def __init__(self, model: nn.Module, kv_cache: KVCache, block_size: int,
                  max_model_len: int, vocab_size: int, device: torch.device,
                  swap_pool: SwapPool | None = None, tokenizer_json: Path | None = None,
@@ -105,6 +108,11 @@ class ModelRunner(PlanChecks):
         self.input_batch = InputBatch(max_model_len, block_size)
         # Structured output's matchers, next to their rows (tokenizer_json: the model's).
         self.structured = StructuredRows(tokenizer_json, vocab_size)
+        self.verifier = SpecVerifier(self.input_batch, self.structured)
+        self.validator = PlanValidator(
+            self.input_batch, self.verifier, vocab_size=vocab_size,
+            num_blocks=kv_cache.num_blocks,
+            num_swap_blocks=swap_pool.num_blocks if swap_pool is not None else None)
         # Replays pure-decode steps from captured graphs (None: every step eager).
         self.graph_runner = graph_runner
         # Speculative decoding's draft model: proposals after each step (None: no draft).
@@ -132,30 +140,32 @@ class ModelRunner(PlanChecks):
             with torch.inference_mode():
                 scheduled = self.apply(plan)
                 self._move_blocks(plan)
-                sampled, out = self._run(scheduled) if len(scheduled.rows) else ([], _Sampled([]))
+                sampled, out = self._run(scheduled) if len(scheduled.rows) else ([], Sampled([]))
                 proposals = self._propose(sampled) if self.draft is not None else []
         except Exception:
             for req_id in [r.req_id for r in plan.new_reqs] + [r.req_id for r in plan.cached_reqs]:
                 self.input_batch.remove(req_id)
             raise
-        num_tokens = int(scheduled.query_lens.sum())
-        return StepOutput(sampled, num_tokens, time.perf_counter() - start, out.logprobs,
-                          out.sampled_logprobs, out.prompt_logprobs, proposals)
+        return StepOutput(sampled=sampled, num_tokens=int(scheduled.query_lens.sum()),
+                          execute_time_s=time.perf_counter() - start, logprobs=out.logprobs,
+                          sampled_logprobs=out.sampled_logprobs,
+                          prompt_logprobs=out.prompt_logprobs, proposals=proposals)
 
-    def _propose(self, sampled: list[tuple[str, list[int]]]) -> list[tuple[str, list[int]]]:
+    def _propose(self, sampled: list[SampledTokens]) -> list[Proposal]:
         """The draft model's proposals for the rows that sampled and may speculate."""
         batch = self.input_batch
-        rows = [batch.row_of[r] for r, _ in sampled if r in batch.row_of]
-        rows = np.array([r for r in rows if self._spec_refusal(r) is None], np.int64)
+        rows = [batch.row_of[s.req_id] for s in sampled if s.req_id in batch.row_of]
+        rows = np.array([r for r in rows if self.verifier.refusal(r) is None], np.int64)
         if not len(rows):
             return []
         ids = self.draft.propose(batch, rows)
-        return [(batch.req_ids[r], p) for r, p in zip(rows.tolist(), ids, strict=True) if p]
+        return [Proposal(batch.req_ids[r], p) for r, p in zip(rows.tolist(), ids, strict=True)
+                if p]
 
     def apply(self, plan: StepPlan) -> Scheduled:
         """Validate the plan and write its diff into the persistent batch; return the rows to
         compute. Nothing has moved in the KV cache yet."""
-        self._check_pairs(plan)
+        self.validator.check_block_moves(plan)
         batch = self.input_batch
         for req_id in (*plan.finished_req_ids, *plan.preempted_req_ids):
             batch.remove(req_id)
@@ -165,15 +175,12 @@ class ModelRunner(PlanChecks):
         counts += [r.num_scheduled_tokens for r in plan.cached_reqs]
         row_arr = np.array(rows, dtype=np.int64)  # [num_entries]
         count_arr = np.array(counts, dtype=np.int64)  # [num_entries]
-        self._check_scheduled(row_arr, count_arr)
+        self.validator.check_scheduled(row_arr, count_arr)
         keep = count_arr > 0
         return Scheduled(row_arr[keep], count_arr[keep])
 
     def _add(self, new: NewRequest) -> int:
-        self._check_block_ids(new.req_id, new.block_ids)
-        self._check_token_ids(new.req_id, new.token_ids)
-        self._check_sampling(new.req_id, new.sampling)
-        self._check_capacity(new.req_id, len(new.token_ids), len(new.block_ids))
+        self.validator.check_new(new)
         row = self.input_batch.add(new.req_id, new.token_ids, new.block_ids,
                                    new.num_computed_tokens, new.sampling, new.num_prompt_tokens)
         # A fresh matcher replaying the outputs held (a resume), or the row's old one dropped.
@@ -181,51 +188,20 @@ class ModelRunner(PlanChecks):
                             new.token_ids[new.num_prompt_tokens:])
         return row
 
-    def _spec_refusal(self, row: int) -> str | None:
-        """Why a row may not verify (or be drafted) proposals, or None (runner_spec.refusal)."""
-        return refusal(self.input_batch, row,
-                       len(self.structured.constrained(np.array([row]))) > 0)
-
     def _update(self, cached: CachedRequest) -> int:
-        batch = self.input_batch
-        row = batch.row_of.get(cached.req_id)
-        if row is None:
-            raise PlanError(f"request {cached.req_id} is not held by the executor")
-        if cached.num_computed_tokens != batch.num_computed[row]:
-            raise PlanError(
-                f"request {cached.req_id}: scheduler counts {cached.num_computed_tokens} "
-                f"computed tokens, executor {batch.num_computed[row]}")
+        """Write a held request's diff, each part checked right before it is written."""
+        batch, validator = self.input_batch, self.validator
+        row = validator.held_row(cached)
         if cached.new_block_ids:
-            self._check_block_ids(cached.req_id, cached.new_block_ids)
-            self._check_capacity(cached.req_id, int(batch.num_tokens[row]),
-                                 int(batch.num_blocks[row]) + len(cached.new_block_ids))
+            validator.check_new_blocks(cached, row)
             batch.append_blocks(row, cached.new_block_ids)
         if cached.new_token_ids:
-            if batch.append_sampled[row]:
-                raise PlanError(
-                    f"request {cached.req_id}: new_token_ids sent, but the executor appends "
-                    "this request's sampled tokens itself (append_sampled is True)")
-            self._check_token_ids(cached.req_id, cached.new_token_ids)
-            self._check_capacity(cached.req_id,
-                                 int(batch.num_tokens[row]) + len(cached.new_token_ids),
-                                 int(batch.num_blocks[row]))
+            validator.check_new_tokens(cached, row)
             batch.append_tokens(row, cached.new_token_ids)
             if self.structured.active:
                 self.structured.advance([row], batch.req_ids, [cached.new_token_ids])
-        if cached.spec_token_ids:  # verified this step (runner_spec.py)
-            why = self._spec_refusal(row)
-            num_spec = len(cached.spec_token_ids)
-            if why is None and (batch.num_computed[row] != batch.num_tokens[row] - 1
-                                or cached.num_scheduled_tokens != 1 + num_spec):
-                why = (f"{num_spec} proposals need a decode step scheduling {1 + num_spec} "
-                       f"tokens (computed {batch.num_computed[row]} of "
-                       f"{batch.num_tokens[row]} held, {cached.num_scheduled_tokens} scheduled)")
-            if why is not None:
-                raise PlanError(f"request {cached.req_id}: {why}")
-            self._check_token_ids(cached.req_id, cached.spec_token_ids)
-            self._check_capacity(cached.req_id,
-                                 int(batch.num_tokens[row]) + len(cached.spec_token_ids),
-                                 int(batch.num_blocks[row]))
+        if cached.spec_token_ids:  # verified this step (spec/verifier.py)
+            validator.check_proposals(cached, row)
             batch.append_tokens(row, cached.spec_token_ids)
             batch.num_spec[row] = len(cached.spec_token_ids)
         return row
@@ -242,22 +218,21 @@ class ModelRunner(PlanChecks):
         return build_step_inputs(self.input_batch, scheduled.rows, scheduled.query_lens,
                                  self.device)
 
-    def _run(self, scheduled: Scheduled) -> tuple[list[tuple[str, list[int]]], _Sampled]:
+    def _run(self, scheduled: Scheduled) -> tuple[list[SampledTokens], Sampled]:
         inputs = self.prepare(scheduled)
         with collectives():  # tensor parallel: logits on rank 0 only (None elsewhere)
             logits = self._forward(inputs)  # [num_logits (+ prompt positions), vocab]
         sample_rows = inputs.sample_rows  # [num_logits]
-        out = _Sampled([])
+        out = Sampled([])
         if len(sample_rows) or inputs.prompt_lp is not None:
             out = share_sampled(lambda: self._sample(logits, inputs), len(sample_rows),
-                                self.device, _Sampled)
+                                self.device, Sampled)
         sampled = out.token_ids
         batch = self.input_batch
         batch.num_computed[scheduled.rows] += scheduled.query_lens
-        spec, emitted = inputs.spec, None
-        if spec is not None:  # proposals verified, the rows settled to what they keep
-            emitted = verify(logits, spec, inputs.sampling, batch)
-            settle(batch, spec, emitted)
+        spec = inputs.spec
+        if spec is not None:  # proposals verified (in _sample), the rows settled to what they keep
+            self.verifier.settle(spec, out.emitted)
         if self.draft is not None:  # its KV is valid only where the target's is
             batch.draft_computed[scheduled.rows] = np.minimum(
                 batch.draft_computed[scheduled.rows], batch.num_computed[scheduled.rows])
@@ -274,10 +249,10 @@ class ModelRunner(PlanChecks):
                   num_sampled=len(sampled), num_logprobs=len(out.logprobs))
         req_ids = [batch.req_ids[r] for r in sample_rows.tolist()]
         tokens = [[t] for t in sampled]
-        if emitted is not None:
-            for i, ids in zip(spec.logits_rows.tolist(), emitted, strict=True):
+        if spec is not None:
+            for i, ids in zip(spec.logits_rows.tolist(), out.emitted, strict=True):
                 tokens[i] = ids
-        return list(zip(req_ids, tokens, strict=True)), out
+        return sampled_tokens(req_ids, tokens), out
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Pure-decode steps that fit a captured size replay the decoder graph, then the LM
@@ -288,8 +263,9 @@ class ModelRunner(PlanChecks):
             return self.model.compute_logits(hidden[batch.logits_indices])
         return self.model(inputs.input_ids, inputs.positions, batch)
 
-    def _sample(self, logits: torch.Tensor, inputs: StepInputs) -> _Sampled:
-        """Sampled ids, plus the logprobs the rows ask for, in the step's one host sync."""
+    def _sample(self, logits: torch.Tensor, inputs: StepInputs) -> Sampled:
+        """Sampled ids, the logprobs the rows ask for and the verdict on proposals, named
+        device tensors read back in the step's one host sync (outputs.read_back)."""
         num_rows = len(inputs.sample_rows)
         num_lp, num_slp = len(inputs.num_logprobs), len(inputs.sampled_lp_rows_host)
         masked = logits[:num_rows]
@@ -309,43 +285,23 @@ class ModelRunner(PlanChecks):
             lp_logits = torch.where(flags[:, None], drawn, lp_logits)
         else:
             sampled_ids = sample(masked, inputs.sampling)  # [num_logits]
-        if not (num_lp or num_slp or inputs.prompt_lp is not None):
-            return _Sampled(sampled_ids.tolist())  # the common step: nothing else crosses
-        # One transfer for everything: token ids (< 2**53), ranks and fp32 logprobs are exact
-        # in fp64. `parts` are flat device tensors, read back in the same order.
-        parts = [sampled_ids.double()]
-        k = int(inputs.num_logprobs.max()) if num_lp else 0
+        segments = {"token_ids": sampled_ids}  # the common step names nothing else
         if num_lp:
-            top_ids, top_lps = top_logprobs(lp_logits, inputs.logprob_rows, k)
-            parts += [top_ids.flatten().double(), top_lps.flatten().double()]  # [num_lp * k]
+            top_ids, top_lps = top_logprobs(lp_logits, inputs.logprob_rows,
+                                            int(inputs.num_logprobs.max()))
+            segments.update(top_ids=top_ids, top_logprobs=top_lps)  # [num_lp, k]
         if num_slp:
             rows = inputs.sampled_lp_rows  # [num_slp]
             own, ranks, _ = token_logprobs(lp_logits.index_select(0, rows), sampled_ids[rows])
-            parts += [own.double(), ranks.double()]
+            segments.update(sampled_logprobs=own, sampled_ranks=ranks)
         pl = inputs.prompt_lp
-        pl_k = int(pl.num_top.max()) if pl is not None else 0
         if pl is not None:
             own, ranks, lsm = token_logprobs(logits[num_rows:num_rows + len(inputs.prompt_targets)],
                                              inputs.prompt_targets)
-            pl_lps, pl_ids = lsm.topk(pl_k, dim=-1)  # [num_pl, pl_k]
-            parts += [own.double(), ranks.double(), pl_ids.flatten().double(),
-                      pl_lps.flatten().double()]
-        host = iter(split_flat(torch.cat(parts).tolist(), [p.numel() for p in parts]))
-        out = _Sampled([int(t) for t in next(host)])
-        req_ids, sample_rows = self.input_batch.req_ids, inputs.sample_rows
-        if num_lp:
-            flat_ids, flat_lps = next(host), next(host)
-            for j, (row, n) in enumerate(zip(inputs.logprob_rows_host.tolist(),
-                                             inputs.num_logprobs.tolist(), strict=True)):
-                span = slice(j * k, j * k + n)
-                out.logprobs.append((req_ids[int(sample_rows[row])],
-                                     [int(t) for t in flat_ids[span]], flat_lps[span]))
-        if num_slp:
-            own_lps, own_ranks = next(host), next(host)
-            out.sampled_logprobs = [
-                (req_ids[int(sample_rows[row])], lp, int(rank)) for row, lp, rank
-                in zip(inputs.sampled_lp_rows_host.tolist(), own_lps, own_ranks, strict=True)]
-        if pl is not None:
-            out.prompt_logprobs = prompt_logprobs_records(pl, req_ids, pl_k, next(host), next(host),
-                                                  next(host), next(host))
-        return out
+            pl_lps, pl_ids = lsm.topk(int(pl.num_top.max()), dim=-1)  # [num_pl, pl_k]
+            segments.update(prompt_logprobs=own, prompt_ranks=ranks, prompt_top_ids=pl_ids,
+                            prompt_top_logprobs=pl_lps)
+        if inputs.spec is not None:  # drawn after the sampling rows' own draws, as ever
+            verdict = self.verifier.verify(logits, inputs.spec, inputs.sampling)
+            segments.update(spec_tokens=verdict.tokens, spec_counts=verdict.counts)
+        return read_sampled(read_back(segments), inputs, self.input_batch.req_ids)

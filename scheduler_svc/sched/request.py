@@ -128,7 +128,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     # The executor's copy asks for prompt logprobs: it was sent (as a NewRequest) while they
     # were owed. `sampling` stops asking once they are out, the executor's copy only when sent
-    # again, and until then the executor verifies no proposals for it (runner_spec.refusal).
+    # again, and until then the executor verifies no proposals for it (SpecVerifier.refusal).
     executor_prompt_logprobs: bool = False
     # The executor's draft-model proposals for the next step, with the token count they
     # follow (StepResult.proposals): used only while no token has been added since.

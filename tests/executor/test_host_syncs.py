@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 import executor_svc
 from executor_svc.kv.kv_cache import to_device
 from executor_svc.sample.sampler import SamplingBatch
+from protos.plan import CachedRequest
 from protos.sampling_spec import SamplingSpec
 from tests.executor.harness import PlanDriver, make_runner
 
@@ -88,7 +89,7 @@ def test_every_step_makes_at_most_the_one_transfer_of_sampled_ids(checkpoint_cac
     assert len(per_step) == 6
     for calls in per_step:
         assert len(calls) == 1, calls
-        assert calls[0].startswith("tolist at runner.py"), calls
+        assert calls[0].startswith("cpu at outputs.py"), calls
 
 
 def test_the_counter_sees_reads_and_blocking_copies():
@@ -99,3 +100,29 @@ def test_the_counter_sees_reads_and_blocking_copies():
         to_device(np.arange(3), torch.device("cpu"))  # the runner's helper: not counted
     assert len(counter.calls) == 6 and all("sampler.py" in c for c in counter.calls)
     assert batch.num_rows == 1
+
+
+def test_a_step_verifying_proposals_makes_the_one_transfer_too(checkpoint_cache):
+    """Verification's verdict crosses with the sampled ids (a greedy and a seeded row, one
+    logprobs row beside them that carries no proposals)."""
+    _, model_dir = checkpoint_cache("llama2")
+    runner = make_runner(model_dir)
+    d = PlanDriver(seed=4)
+    specs = {"greedy": SamplingSpec(temperature=0.0),
+             "seeded": SamplingSpec(temperature=0.8, top_p=0.9, seed=7),
+             "lp": SamplingSpec(temperature=0.0, num_logprobs=2, sampled_logprob=True)}
+    out = runner.execute(d.plan(new_reqs=[d.new(r, list(range(10 + i, 19 + i)), 9, specs[r])
+                                          for i, r in enumerate(specs)]))
+    d.record(out.sampled)
+    cached = d.decode_all(["lp"])
+    for req_id in ("greedy", "seeded"):
+        computed = d.num_computed[req_id]
+        new = d._grow(req_id, computed + 3)
+        cached.append(CachedRequest(req_id=req_id, new_block_ids=new, num_computed_tokens=computed,
+                                    num_scheduled_tokens=3, spec_token_ids=[5, 6]))
+    counter = HostSyncCounter()
+    with counter:
+        out = runner.execute(d.plan(cached_reqs=cached))
+    assert sorted(r for r, _ in out.sampled) == sorted(specs)
+    assert len(counter.calls) == 1, counter.calls
+    assert counter.calls[0].startswith("cpu at outputs.py"), counter.calls

@@ -3,7 +3,7 @@
 `KVMirror` follows the step-plan protocol (new/cached requests, `new_token_ids`,
 `append_sampled`, top, sampled and prompt logprobs (executor_svc/step/inputs.py's positions),
 min_tokens masking, block copies, swaps, reset, and
-speculative decoding: `CachedRequest.spec_token_ids` verified as executor_svc/spec/runner_spec.py
+speculative decoding: `CachedRequest.spec_token_ids` verified as executor_svc/spec/verifier.py
 does, and with `num_draft_tokens` > 0 a draft model's `StepResult.proposals` as
 executor_svc/spec/draft.py makes them) and records, for each slot it writes, a digest of the token
 prefix whose last position it computed. Before a request computes, every earlier position of
@@ -137,7 +137,7 @@ def _prefix_digests(token_ids: Sequence[int]) -> list[int]:
 
 
 def refusal(spec: SamplingSpec) -> str | None:
-    """Why a row may not verify proposals (executor_svc/runner_spec.refusal), or None."""
+    """Why a row may not verify proposals (the executor's SpecVerifier.refusal), or None."""
     if not spec.append_sampled:
         return "proposals need a request whose sampled tokens the executor appends"
     if spec.num_logprobs or spec.sampled_logprob or spec.prompt_logprobs >= 0:
@@ -155,7 +155,7 @@ class KVMirror:
     block_size: int
     model: NullModel = DEFAULT_MODEL
     num_draft_tokens: int = 0  # Hello.num_draft_tokens: proposals after each step
-    # The executor's (runner_checks.py): no step computes past it, no request holds more than
+    # The executor's (plan_validation.py): no step computes past it, no request holds more than
     # max_model_len + 1 tokens (the last sampled, never computed) nor more blocks than
     # max_model_len tokens need; the draft model proposes within it.
     max_model_len: int = 1 << 30
@@ -210,7 +210,7 @@ class KVMirror:
         for req_id, num_scheduled, drafts in scheduled:
             req = self.reqs[req_id]
             real = len(req.token_ids)
-            req.token_ids.extend(drafts)  # computed after the last real token (runner_spec)
+            req.token_ids.extend(drafts)  # computed after the last real token (spec/verifier.py)
             end = req.num_computed_tokens + num_scheduled
             if num_scheduled < 1 or end > len(req.token_ids) \
                     or len(req.block_ids) * self.block_size < end:
@@ -276,7 +276,7 @@ class KVMirror:
                                   f"of {len(req.token_ids)}: not a decode with proposals")
 
     def _verify(self, req: _Req, real: int, drafts: list[int]) -> list[int]:
-        """runner_spec.verify and settle: proposals accepted while they equal the model's own
+        """SpecVerifier.verify and settle: proposals accepted while they equal the model's own
         draws, then the first draw that differs (or one more); the row back to its real tokens
         plus those, computed up to all but the last."""
         del req.token_ids[real:]

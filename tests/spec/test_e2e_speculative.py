@@ -123,7 +123,7 @@ def test_seeded_sampling_repeats_and_others_unaffected(folio_server, tmp_path_fa
     with folio_server(model=checkpoint, args=["--block-size", str(BLOCK_SIZE)]) as server:
         unspeculated = asyncio.run(_generate(server.address, prompts[:1], **seeded))[0]
     assert again.token_ids == first.token_ids and len(first.token_ids) == MAX_TOKENS
-    # Every token is the one plain decoding draws at its index (runner_spec.py).
+    # Every token is the one plain decoding draws at its index (spec/verifier.py).
     assert first.token_ids == unspeculated.token_ids
     expected = hf_greedy(hf, [prompts[1], prompts[3]], MAX_TOKENS)
     assert with_logprobs.token_ids == expected[0] and plain.token_ids == expected[1]
@@ -258,7 +258,7 @@ def test_a_separate_draft_checkpoint(folio_server, tmp_path_factory):
 def test_prompt_logprobs_beside_ngram_speculation(folio_server):
     """A request asking for prompt logprobs: after its first token the scheduler no longer
     owes them, but the executor's copy of the request still asks for them, so the executor
-    refuses proposals for it (runner_spec.refusal). The scheduler proposed anyway, and the
+    refuses proposals for it (SpecVerifier.refusal). The scheduler proposed anyway, and the
     step failed with every request in it. It must decode unspeculated, like plain decoding."""
     phrase = [101, 202, 303, 404, 505]
     prompt = phrase * 6 + phrase[:2]  # n-gram proposals find the phrase at once

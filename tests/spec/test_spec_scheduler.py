@@ -90,7 +90,7 @@ def test_draft_proposals_are_used_only_right_after_they_were_made():
 def test_no_proposals_while_the_executors_copy_asks_for_prompt_logprobs():
     """After its first token a request owes no prompt logprobs (its sampling stops asking),
     but the executor's copy asks until the request is sent again, and it verifies no proposals
-    for it (runner_spec.refusal, which KVMirror applies): the scheduler proposed anyway, and
+    for it (SpecVerifier.refusal, which KVMirror applies): the scheduler proposed anyway, and
     the step failed. "x", beside it, speculates as before."""
     from tests.scheduler.kv_mirror import KVMirror, NullModel
     from tests.scheduler.test_parallel_sampling import make_scheduler, run

@@ -1,7 +1,7 @@
 """Speculative decoding's pure parts: n-gram proposals (scheduler) and the verification of
 proposals (executor): greedy verification against plain greedy decoding of a deterministic
 target; sampled verification (rejection sampling for deterministic proposals) through
-runner_spec.verify against the target's distribution with chi-square tests, and seeded draws
+SpecVerifier.verify against the target's distribution with chi-square tests, and seeded draws
 against plain decoding's."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from executor_svc.sample.sampler import SamplingBatch, sample
-from executor_svc.spec.runner_spec import verify
+from executor_svc.sample.structured import StructuredRows
 from executor_svc.spec.spec_decode import verify as verify_tokens
+from executor_svc.spec.verifier import SpecVerifier, emitted_tokens
 from executor_svc.step.input_batch import InputBatch
 from executor_svc.step.inputs import SpecPositions
 from protos.plan import SamplingSpec
@@ -98,7 +99,7 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 def _spec_step(first_logits: torch.Tensor, second_logits: torch.Tensor, proposal: int,
                specs: list[SamplingSpec], prompt_len: int = 5):
-    """One proposal per row through runner_spec.verify, as a step lays it out: row i holds
+    """One proposal per row through SpecVerifier.verify, as a step lays it out: row i holds
     a prompt, then `proposal` (appended for the step); its sampling row's logits (the bonus
     position) are rows 0..R-1, its proposal position's rows R..2R-1."""
     n = len(specs)
@@ -110,7 +111,9 @@ def _spec_step(first_logits: torch.Tensor, second_logits: torch.Tensor, proposal
     token_indices = [prompt_len + 1] * n  # the sampling rows' own (unused by verify)
     sampling = SamplingBatch.from_specs(specs, token_indices, torch.device("cpu"))
     spec_pos = SpecPositions(rows, np.arange(n), np.ones(n, np.int64), n)
-    return verify(logits, spec_pos, sampling, batch)
+    verdict = SpecVerifier(batch, StructuredRows(None, logits.shape[1])).verify(
+        logits, spec_pos, sampling)
+    return emitted_tokens(verdict.tokens.numpy(), verdict.counts.numpy())
 
 
 @pytest.mark.parametrize("top_k", [0, 3])
