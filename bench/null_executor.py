@@ -28,9 +28,13 @@ def null_executor(address: str, num_kv_blocks: int) -> int:
     try:
         if not end.wait_connected(PEER_TIMEOUT_MS):
             return 2
-        end.send(Hello(PROTOCOL_VERSION, f"null-executor-{os.getpid()}", "null-model",
-                       "NullModelExecutor", VOCAB_SIZE, MODEL_MAX_LEN, BLOCK_SIZE, num_kv_blocks,
-                       0, "none", "cpu", random_weights=True))  # fmt: skip
+        end.send(Hello(protocol_version=PROTOCOL_VERSION,
+                       executor_id=f"null-executor-{os.getpid()}", model_name="null-model",
+                       architecture="NullModelExecutor", vocab_size=VOCAB_SIZE,
+                       max_model_len=MODEL_MAX_LEN, block_size=BLOCK_SIZE,
+                       num_kv_blocks=num_kv_blocks,
+                       num_swap_blocks=0, dtype="none", device="cpu",
+                       random_weights=True))  # fmt: skip
         if not isinstance(end.recv(PEER_TIMEOUT_MS), Welcome):
             return 2
         num_tokens: dict[str, int] = {}  # tokens held per request, as a real executor counts
@@ -64,7 +68,7 @@ def null_step(plan: StepPlan, num_tokens: dict[str, int]) -> StepResult:
             # Any id will do; varying it keeps the requests' block keys distinct.
             sampled.append((req_id, [(num_done * 7919 + len(sampled)) % VOCAB_SIZE]))
             num_tokens[req_id] += 1  # append_sampled: the executor keeps what it samples
-    return StepResult(plan.step_id, sampled)
+    return StepResult(step_id=plan.step_id, sampled=sampled)
 
 
 

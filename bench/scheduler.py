@@ -158,7 +158,7 @@ async def run_case(workload: str, num_running: int, sizes: dict, address: str) -
         async with asyncio.timeout(STEP_TIMEOUT_S):
             identity, hello = await end.recv()
         assert isinstance(hello, Hello) and hello.protocol_version == PROTOCOL_VERSION, hello
-        await end.send(identity, Welcome(PROTOCOL_VERSION))
+        await end.send(identity, Welcome(protocol_version=PROTOCOL_VERSION))
         config = SchedulerConfig(max_num_seqs=max(256, num_running + 1))
         assert config.enable_prefix_caching, "the benchmark measures the default configuration"
         assert config.max_num_batched_tokens == MAX_NUM_BATCHED_TOKENS

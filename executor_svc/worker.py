@@ -289,14 +289,16 @@ def _step(runner: ModelRunner, plan: StepPlan, stats: _Stats,
         raise
     except Exception as e:
         log.exception("step failed")
-        return ExecutorError(plan.step_id, f"{type(e).__name__}: {e}")
+        return ExecutorError(step_id=plan.step_id, message=f"{type(e).__name__}: {e}")
     finally:
         structlog.contextvars.unbind_contextvars("step")
     stats.add(out.num_tokens, len(out.sampled), out.execute_time_s)
     log.debug("step done", step=plan.step_id, num_tokens=out.num_tokens,
               num_sampled=len(out.sampled), execute_time_s=round(out.execute_time_s, 6))
-    return StepResult(plan.step_id, out.sampled, out.execute_time_s, out.logprobs, idle_s,
-                      out.sampled_logprobs, out.prompt_logprobs, out.proposals)
+    return StepResult(step_id=plan.step_id, sampled=out.sampled, execute_time_s=out.execute_time_s,
+                      logprobs=out.logprobs, idle_time_s=idle_s,
+                      sampled_logprobs=out.sampled_logprobs, prompt_logprobs=out.prompt_logprobs,
+                      proposals=out.proposals)
 
 
 class _Stats:

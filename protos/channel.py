@@ -93,7 +93,7 @@ def decode(frame: bytes) -> Message:
 
 # ---- events other than messages -----------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PeerLost:
     """Scheduler side: the connection of the peer with this identity closed (process died,
     network gone, heartbeat timeout)."""
@@ -101,12 +101,12 @@ class PeerLost:
     identity: bytes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerLost:
     """Executor side: the connection to the scheduler closed."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BadMessage:
     """A frame that could not be decoded (or had the wrong number of frames); dropped."""
 
@@ -114,7 +114,7 @@ class BadMessage:
     reason: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AuthFailed:
     """A peer failed the ZeroMQ handshake (wrong or missing key, or security mismatch)."""
 
@@ -250,12 +250,13 @@ class SchedulerEnd:
         if isinstance(fd, int) and fd >= 0:
             self._fd_identity[fd] = identity
         if len(frames) != 2:
-            self._events.append(BadMessage(identity, f"{len(frames) - 1} frames, expected 1"))
+            self._events.append(BadMessage(identity=identity,
+                                           reason=f"{len(frames) - 1} frames, expected 1"))
             return
         try:
             self._events.append((identity, decode(frames[1].bytes)))
         except ProtocolError as e:
-            self._events.append(BadMessage(identity, str(e)))
+            self._events.append(BadMessage(identity=identity, reason=str(e)))
 
     def _drain_monitor(self) -> None:
         while self._monitor_now.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -267,9 +268,9 @@ class SchedulerEnd:
             if event == zmq.EVENT_DISCONNECTED:
                 identity = self._fd_identity.pop(value, None)
                 if identity is not None:
-                    self._events.append(PeerLost(identity))
+                    self._events.append(PeerLost(identity=identity))
             elif event in _AUTH_FAILURES:
-                self._events.append(AuthFailed(_AUTH_FAILURES[event]))
+                self._events.append(AuthFailed(reason=_AUTH_FAILURES[event]))
 
     async def send(self, identity: bytes, msg: Message) -> None:
         """Raises zmq.ZMQError when the peer is gone (ROUTER_MANDATORY)."""
@@ -342,11 +343,11 @@ class ExecutorEnd:
                 continue  # handled at the top of the loop
             frames = self._sock.recv_multipart(zmq.NOBLOCK)
             if len(frames) != 1:
-                return BadMessage(None, f"{len(frames)} frames, expected 1")
+                return BadMessage(identity=None, reason=f"{len(frames)} frames, expected 1")
             try:
                 return decode(frames[0])
             except ProtocolError as e:
-                return BadMessage(None, str(e))
+                return BadMessage(identity=None, reason=str(e))
 
     def _monitor_event(self) -> SchedulerLost | AuthFailed | None:
         while True:
@@ -362,7 +363,7 @@ class ExecutorEnd:
                 if was_connected:
                     return SchedulerLost()
             elif event in _AUTH_FAILURES:
-                return AuthFailed("the handshake with the scheduler failed: start both with "
+                return AuthFailed(reason="the handshake with the scheduler failed: start both with "
                                   f"the same channel secret (${SECRET_ENV} or "
                                   "--channel-secret-file), or both without one")
 

@@ -17,7 +17,7 @@ from zmq.utils import z85
 SECRET_ENV = "FOLIO_CHANNEL_SECRET"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ChannelKeys:
     """CURVE key pairs (Z85 text, as libzmq takes them) derived from one shared secret: the
     scheduler's (server) pair and the executor's (client) pair. Whoever holds the secret can
@@ -44,7 +44,8 @@ class ChannelKeys:
 
         server_public, server_secret = pair(b"srv")
         client_public, client_secret = pair(b"cli")
-        return cls(server_public, server_secret, client_public, client_secret)
+        return cls(server_public=server_public, server_secret=server_secret,
+                   client_public=client_public, client_secret=client_secret)
 
 
 def generate_secret() -> str:

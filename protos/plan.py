@@ -66,7 +66,7 @@ from protos.wire import (
 PROTOCOL_VERSION = 11
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NewRequest:
     req_id: str
     token_ids: list[int]  # prompt, plus generated tokens when resuming after preemption
@@ -94,8 +94,10 @@ class NewRequest:
         if num_prompt_tokens > len(token_ids):
             raise ValueError(f"num_prompt_tokens {num_prompt_tokens} exceeds the "
                              f"{len(token_ids)} token ids sent")
-        return cls(_str(w[0]), token_ids, SamplingSpec.from_wire(w[2]), _nats(w[3]),
-                   _nat(w[4]), _nat(w[5]), num_prompt_tokens)
+        return cls(req_id=_str(w[0]), token_ids=token_ids, sampling=SamplingSpec.from_wire(w[2]),
+                   block_ids=_nats(w[3]),
+                   num_computed_tokens=_nat(w[4]), num_scheduled_tokens=_nat(w[5]),
+                   num_prompt_tokens=num_prompt_tokens)
 
 
 class CachedRequest(NamedTuple):
@@ -149,7 +151,7 @@ def _cached_from_wire(w: object) -> list[CachedRequest]:
                         strict=True)))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Hello:
     """Executor -> scheduler, first message after connecting."""
 
@@ -180,12 +182,14 @@ class Hello:
     @classmethod
     def from_wire(cls, w: list) -> Hello:
         _list(w, 15)
-        return cls(_int(w[1]), _str(w[2]), _str(w[3]), _str(w[4]), _nat(w[5]), _nat(w[6]),
-                   _nat(w[7]), _nat(w[8]), _nat(w[9]), _str(w[10]), _str(w[11]), _bool(w[12]),
-                   _nat(w[13]), _nat(w[14]))
+        return cls(protocol_version=_int(w[1]), executor_id=_str(w[2]), model_name=_str(w[3]),
+                   architecture=_str(w[4]), vocab_size=_nat(w[5]), max_model_len=_nat(w[6]),
+                   block_size=_nat(w[7]), num_kv_blocks=_nat(w[8]), num_swap_blocks=_nat(w[9]),
+                   dtype=_str(w[10]), device=_str(w[11]), random_weights=_bool(w[12]),
+                   tensor_parallel_size=_nat(w[13]), num_draft_tokens=_nat(w[14]))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Welcome:
     """Scheduler -> executor: handshake accepted."""
 
@@ -198,10 +202,10 @@ class Welcome:
     @classmethod
     def from_wire(cls, w: list) -> Welcome:
         _list(w, 2)
-        return cls(_int(w[1]))
+        return cls(protocol_version=_int(w[1]))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Reject:
     """Scheduler -> executor: handshake refused; `reason` is a sentence for the operator.
 
@@ -219,10 +223,10 @@ class Reject:
     @classmethod
     def from_wire(cls, w: list) -> Reject:
         _list(w, 3)
-        return cls(_str(w[1]), _bool(w[2]))
+        return cls(reason=_str(w[1]), retry=_bool(w[2]))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepPlan:
     TAG: ClassVar[int] = 4
     step_id: int
@@ -267,7 +271,7 @@ class StepPlan:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepResult:
     """Executor -> scheduler: the tokens sampled in step `step_id`.
 
@@ -337,11 +341,12 @@ class StepResult:
         for entry in _list(w[8]):
             req_id, ids = _list(entry, 2)
             proposals.append((_str(req_id), _nats(ids)))
-        return cls(_nat(w[1]), sampled, _float(w[3]), logprobs, _float(w[5]), sampled_logprobs,
-                   _prompt_logprobs_from_wire(w[7]), proposals)
+        return cls(step_id=_nat(w[1]), sampled=sampled, execute_time_s=_float(w[3]),
+                   logprobs=logprobs, idle_time_s=_float(w[5]), sampled_logprobs=sampled_logprobs,
+                   prompt_logprobs=_prompt_logprobs_from_wire(w[7]), proposals=proposals)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExecutorError:
     """Executor -> scheduler: step `step_id` failed; the executor keeps no state for it."""
 
@@ -355,10 +360,10 @@ class ExecutorError:
     @classmethod
     def from_wire(cls, w: list) -> ExecutorError:
         _list(w, 3)
-        return cls(_nat(w[1]), _str(w[2]))
+        return cls(step_id=_nat(w[1]), message=_str(w[2]))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Shutdown:
     """Scheduler -> executor: exit cleanly."""
 

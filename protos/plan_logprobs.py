@@ -34,5 +34,6 @@ def _prompt_logprobs_from_wire(w: object) -> list[PromptLogprobs]:
             raise ValueError("prompt logprobs: as many top ids as top values")
         if _nat(start) < 1 or (m and min(ranks) < 1):
             raise ValueError("prompt logprobs: start and ranks must be >= 1")
-        out.append(PromptLogprobs(_str(req_id), start, lps, ranks, top_ids, top_lps))
+        out.append(PromptLogprobs(req_id=_str(req_id), start=start, token_logprobs=lps,
+                                  ranks=ranks, top_ids=top_ids, top_logprobs=top_lps))
     return out

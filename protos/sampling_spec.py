@@ -11,7 +11,7 @@ from protos.wire import _bool, _float, _int, _list, _nat, _nats, _str
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StructuredSpec:
     """A structured-output constraint: the executor compiles it (llguidance) into a matcher per
     request, masks every sampled row with it and advances it with each token it appends.
@@ -32,10 +32,10 @@ class StructuredSpec:
         kind, text, eos_token_ids = _list(w, 3)
         if _str(kind) not in STRUCTURED_KINDS:
             raise ValueError(f"unknown structured output kind {kind!r:.40}")
-        return cls(kind, _str(text), tuple(_nats(eos_token_ids)))
+        return cls(kind=kind, text=_str(text), eos_token_ids=tuple(_nats(eos_token_ids)))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SamplingSpec:
     """What the executor needs to sample; stop conditions stay in the scheduler.
 
@@ -105,7 +105,13 @@ class SamplingSpec:
         structured = None if w[15] is None else StructuredSpec.from_wire(w[15])
         if _int(w[17]) < -1:
             raise ValueError(f"prompt_logprobs must be >= -1 (-1 = off), got {w[17]}")
-        return cls(_float(w[0]), _float(w[1]), _nat(w[2]), seed, _nat(w[4]), _bool(w[5]),
-                   _nat(w[6]), tuple(_nats(w[7])), _float(w[8]), _float(w[9]), _float(w[10]),
-                   _float(w[11]), logit_bias, tuple(_nats(w[13])), bad_words, structured,
-                   _bool(w[16]), w[17], _bool(w[18]))
+        return cls(temperature=_float(w[0]), top_p=_float(w[1]), top_k=_nat(w[2]), seed=seed,
+                   num_logprobs=_nat(w[4]), append_sampled=_bool(w[5]),
+                   min_tokens=_nat(w[6]), min_tokens_stop_ids=tuple(_nats(w[7])),
+                   repetition_penalty=_float(w[8]), presence_penalty=_float(w[9]),
+                   frequency_penalty=_float(w[10]),
+                   min_p=_float(w[11]), logit_bias=logit_bias,
+                   allowed_token_ids=tuple(_nats(w[13])), bad_words=bad_words,
+                   structured=structured,
+                   sampled_logprob=_bool(w[16]), prompt_logprobs=w[17],
+                   processed_logprobs=_bool(w[18]))

@@ -21,19 +21,26 @@ NUM_STEPS = 3
 def test_null_executor_samples_where_the_protocol_says():
     num_tokens: dict[str, int] = {}
     greedy = SamplingSpec(temperature=0.0)
-    plan = StepPlan(0, new_reqs=[NewRequest("whole", [1, 2, 3], greedy, [0], 0, 3),
-                                 NewRequest("chunked", [4, 5, 6, 7], greedy, [1], 0, 2)])  # fmt: skip
+    plan = StepPlan(step_id=0, new_reqs=[NewRequest(req_id="whole", token_ids=[1, 2, 3],
+                                                    sampling=greedy, block_ids=[0],
+                                                    num_computed_tokens=0, num_scheduled_tokens=3),
+                                 NewRequest(req_id="chunked", token_ids=[4, 5, 6, 7],
+                                            sampling=greedy, block_ids=[1], num_computed_tokens=0,
+                                            num_scheduled_tokens=2)])  # fmt: skip
     result = null_step(plan, num_tokens)
     assert [req_id for req_id, _ in result.sampled] == ["whole"]  # "chunked" is mid-prompt
     assert num_tokens == {"whole": 4, "chunked": 4}
-    plan = StepPlan(1, cached_reqs=[CachedRequest("whole", [], 3, 1),
-                                    CachedRequest("chunked", [], 2, 2)],
+    plan = StepPlan(step_id=1, cached_reqs=[CachedRequest(req_id="whole", new_block_ids=[],
+                                                          num_computed_tokens=3,
+                                                          num_scheduled_tokens=1),
+                                    CachedRequest(req_id="chunked", new_block_ids=[],
+                                                  num_computed_tokens=2, num_scheduled_tokens=2)],
                     finished_req_ids=[])  # fmt: skip
     result = null_step(plan, num_tokens)
     assert result.step_id == 1
     assert sorted(req_id for req_id, _ in result.sampled) == ["chunked", "whole"]
     assert all(len(ids) == 1 for _, ids in result.sampled)
-    null_step(StepPlan(2, finished_req_ids=["whole"]), num_tokens)
+    null_step(StepPlan(step_id=2, finished_req_ids=["whole"]), num_tokens)
     assert set(num_tokens) == {"chunked"}
 
 

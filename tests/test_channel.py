@@ -196,8 +196,13 @@ def test_a_plan_that_only_breaks_one_rule_decodes_once_fixed():
 
 
 def test_valid_extremes_still_decode():
-    plan = StepPlan(7, [NewRequest("r", [0, 2**31], SamplingSpec(0.0, 1.0, 0, -(2**63)), [0], 0,
-                                   2)], [CachedRequest("c", [], 0, 1, [])], reset=True)
+    extreme = NewRequest(req_id="r", token_ids=[0, 2**31],
+                         sampling=SamplingSpec(temperature=0.0, top_p=1.0, top_k=0,
+                                               seed=-(2**63)),
+                         block_ids=[0], num_computed_tokens=0, num_scheduled_tokens=2)
+    held = CachedRequest(req_id="c", new_block_ids=[], num_computed_tokens=0,
+                         num_scheduled_tokens=1, new_token_ids=[])
+    plan = StepPlan(step_id=7, new_reqs=[extreme], cached_reqs=[held], reset=True)
     assert decode(encode(plan)) == plan
 
 

@@ -109,8 +109,9 @@ def profile_plan(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: 
         lens[i % num_seqs] += 1
     sampling = SamplingSpec(temperature=1.0, top_p=0.9, top_k=50,
                             num_logprobs=min(20, vocab_size))
-    reqs = [NewRequest(f"{PROFILE_REQ_PREFIX}{i}", [0] * n, sampling, [0] * -(-n // block_size),
-                       0, n) for i, n in enumerate(lens)]
+    reqs = [NewRequest(req_id=f"{PROFILE_REQ_PREFIX}{i}", token_ids=[0] * n, sampling=sampling,
+                       block_ids=[0] * -(-n // block_size),
+                       num_computed_tokens=0, num_scheduled_tokens=n) for i, n in enumerate(lens)]
     return StepPlan(step_id=-1, new_reqs=reqs)
 
 

@@ -61,7 +61,7 @@ def structured_from_proto(p: pb.SamplingParams, is_beam_search: bool) -> Structu
     if len(text) > MAX_STRUCTURED_CHARS:
         raise InvalidRequest(f"{kind} may have at most {MAX_STRUCTURED_CHARS} characters, "
                              f"got {len(text)}")
-    return StructuredSpec(kind, text)
+    return StructuredSpec(kind=kind, text=text)
 
 
 def _validate(kind: str, text: str) -> str:
@@ -105,4 +105,4 @@ class StructuredValidator:
             self._cache.move_to_end(key)
         if error:
             raise InvalidRequest(f"invalid {spec.kind.replace('_', ' ')}: {error}")
-        return StructuredSpec(spec.kind, spec.text, self.eos_token_ids)
+        return StructuredSpec(kind=spec.kind, text=spec.text, eos_token_ids=self.eos_token_ids)

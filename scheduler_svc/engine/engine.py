@@ -247,7 +247,7 @@ class Engine:
         await self._lose_executor(f"no result for step {plan.step_id} within "
                                   f"{self.config.executor_timeout_s:g}s")
         # If it ever wakes up: drop its state and say Hello again.
-        await self._send_quietly(info.identity, Reject(UNKNOWN_EXECUTOR, retry=True))
+        await self._send_quietly(info.identity, Reject(reason=UNKNOWN_EXECUTOR, retry=True))
 
     def _apply_result(self, sched: Scheduler, plan: StepPlan, result: StepResult) -> None:
         start = time.perf_counter()
@@ -270,7 +270,7 @@ class Engine:
                 if isinstance(msg, StepResult | ExecutorError):
                     # An executor that served an earlier scheduler (or connection): make it
                     # drop its state and say Hello again.
-                    await self._send_quietly(identity, Reject(UNKNOWN_EXECUTOR, retry=True))
+                    await self._send_quietly(identity, Reject(reason=UNKNOWN_EXECUTOR, retry=True))
             case (_, msg):
                 self._warn.warning("ignored an unexpected executor message",
                                    message=type(msg).__name__)

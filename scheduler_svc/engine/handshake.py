@@ -131,10 +131,10 @@ def answer_hello(connected: ExecutorInfo | None, connected_hello: Hello | None,
             # An executor resends Hello until answered: a copy after our Welcome is no
             # restart (a restarted process connects anew, with a new identity).
             if hello == connected_hello:
-                return Welcome(PROTOCOL_VERSION), None
+                return Welcome(protocol_version=PROTOCOL_VERSION), None
             return None, "ignored a changed Hello from the connected executor"
-        return Reject(ANOTHER_EXECUTOR, retry=True), "refused a second executor"
+        return Reject(reason=ANOTHER_EXECUTOR, retry=True), "refused a second executor"
     reason = check_hello(hello, tokenizer)
     if reason is not None:
-        return Reject(reason), f"executor rejected: {reason}"
-    return Welcome(PROTOCOL_VERSION), None
+        return Reject(reason=reason), f"executor rejected: {reason}"
+    return Welcome(protocol_version=PROTOCOL_VERSION), None

@@ -342,8 +342,12 @@ class Scheduler:
                 step.block_copies.append(alloc.copy)
             drafts = step.drafts.get(req.req_id, [])
             if alloc.copy is None and req.req_id in held:
-                cached_reqs.append(CachedRequest(req.req_id, alloc.new_block_ids, num_computed,
-                                                 num_new, req.pending_token_ids, drafts))
+                cached_reqs.append(CachedRequest(req_id=req.req_id,
+                                                 new_block_ids=alloc.new_block_ids,
+                                                 num_computed_tokens=num_computed,
+                                                 num_scheduled_tokens=num_new,
+                                                 new_token_ids=req.pending_token_ids,
+                                                 spec_token_ids=drafts))
                 req.pending_token_ids = []
                 req.spec_token_ids = drafts  # (their blocks stay allocated as lookahead)
             else:  # forked, or copy-on-write replaced a block the executor has: the whole table
@@ -391,9 +395,10 @@ class Scheduler:
         self.executor_view.mark_sent(req.req_id)
         req.pending_token_ids = []  # all_token_ids carries them
         req.executor_prompt_logprobs = req.sampling.prompt_logprobs >= 0
-        return NewRequest(req.req_id, req.all_token_ids, req.sampling,
-                          self.block_manager.block_table(req.req_id), req.num_computed_tokens,
-                          num_new, req.num_prompt_tokens)
+        return NewRequest(req_id=req.req_id, token_ids=req.all_token_ids, sampling=req.sampling,
+                          block_ids=self.block_manager.block_table(req.req_id),
+                          num_computed_tokens=req.num_computed_tokens,
+                          num_scheduled_tokens=num_new, num_prompt_tokens=req.num_prompt_tokens)
 
     def _fits_seq_cap(self, req: Request, step: _Step) -> bool:
         """Room under `max_num_seqs` for `req` and the sequences it forks into. With nothing

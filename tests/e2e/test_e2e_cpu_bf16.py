@@ -111,10 +111,12 @@ def teacher_forced_matches(model_dir, prompt_ids, continuations) -> tuple[int, i
     # first k tokens.
     new_reqs, first = [], 0
     for i, (p, c) in enumerate(zip(prompt_ids, continuations, strict=True)):
-        new_reqs.append(NewRequest(f"r{i}", p + c, SamplingSpec(temperature=0.0),
-                                   list(range(first, first + blocks[i])), 0, len(p)))
+        new_reqs.append(NewRequest(req_id=f"r{i}", token_ids=p + c,
+                                   sampling=SamplingSpec(temperature=0.0),
+                                   block_ids=list(range(first, first + blocks[i])),
+                                   num_computed_tokens=0, num_scheduled_tokens=len(p)))
         first += blocks[i]
-    plan = StepPlan(0, new_reqs=new_reqs)
+    plan = StepPlan(step_id=0, new_reqs=new_reqs)
     matched = positions = 0
     with torch.inference_mode():
         for k in range(max(map(len, continuations))):
@@ -130,8 +132,10 @@ def teacher_forced_matches(model_dir, prompt_ids, continuations) -> tuple[int, i
             for (_, c), token in zip(active, predicted, strict=True):
                 matched += token == c[k]
                 positions += 1
-            plan = StepPlan(k + 1, cached_reqs=[
-                CachedRequest(f"r{i}", [], int(computed[runner.input_batch.row_of[f"r{i}"]]), 1)
+            plan = StepPlan(step_id=k + 1, cached_reqs=[
+                CachedRequest(
+                    req_id=f"r{i}", new_block_ids=[], num_scheduled_tokens=1,
+                    num_computed_tokens=int(computed[runner.input_batch.row_of[f"r{i}"]]))
                 for i, c in enumerate(continuations) if k + 1 < len(c)])
     return matched, positions
 

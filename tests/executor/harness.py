@@ -106,14 +106,17 @@ class PlanDriver:
         self._grow(req_id, num_scheduled)
         self.num_tokens[req_id] = len(token_ids)
         self.num_computed[req_id] = num_scheduled
-        return NewRequest(req_id, list(token_ids), sampling or SamplingSpec(temperature=0.0),
-                          list(self.block_ids[req_id]), 0, num_scheduled)
+        return NewRequest(req_id=req_id, token_ids=list(token_ids),
+                          sampling=sampling or SamplingSpec(temperature=0.0),
+                          block_ids=list(self.block_ids[req_id]), num_computed_tokens=0,
+                          num_scheduled_tokens=num_scheduled)
 
     def cached(self, req_id: str, num_scheduled: int) -> CachedRequest:
         computed = self.num_computed[req_id]
         new = self._grow(req_id, computed + num_scheduled)
         self.num_computed[req_id] = computed + num_scheduled
-        return CachedRequest(req_id, new, computed, num_scheduled)
+        return CachedRequest(req_id=req_id, new_block_ids=new, num_computed_tokens=computed,
+                             num_scheduled_tokens=num_scheduled)
 
     def swap_out(self, req_id: str, cpu_ids: list[int]) -> list[tuple[int, int]]:
         """(device, cpu) pairs for all of the request's blocks; its device blocks go back to the
@@ -132,8 +135,10 @@ class PlanDriver:
         self._grow(req_id, len(token_ids))  # the last token may need a block of its own
         self.num_tokens[req_id] = len(token_ids)
         self.num_computed[req_id] = len(token_ids)
-        new = NewRequest(req_id, list(token_ids), sampling or SamplingSpec(temperature=0.0),
-                         list(self.block_ids[req_id]), len(token_ids) - 1, 1)
+        new = NewRequest(req_id=req_id, token_ids=list(token_ids),
+                         sampling=sampling or SamplingSpec(temperature=0.0),
+                         block_ids=list(self.block_ids[req_id]),
+                         num_computed_tokens=len(token_ids) - 1, num_scheduled_tokens=1)
         return pairs, new
 
     def decode_all(self, req_ids: list[str]) -> list[CachedRequest]:

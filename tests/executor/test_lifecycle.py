@@ -166,7 +166,7 @@ def test_signal_in_the_handshake_loop(model_dir, sig):
 async def _welcomed(sched: SchedulerEnd, ex: Executor) -> bytes:
     peer, hello = await asyncio.wait_for(sched.recv(), START_TIMEOUT_S)
     assert isinstance(hello, Hello)
-    await sched.send(peer, Welcome(PROTOCOL_VERSION))
+    await sched.send(peer, Welcome(protocol_version=PROTOCOL_VERSION))
     await asyncio.to_thread(ex.wait_for, "welcomed by the scheduler")
     return peer
 
@@ -203,7 +203,7 @@ async def test_sigterm_in_the_middle_of_a_step(model_dir):
         # the long step's result never came.
         assert "step failed" not in ex.log
         event = await asyncio.wait_for(sched.recv(), 10)
-        assert event == PeerLost(peer), event  # its connection closed, nothing was sent
+        assert event == PeerLost(identity=peer), event  # its connection closed, nothing was sent
     finally:
         ex.kill()
         sched.close()

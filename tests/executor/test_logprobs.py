@@ -54,7 +54,8 @@ def test_top_logprobs_equal_hf_log_softmax(checkpoint_cache):
 def _step_to(driver, req_id: str, computed: int, new_token_ids: list[int]) -> CachedRequest:
     """A one-token step for a request whose tokens the scheduler chooses."""
     new_blocks = driver._grow(req_id, computed + 1)
-    return CachedRequest(req_id, new_blocks, computed, 1, new_token_ids)
+    return CachedRequest(req_id=req_id, new_block_ids=new_blocks, num_computed_tokens=computed,
+                         num_scheduled_tokens=1, new_token_ids=new_token_ids)
 
 
 def test_chosen_tokens_and_a_forked_beam_follow_hf(checkpoint_cache):
@@ -84,8 +85,9 @@ def test_chosen_tokens_and_a_forked_beam_follow_hf(checkpoint_cache):
             driver.block_ids["q"].append(copy)
             driver._grow("q", computed + 1)
             paths["q"] = paths["p"] + [results["p"][0][1]]
-            new_reqs.append(NewRequest("q", paths["q"], spec, list(driver.block_ids["q"]),
-                                       computed, 1))
+            new_reqs.append(NewRequest(req_id="q", token_ids=paths["q"], sampling=spec,
+                                       block_ids=list(driver.block_ids["q"]),
+                                       num_computed_tokens=computed, num_scheduled_tokens=1))
         for req_id in [r for r in results if r not in {n.req_id for n in new_reqs}]:
             # Walk a path that is not the greedy one: rank 1, 2, 3, 1, ... of the top 4.
             choice = results[req_id][0][1 + step % 3]
@@ -106,12 +108,20 @@ def test_chosen_token_plans_are_checked(checkpoint_cache):
     assert runner.requests["s"].token_ids == [1, 2, 3, out.sampled[0][1][0]]
     assert runner.requests["t"].token_ids == [4, 5, 6]
     with pytest.raises(PlanError, match="appends this request's sampled tokens itself"):
-        runner.execute(driver.plan(cached_reqs=[CachedRequest("s", [], 3, 1, [9])]))
+        runner.execute(driver.plan(cached_reqs=[CachedRequest(req_id="s", new_block_ids=[],
+                                                              num_computed_tokens=3,
+                                                              num_scheduled_tokens=1,
+                                                              new_token_ids=[9])]))
     with pytest.raises(PlanError, match="must send the next tokens in new_token_ids"):
-        runner.execute(driver.plan(cached_reqs=[CachedRequest("t", [], 3, 1)]))
+        runner.execute(driver.plan(cached_reqs=[CachedRequest(req_id="t", new_block_ids=[],
+                                                              num_computed_tokens=3,
+                                                              num_scheduled_tokens=1)]))
     runner.execute(driver.plan(new_reqs=[driver.new("t", [4, 5, 6], 3, chosen)]))
     with pytest.raises(PlanError, match="outside the model's vocabulary"):
-        runner.execute(driver.plan(cached_reqs=[CachedRequest("t", [], 3, 1, [300])]))
+        runner.execute(driver.plan(cached_reqs=[CachedRequest(req_id="t", new_block_ids=[],
+                                                              num_computed_tokens=3,
+                                                              num_scheduled_tokens=1,
+                                                              new_token_ids=[300])]))
     with pytest.raises(PlanError, match="num_logprobs 301 is outside 0..300"):
         runner.execute(driver.plan(new_reqs=[driver.new(
             "u", [1], 1, SamplingSpec(temperature=0.0, num_logprobs=301))]))

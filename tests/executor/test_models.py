@@ -89,8 +89,10 @@ def test_prefix_hit_with_copy_on_write_matches_recompute(checkpoint_cache):
     cow_block = driver.free.pop()
     shared = blocks_a[:5] + [cow_block]
     b_prompt = prompt[:21] + [123]
-    plan = driver.plan(new_reqs=[NewRequest("b", b_prompt, SamplingSpec(temperature=0.0),
-                                            shared, 21, 1)],
+    plan = driver.plan(new_reqs=[NewRequest(req_id="b", token_ids=b_prompt,
+                                            sampling=SamplingSpec(temperature=0.0),
+                                            block_ids=shared, num_computed_tokens=21,
+                                            num_scheduled_tokens=1)],
                        block_copies=[(blocks_a[5], cow_block)])
     out_b = runner.execute(plan)
     expected = hf_greedy(hf_model, b_prompt, 1)

@@ -37,7 +37,8 @@ def test_seeded_output_survives_preemption_and_batch_changes(checkpoint_cache):
     runner, driver = make_runner(model_dir), PlanDriver(seed=12)
     generated = {}
     out = runner.execute(driver.plan(new_reqs=[driver.new("x", PROMPT, 5, SEEDED),
-                                               driver.new("y", [1, 2, 3], 3, SamplingSpec(1.0))]))
+                                               driver.new("y", [1, 2, 3], 3,
+                                                          SamplingSpec(temperature=1.0))]))
     assert [r for r, _ in out.sampled] == ["y"]  # x is mid-prompt
     driver.record(out.sampled)
     generated["y"] = out.sampled[0][1]
@@ -69,11 +70,15 @@ def test_bad_plans_fail_with_a_reason_and_drop_the_requests(checkpoint_cache):
     with pytest.raises(PlanError, match="no CPU swap pool"):
         runner.execute(driver.plan(swap_out=[(1, 0)]))
     with pytest.raises(PlanError, match="not held by the executor"):
-        runner.execute(driver.plan(cached_reqs=[CachedRequest("nobody", [], 0, 1)]))
+        runner.execute(driver.plan(cached_reqs=[CachedRequest(req_id="nobody", new_block_ids=[],
+                                                              num_computed_tokens=0,
+                                                              num_scheduled_tokens=1)]))
     with pytest.raises(PlanError, match="block copy .* outside"):
         runner.execute(driver.plan(block_copies=[(0, 10_000)]))
     with pytest.raises(PlanError, match="scheduler counts 3 computed tokens"):
-        runner.execute(driver.plan(cached_reqs=[CachedRequest("a", [], 3, 1)]))
+        runner.execute(driver.plan(cached_reqs=[CachedRequest(req_id="a", new_block_ids=[],
+                                                              num_computed_tokens=3,
+                                                              num_scheduled_tokens=1)]))
     # The failed step touched "a": its state is gone, so a later plan cannot silently reuse it.
     assert "a" not in runner.requests
 
@@ -111,14 +116,19 @@ def test_plans_that_do_not_fit_a_row_are_refused(checkpoint_cache):
     runner, driver = make_runner(model_dir), PlanDriver(seed=14)
     max_len = runner.max_model_len
     new = driver.new("a", PROMPT, len(PROMPT))
-    long = NewRequest("a", [1] * (max_len + 2), new.sampling, new.block_ids, 0, 1)
+    long = NewRequest(req_id="a", token_ids=[1] * (max_len + 2), sampling=new.sampling,
+                      block_ids=new.block_ids, num_computed_tokens=0, num_scheduled_tokens=1)
     with pytest.raises(PlanError, match=f"{max_len + 2} tokens held exceed max_model_len"):
         runner.execute(driver.plan(new_reqs=[long]))
-    wide = NewRequest("a", PROMPT, new.sampling, [0] * (max_len // BLOCK_SIZE + 1), 0, 1)
+    wide = NewRequest(req_id="a", token_ids=PROMPT, sampling=new.sampling,
+                      block_ids=[0] * (max_len // BLOCK_SIZE + 1), num_computed_tokens=0,
+                      num_scheduled_tokens=1)
     with pytest.raises(PlanError, match="blocks exceed the .* that max_model_len"):
         runner.execute(driver.plan(new_reqs=[wide]))
     with pytest.raises(PlanError, match="request a appears twice in one plan"):
-        runner.execute(driver.plan(new_reqs=[new], cached_reqs=[CachedRequest("a", [], 0, 1)]))
+        again = CachedRequest(req_id="a", new_block_ids=[], num_computed_tokens=0,
+                              num_scheduled_tokens=1)
+        runner.execute(driver.plan(new_reqs=[new], cached_reqs=[again]))
     assert runner.requests == {}
 
 

@@ -68,7 +68,7 @@ def rows_with(spec: StructuredSpec, tokenizer_json, vocab_size, row: int = 0, re
 
 def test_choice_masks_match_the_brute_force_oracle(tokenizer_json, vocab_size, hf_tok):
     pieces = token_bytes(hf_tok, vocab_size)
-    spec = StructuredSpec("choice", json.dumps(CHOICES), EOS)
+    spec = StructuredSpec(kind="choice", text=json.dumps(CHOICES), eos_token_ids=EOS)
     rows, req_ids = rows_with(spec, tokenizer_json, vocab_size)
     done = b""
     # Walk "yes" then "terday" one allowed token at a time, checking the mask at each state.
@@ -96,7 +96,7 @@ def test_choice_masks_match_the_brute_force_oracle(tokenizer_json, vocab_size, h
 
 
 def test_advance_rollback_and_replay_agree(tokenizer_json, vocab_size, hf_tok):
-    spec = StructuredSpec("regex", r"[a-z]{2,6}@(x|y)\.com", EOS)
+    spec = StructuredSpec(kind="regex", text=r"[a-z]{2,6}@(x|y)\.com", eos_token_ids=EOS)
     text_ids = hf_tok.encode("abc@y.com", add_special_tokens=False).ids
     rows, req_ids = rows_with(spec, tokenizer_json, vocab_size)
     masks = []
@@ -118,18 +118,19 @@ def test_advance_rollback_and_replay_agree(tokenizer_json, vocab_size, hf_tok):
 
 def test_compile_cache_hits(tokenizer_json, vocab_size):
     compiler = GrammarCompiler(tokenizer_json, vocab_size)
-    spec = StructuredSpec("json_schema", '{"type": "integer"}', EOS)
+    spec = StructuredSpec(kind="json_schema", text='{"type": "integer"}', eos_token_ids=EOS)
     a, b = compiler.matcher(spec), compiler.matcher(spec)
     assert compiler.num_compiled == 1 and a is not b  # one compile, two independent copies
     a.consume_tokens([])  # the copies do not share state:
     assert a.compute_bitmask() == b.compute_bitmask()
-    compiler.matcher(StructuredSpec("json_schema", '{"type": "integer"}', (1,)))
-    compiler.matcher(StructuredSpec("regex", '{"type": "integer"}', EOS))
+    compiler.matcher(StructuredSpec(kind="json_schema", text='{"type": "integer"}',
+                                    eos_token_ids=(1,)))
+    compiler.matcher(StructuredSpec(kind="regex", text='{"type": "integer"}', eos_token_ids=EOS))
     assert compiler.num_compiled == 3  # another EOS set, another kind: compiled anew
 
 
 def test_stale_rows_and_unconstrained_rows_are_skipped(tokenizer_json, vocab_size):
-    spec = StructuredSpec("choice", '["a"]', EOS)
+    spec = StructuredSpec(kind="choice", text='["a"]', eos_token_ids=EOS)
     rows = StructuredRows(tokenizer_json, vocab_size)
     rows.add(0, "r0", spec, [])
     rows.add(2, "r2", spec, [])
@@ -142,7 +143,8 @@ def test_stale_rows_and_unconstrained_rows_are_skipped(tokenizer_json, vocab_siz
 
 def test_a_grammar_that_cannot_compile_allows_only_eos(tokenizer_json, vocab_size):
     # The scheduler refuses this; an executor sent it anyway ends the sequence, nothing else.
-    rows, req_ids = rows_with(StructuredSpec("regex", "[a-", EOS), tokenizer_json, vocab_size)
+    rows, req_ids = rows_with(StructuredSpec(kind="regex", text="[a-", eos_token_ids=EOS),
+                              tokenizer_json, vocab_size)
     _, mask = rows.bitmask(np.array([0]), req_ids)
     assert allowed_ids(mask[0], vocab_size) == set(EOS)
 
@@ -165,6 +167,7 @@ def test_apply_bitmask_equals_a_per_row_loop():
 def test_a_tokenizer_llguidance_cannot_read_ends_only_that_request(tmp_path, vocab_size):
     broken = tmp_path / "tokenizer.json"
     broken.write_text("{not a tokenizer")
-    rows, req_ids = rows_with(StructuredSpec("choice", '["a"]', EOS), broken, vocab_size)
+    rows, req_ids = rows_with(StructuredSpec(kind="choice", text='["a"]', eos_token_ids=EOS),
+                              broken, vocab_size)
     idx, mask = rows.bitmask(np.array([0]), req_ids)  # no exception: the step goes on
     assert idx.tolist() == [0] and allowed_ids(mask[0], vocab_size) == set(EOS)

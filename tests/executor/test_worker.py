@@ -68,7 +68,7 @@ async def test_handshake_and_generation_match_hf(checkpoint_cache, tmp_path):
         t0 = time.monotonic()
         _, again = await _recv(sched, timeout=10)
         assert isinstance(again, Hello) and time.monotonic() - t0 < 5
-        await sched.send(peer, Welcome(PROTOCOL_VERSION))
+        await sched.send(peer, Welcome(protocol_version=PROTOCOL_VERSION))
 
         driver = PlanDriver(num_blocks=64, seed=5)
         prompts = {"a": [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], "b": [27, 18, 28, 18, 28, 45, 90]}
@@ -95,7 +95,9 @@ async def test_handshake_and_generation_match_hf(checkpoint_cache, tmp_path):
             assert generated[req_id][:num_new] == hf_greedy(hf_model, prompt, num_new)
 
         # A plan naming a request the executor never saw fails that step only.
-        bad = driver.plan(cached_reqs=[CachedRequest("ghost", [], 0, 1)])
+        bad = driver.plan(cached_reqs=[CachedRequest(req_id="ghost", new_block_ids=[],
+                                                     num_computed_tokens=0,
+                                                     num_scheduled_tokens=1)])
         await sched.send(peer, bad)
         _, err = await _recv(sched, timeout=30)
         assert isinstance(err, ExecutorError) and err.step_id == bad.step_id
@@ -134,7 +136,7 @@ async def test_reject_exits_with_code_2_and_the_reason(checkpoint_cache, tmp_pat
         peer, hello = await _recv(sched)
         assert isinstance(hello, Hello) and hello.random_weights is True
         reason = "model mismatch: this scheduler serves another-model"
-        await sched.send(peer, Reject(reason))
+        await sched.send(peer, Reject(reason=reason))
         assert await asyncio.to_thread(proc.wait, 30) == 2
     finally:
         _stop(proc)
@@ -179,7 +181,7 @@ async def test_pipelined_plans_and_the_plan_behind_a_failed_step(checkpoint_cach
     try:
         peer, hello = await _recv(sched)
         assert isinstance(hello, Hello)
-        await sched.send(peer, Welcome(PROTOCOL_VERSION))
+        await sched.send(peer, Welcome(protocol_version=PROTOCOL_VERSION))
         driver = PlanDriver(num_blocks=64, seed=11)
         prompt_a, prompt_b = [3, 1, 4, 1, 5, 9, 2, 6], [27, 18, 28, 18]
         plans = [driver.plan(new_reqs=[driver.new("a", prompt_a, len(prompt_a))])]

@@ -34,7 +34,7 @@ async def test_two_ranks_serve_fail_steps_alike_and_stop_together(checkpoint_cac
         peer, hello = await _recv(sched)
         assert isinstance(hello, Hello) and hello.tensor_parallel_size == 2
         assert hello.num_kv_blocks == 64 and hello.architecture == "Qwen2ForCausalLM"
-        await sched.send(peer, Welcome(PROTOCOL_VERSION))
+        await sched.send(peer, Welcome(protocol_version=PROTOCOL_VERSION))
         driver = PlanDriver(num_blocks=64, seed=5)
         prompts = {"a": [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], "b": [27, 18, 28, 18, 28, 45, 90]}
         generated = {r: [] for r in prompts}
@@ -58,7 +58,9 @@ async def test_two_ranks_serve_fail_steps_alike_and_stop_together(checkpoint_cac
             assert generated[req_id] == hf_greedy(hf_model, prompt, 7)
 
         # Refused by the runner before any collective, on both ranks alike.
-        err = await step(driver.plan(cached_reqs=[CachedRequest("ghost", [], 0, 1)]))
+        err = await step(driver.plan(cached_reqs=[CachedRequest(req_id="ghost", new_block_ids=[],
+                                                                num_computed_tokens=0,
+                                                                num_scheduled_tokens=1)]))
         assert isinstance(err, ExecutorError) and "ghost" in err.message
         # Sampling fails on rank 0 only (it alone samples): rank 1 drops the step too.
         err = await step(driver.plan(new_reqs=[driver.new(
@@ -95,7 +97,7 @@ async def test_ranks_started_by_torchrun(checkpoint_cache, tmp_path):
     try:
         peer, hello = await _recv(sched)
         assert isinstance(hello, Hello) and hello.tensor_parallel_size == 2
-        await sched.send(peer, Welcome(PROTOCOL_VERSION))
+        await sched.send(peer, Welcome(protocol_version=PROTOCOL_VERSION))
         driver = PlanDriver(num_blocks=64, seed=1)
         prompt = [11, 12, 13, 14, 15]
         tokens = []

@@ -245,7 +245,8 @@ class KVMirror:
                 req.token_ids.extend(emitted)
                 if self.num_draft_tokens and refusal(req.sampling) is None:
                     proposals.append((req_id, self._propose(plan.step_id, req_id, req)))
-        return StepResult(plan.step_id, sampled, 0.0, logprobs, sampled_logprobs=sampled_lps,
+        return StepResult(step_id=plan.step_id, sampled=sampled, execute_time_s=0.0,
+                          logprobs=logprobs, sampled_logprobs=sampled_lps,
                           prompt_logprobs=[e for e in prompt_logprobs if e.token_logprobs],
                           proposals=proposals)
 
@@ -263,7 +264,8 @@ class KVMirror:
             ranks.append(rank)
             top_ids.append([t for t, _ in top])
             top_lps.append([v for _, v in top])
-        return PromptLogprobs(req_id, start + 1, lps, ranks, top_ids, top_lps)
+        return PromptLogprobs(req_id=req_id, start=start + 1, token_logprobs=lps, ranks=ranks,
+                              top_ids=top_ids, top_logprobs=top_lps)
 
     def _check_spec(self, step_id: int, req_id: str, req: _Req, num_scheduled: int,
                     drafts: list[int]) -> None:

@@ -109,7 +109,7 @@ class PlanMirror:
                 token = self.sample(req_id, req.token_ids)
                 req.token_ids.append(token)
                 sampled.append((req_id, [token]))
-        return StepResult(plan.step_id, sampled)
+        return StepResult(step_id=plan.step_id, sampled=sampled)
 
     def _move(self, plan: StepPlan) -> None:
         empty = [None] * self.block_size
@@ -164,7 +164,7 @@ class PlanMirror:
         for req in plan.new_reqs + plan.cached_reqs:
             self.reqs.pop(req.req_id, None)
         self.failed_req_ids = {r.req_id for r in plan.new_reqs + plan.cached_reqs}
-        return ExecutorError(plan.step_id, "simulated CUDA error")
+        return ExecutorError(step_id=plan.step_id, message="simulated CUDA error")
 
 
 def make_hello(**overrides) -> Hello:
@@ -242,7 +242,7 @@ class NullExecutor(threading.Thread):
                             end.send(self.mirror.apply(msg))
                         except PlanViolation as e:
                             self.violation = e
-                            end.send(ExecutorError(msg.step_id, str(e)))
+                            end.send(ExecutorError(step_id=msg.step_id, message=str(e)))
         finally:
             self._replied.set()
             end.close()

@@ -93,7 +93,8 @@ def test_preemption_restarts_the_search_with_the_same_answer(extra):
     # A plain request arrives first and holds blocks, so the beams run the pool dry.
     sched, mirror = make_scheduler(num_blocks=12, **extra), KVMirror(BLOCK_SIZE)
     sched.add_request(Request(req_id="old", prompt_token_ids=list(range(20, 34)), arrival=0,
-                              sampling=SamplingSpec(0.0), max_tokens=12, ignore_eos=True))
+                              sampling=SamplingSpec(temperature=0.0), max_tokens=12,
+                              ignore_eos=True))
     group = make_beam_group("b", case, arrival=1)
     sched.add_group(group)
     got, _ = served(sched, mirror)
@@ -165,7 +166,8 @@ def test_a_pool_of_the_admission_bound_runs_the_search_alone(case, num_prompt, m
 
     case = (*case[:4], max_tokens)
     prompt = PROMPT[:1] + list(range(11, 11 + num_prompt - 1))
-    params = SubmitParams(req_id="b", prompt_token_ids=prompt, sampling=SamplingSpec(0.0),
+    params = SubmitParams(req_id="b", prompt_token_ids=prompt,
+                          sampling=SamplingSpec(temperature=0.0),
                           sequence=SequenceParams(n=case[1], beam_width=case[0]))
     bound = next(n for n in range(1, 64)
                  if not _refused(check_beam_fits, params, max_tokens, make_scheduler(n)))

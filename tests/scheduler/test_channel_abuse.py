@@ -111,7 +111,7 @@ async def test_garbage_from_a_key_holder_is_dropped(secure, capfd):
         peer.send(b"a", b"b", b"c")
         assert await asyncio.to_thread(peer.replies, 500) == []  # garbage earns nothing
         # A well-formed answer to a step it was never given: told to say Hello.
-        peer.send(encode(StepResult(0, [("r", [1])])))
+        peer.send(encode(StepResult(step_id=0, sampled=[("r", [1])])))
         replies = await asyncio.to_thread(peer.replies, 2000)
         assert [type(r) for r in replies] == [Reject] and replies[0].retry
     finally:
@@ -172,7 +172,7 @@ async def test_a_peer_without_the_key_learns_nothing(secure, keys, capfd):
     try:
         for _ in range(3):
             intruder.send(encode(make_hello(executor_id="intruder")))
-            intruder.send(encode(StepResult(0, [("r", [1])])))
+            intruder.send(encode(StepResult(step_id=0, sampled=[("r", [1])])))
         # Nothing gets through: no Welcome, no plan, no Reject, not even a handshake.
         assert await asyncio.to_thread(intruder.replies, 1500) == []
     finally:

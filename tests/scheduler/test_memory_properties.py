@@ -193,7 +193,7 @@ def test_random_workloads_finish_exactly_and_leak_nothing(ops, num_blocks, bs, n
             prompt = (PREFIXES[prefix] + [60 + (len(reqs) * 7 + i) % 30
                                           for i in range(suffix_len)])[:max_model_len - 1]
             req = Request(req_id=f"r{len(reqs)}", prompt_token_ids=prompt,
-                          sampling=SamplingSpec(0.0), arrival=len(reqs),
+                          sampling=SamplingSpec(temperature=0.0), arrival=len(reqs),
                           max_tokens=min(max_tokens, max_model_len - len(prompt)),
                           eos_token_ids=frozenset({EOS}))
             reqs.append(req)

@@ -22,7 +22,7 @@ from tests.scheduler.test_parallel_sampling import BLOCK_SIZE, EOS, make_group, 
 
 def plain(req_id: str, arrival: int, num_prompt: int = 9, max_tokens: int = 7, **kwargs):
     prompt = [20 + (arrival * 11 + i) % 40 for i in range(num_prompt)]
-    return Request(req_id=req_id, prompt_token_ids=prompt, sampling=SamplingSpec(0.0),
+    return Request(req_id=req_id, prompt_token_ids=prompt, sampling=SamplingSpec(temperature=0.0),
                    arrival=arrival, max_tokens=max_tokens, eos_token_ids=frozenset({EOS}),
                    **kwargs)
 

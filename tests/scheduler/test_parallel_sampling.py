@@ -193,7 +193,7 @@ def test_abort_before_and_after_the_fork_frees_everything():
         assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
         assert sched.abort_group("g") == []
         sched.add_request(Request(req_id="next", prompt_token_ids=[30, 31], arrival=9,
-                                  sampling=SamplingSpec(0.0), max_tokens=1))
+                                  sampling=SamplingSpec(temperature=0.0), max_tokens=1))
         sched.update(mirror.apply(sched.schedule()))  # tells the executor to drop them all
         assert set(mirror.reqs) <= {"next"}
 

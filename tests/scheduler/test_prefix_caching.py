@@ -17,7 +17,8 @@ SYSTEM = [30 + i % 40 for i in range(40)]  # 10 full blocks
 
 
 def req(req_id: str, prompt: list[int], arrival: int, max_tokens: int = 3, salt: str = ""):
-    return Request(req_id=req_id, prompt_token_ids=list(prompt), sampling=SamplingSpec(0.0),
+    return Request(req_id=req_id, prompt_token_ids=list(prompt),
+                   sampling=SamplingSpec(temperature=0.0),
                    max_tokens=max_tokens, arrival=arrival, cache_salt=salt)
 
 
@@ -136,7 +137,8 @@ def test_a_request_owed_prompt_logprobs_reads_no_cache_until_its_first_token():
     sched.add_request(req("first", SYSTEM + [1, 2], 0))
     run_to_end(sched, mirror)
     asking = Request(req_id="asking", prompt_token_ids=SYSTEM + [3, 4],
-                     sampling=SamplingSpec(0.0, prompt_logprobs=2), max_tokens=5, arrival=1)
+                     sampling=SamplingSpec(temperature=0.0, prompt_logprobs=2), max_tokens=5,
+                     arrival=1)
     sched.add_request(asking)
     plan = step(sched, mirror)
     [new] = plan.new_reqs

@@ -26,7 +26,7 @@ def make_scheduler(num_blocks=32, block_size=4, max_num_seqs=8, budget=64, max_m
 
 def make_request(req_id: str, num_prompt: int, arrival: int, max_tokens: int = 100, **kw):
     prompt = [20 + (arrival * 13 + i) % 50 for i in range(num_prompt)]
-    return Request(req_id=req_id, prompt_token_ids=prompt, sampling=SamplingSpec(0.0),
+    return Request(req_id=req_id, prompt_token_ids=prompt, sampling=SamplingSpec(temperature=0.0),
                    max_tokens=max_tokens, arrival=arrival, eos_token_ids=frozenset({EOS}), **kw)
 
 

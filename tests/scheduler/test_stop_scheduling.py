@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def plain(req_id: str, arrival: int = 0) -> Request:
     return Request(req_id=req_id, prompt_token_ids=[20 + i for i in range(6)],
-                   sampling=SamplingSpec(0.0), max_tokens=50, arrival=arrival)
+                   sampling=SamplingSpec(temperature=0.0), max_tokens=50, arrival=arrival)
 
 
 def test_a_token_in_flight_past_a_stop_is_discarded():

@@ -34,8 +34,9 @@ def test_the_oneof_becomes_a_spec():
     assert structured_from_proto(params(), False) is None
     assert structured_from_proto(params(json_object=False), False) is None
     assert structured_from_proto(params(json_object=True), False) == \
-        StructuredSpec("json_object", "")
-    assert structured_from_proto(params(regex="a+"), False) == StructuredSpec("regex", "a+")
+        StructuredSpec(kind="json_object", text="")
+    assert structured_from_proto(params(regex="a+"), False) == StructuredSpec(kind="regex",
+                                                                              text="a+")
     spec = structured_from_proto(params(choice=["x", "y z"]), False)
     assert spec.kind == "choice" and json.loads(spec.text) == ["x", "y z"]
 
@@ -56,20 +57,20 @@ def test_cheap_limits(kwargs, beam, says):
 async def test_validator_refuses_with_the_library_message_and_caches():
     validator = StructuredValidator(frozenset({2, 0}))
     try:
-        good = StructuredSpec("json_schema", '{"type": "object"}')
+        good = StructuredSpec(kind="json_schema", text='{"type": "object"}')
         checked = await asyncio.gather(*(validator.check(good) for _ in range(3)))
         assert all(c.eos_token_ids == (0, 2) for c in checked)  # the model's EOS ids, sorted
         compiled = validator.num_compiled
         assert await validator.check(good) == checked[0]
         assert validator.num_compiled == compiled  # a hit: not compiled again
-        bad = StructuredSpec("regex", "[z-a]")
+        bad = StructuredSpec(kind="regex", text="[z-a]")
         for _ in range(2):
             with pytest.raises(InvalidRequest, match="(?s)invalid regex: .*invalid character class range"):
                 await validator.check(bad)
         assert validator.num_compiled == compiled + 1  # errors are cached too
         with pytest.raises(InvalidRequest, match="invalid grammar"):
-            await validator.check(StructuredSpec("grammar", "root ::= nope"))
-        assert (await validator.check(StructuredSpec("grammar", 'start: "a" | "b"'))).text
+            await validator.check(StructuredSpec(kind="grammar", text="root ::= nope"))
+        assert (await validator.check(StructuredSpec(kind="grammar", text='start: "a" | "b"'))).text
     finally:
         validator.close()
 

@@ -42,7 +42,7 @@ class Engine:
 
     def submit(self, prompt: list[int], max_tokens: int, queue: bool = True) -> ClientRequest:
         params = SubmitParams(req_id=f"r{self.num_submitted}", prompt_token_ids=prompt,
-                              sampling=SamplingSpec(0.0), max_tokens=max_tokens,
+                              sampling=SamplingSpec(temperature=0.0), max_tokens=max_tokens,
                               ignore_eos=True)
         if queue:
             client = submit_request(self.sched, self.registry, params, self.info,

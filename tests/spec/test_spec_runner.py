@@ -36,7 +36,9 @@ def _greedy(model_dir, num_tokens: int) -> list[int]:
 def _propose(driver: PlanDriver, req_id: str, proposals: list[int]) -> CachedRequest:
     computed = driver.num_computed[req_id]
     new = driver._grow(req_id, computed + 1 + len(proposals))
-    return CachedRequest(req_id, new, computed, 1 + len(proposals), [], proposals)
+    return CachedRequest(req_id=req_id, new_block_ids=new, num_computed_tokens=computed,
+                         num_scheduled_tokens=1 + len(proposals), new_token_ids=[],
+                         spec_token_ids=proposals)
 
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen2"])
