@@ -25,8 +25,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from protos.plan import SamplingSpec, StepPlan, StepResult
-from protos.plan_logprobs import PromptLogprobs
+from protos.plan import PromptLogprobs, SamplingSpec, StepPlan, StepResult
 from tests.scheduler.null_executor import PlanViolation
 
 VOCAB = list(range(10, 74))  # never a special id (< 10)
