@@ -7,7 +7,7 @@ model (the SmolLM2-135M-Instruct GGUF), converted and then dequantized to float3
 (checkpoints/gguf/dequantize.py). The values are RTN (each group's range spread
 over the 4-bit steps), NOT GPTQ's or AWQ's algorithms: these checkpoints exercise the formats
 and the kernels, and their accuracy is RTN's. Layouts and conventions:
-tests/int4_checkpoints.py, whose writers this calls.
+tests/fixtures/int4_checkpoints.py, whose writers this calls.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def default_float_checkpoint(dest: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tests.int4_checkpoints import write_awq_checkpoint, write_gptq_checkpoint
+    from tests.fixtures.int4_checkpoints import write_awq_checkpoint, write_gptq_checkpoint
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--format", choices=("gptq", "awq"), required=True)

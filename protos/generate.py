@@ -1,8 +1,8 @@
 """Regenerate the committed gRPC stubs: `python -m protos.generate` (needs grpcio-tools).
 
 The stubs are committed so that installing Folio never needs a protoc toolchain; a test
-(tests/test_protos_fresh.py) regenerates them into a temporary directory and fails if they
-differ. The proto is compiled with the repository root as include path, so the generated modules
+(tests/protos/test_protos.py::test_committed_stubs_are_fresh) regenerates them into a
+temporary directory and fails if they differ. The proto is compiled with the repository root as include path, so the generated modules
 import each other as `protos.folio.v1.*` while the protobuf package stays `folio.v1`.
 """
 

@@ -80,7 +80,7 @@ print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))
 
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory) -> Path:
-    from tests.gguf_files import make_gguf
+    from tests.fixtures.gguf_files import make_gguf
 
     return make_gguf("llama2", "Q8_0", tmp_path_factory.mktemp("gguf"), num_hidden_layers=1)[1]
 

@@ -8,8 +8,8 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
   python3 -c "import torch,triton,sys;print('torch',torch.__version__,'triton',triton.__version__,'python',sys.version.split()[0])";
   echo "commit $(cat .gpurun/commit 2>/dev/null || git rev-parse HEAD)"; } > $OUT/device.txt 2>&1
 timeout ${TEST_S:-270} python3 -m pytest -m gpu -q -p no:cacheprovider -rs \
-  tests/kernels/test_kernels_gpu.py tests/kernels/test_quant_kernels_gpu.py tests/executor/test_cuda_paths.py \
-  tests/executor/test_graph_runner_gpu.py > $OUT/gpu-tests.log 2>&1
+  tests/kernels/test_kernels_gpu.py tests/kernels/test_quant_kernels_gpu.py tests/executor/step/test_cuda_paths.py \
+  tests/executor/step/test_graph_runner_gpu.py > $OUT/gpu-tests.log 2>&1
 echo "pytest rc $?" >> $OUT/gpu-tests.log
 timeout ${BENCH_S:-200} python3 -m bench.kernels --out $OUT --quick > $OUT/bench.log 2>&1
 echo "bench rc $?" >> $OUT/bench.log

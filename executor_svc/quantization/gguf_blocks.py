@@ -16,7 +16,7 @@ scales; sc, m: a sub-block's 6-bit scale and min; all products and sums fp32):
 
 Every value is what ggml's dequantization computes, bit for bit: an fp16 scale times a small
 integer is exact in fp32 (at most 11 + 6 + 6 significant bits), so `q * scale + offset` rounds
-once, in the same sum the reference rounds (tests/executor/test_gguf_blocks.py checks this
+once, in the same sum the reference rounds (tests/executor/quantization/test_gguf_blocks.py checks this
 against `gguf.quants.dequantize`).
 """
 

@@ -1,4 +1,4 @@
-"""The request generator of tests/e2e/test_e2e_api_fuzz.py: a hypothesis strategy per
+"""The request generator of tests/e2e/api/test_e2e_api_fuzz.py: a hypothesis strategy per
 GenerateRequest field, each a pair (values the API's rules allow, values that may break them),
 and the composite that draws whole requests from them."""
 

@@ -21,8 +21,8 @@ import pytest
 
 from protos.channel import PeerLost, SchedulerEnd
 from protos.plan import PROTOCOL_VERSION, Hello, StepResult, Welcome
-from tests.checkpoints import make_checkpoint
 from tests.executor.harness import PlanDriver
+from tests.fixtures.checkpoints import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 STOP_BUDGET_S = 2.0  # from the signal to the process being gone

@@ -1,6 +1,6 @@
 """Draws and oracles for the "admission is total" property tests (issue 27):
-tests/scheduler/test_admission_properties.py (in process and through the gRPC server, both with
-the null model) and tests/e2e/test_e2e_admission.py (the real `folio serve`).
+tests/scheduler/engine/test_admission_properties.py (in process and through the gRPC server, both with
+the null model) and tests/e2e/api/test_e2e_admission.py (the real `folio serve`).
 
 - `servers`: a server's shape: SchedulerConfig fields (batch budget, sequence cap, prefix
   caching, preemption mode, overlap, speculation) and the executor's Hello (max_model_len,
@@ -35,7 +35,7 @@ from scheduler_svc.text.tokenizer import Tokenizer
 from tests.scheduler.kv_mirror import NullModel
 from tests.scheduler.null_executor import make_hello
 
-# The null model's vocabulary in the tiny tokenizer (tests/scheduler/tiny_model.py): its EOS
+# The null model's vocabulary in the tiny tokenizer (tests/fixtures/tiny_model.py): its EOS
 # ids (generation_config.json), 'a'..'z', and multi-character tokens ('he', ' t', ...), so stop
 # strings also complete across tokens.
 EOS_IDS = frozenset({1, 2})

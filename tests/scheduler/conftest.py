@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from scheduler_svc.text.tokenizer import Tokenizer
+from tests.fixtures.tiny_model import write_model_dir
 from tests.scheduler.grpc_harness import running_server
-from tests.scheduler.tiny_model import write_model_dir
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,245 @@
+"""Whole models at TP = 2 and 4 (gloo, real processes) against TP = 1: the same greedy tokens
+and logits through the paged KV cache (a prefill with a chunked prompt, then decode steps), on
+every architecture of the harness plus a GQA case with fewer KV heads than ranks and a
+vocabulary that does not split evenly; each rank reads only its shard of the checkpoint; the
+configurations that cannot be split are refused with the numbers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from checkpoints.files import (
+    open_safetensors,
+    read_weight_headers,
+    safetensors_files,
+)
+from executor_svc.kv.kv_cache import KVCache
+from executor_svc.loading.loader import (
+    effective_max_model_len,
+    load_model,
+    load_weights,
+    plan_weights,
+)
+from executor_svc.loading.model_config import ModelConfig, check_tensor_parallel, local_kv_heads
+from executor_svc.models import model_class
+from executor_svc.parallel import distributed
+from executor_svc.step.runner import ModelRunner
+from tests.executor.harness import ARCHS, BLOCK_SIZE, NUM_BLOCKS, PlanDriver, make_hf_model
+from tests.executor.harness import save_checkpoint as save_hf
+from tests.executor.parallel.tp_procs import run_ranks
+
+PROMPTS = [[5, 17, 42, 99, 7, 250, 3], [42],
+           [200, 1, 150, 33, 87, 45, 66, 71, 299, 8, 120, 9, 64, 32, 16, 4, 2, 77, 88]]
+CHUNK = 9  # the third prompt's first step: a chunked prefill
+NUM_DECODE = 4
+
+# name -> (arch, overrides): every architecture, and GQA with one KV head (replicated on
+# every rank) and a vocabulary of 301 (a short, padded last range at TP = 2 and 4).
+CASES: dict[str, tuple[str, dict]] = {arch: (arch, {}) for arch in ARCHS}
+CASES["gqa_kv1"] = ("llama2", dict(num_key_value_heads=1, vocab_size=301))
+
+
+@pytest.fixture(scope="module")
+def tp_checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tp")
+    return {name: str(save_hf(make_hf_model(arch, **overrides), root / name))
+            for name, (arch, overrides) in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def tp1_results(tp_checkpoints) -> dict[str, dict]:
+    """The oracle: every case run with one rank (no group)."""
+    return {name: greedy_run(Path(d)) for name, d in tp_checkpoints.items()}
+
+
+def greedy_run(model_dir: Path, quantization: str | None = None) -> dict | None:
+    """Prefill (one prompt chunked) and NUM_DECODE greedy decode steps over the paged cache,
+    calling the model directly. Rank 0 (or a lone rank): {"tokens": {req_id: ids}, "logits":
+    [per step]}; other ranks None. Rank 0's greedy ids reach the others by broadcast."""
+    cfg = ModelConfig.from_dir(model_dir)
+    max_len = effective_max_model_len(cfg, None)
+    cpu = torch.device("cpu")
+    model = load_model(model_dir, dtype=torch.float32, device=cpu, max_model_len=max_len, cfg=cfg,
+                       quantization=quantization)
+    kv_cache = KVCache.allocate(cfg, NUM_BLOCKS, BLOCK_SIZE, torch.float32, cpu)
+    assert kv_cache.k_caches[0].shape[2] == local_kv_heads(cfg, distributed.tp_size())
+    model.bind_kv_cache(kv_cache.per_layer())
+    runner = ModelRunner(model, kv_cache, BLOCK_SIZE, max_len, cfg.vocab_size, cpu)
+    driver = PlanDriver(seed=3)
+    req_ids = [f"r{i}" for i in range(len(PROMPTS))]
+    tokens: dict[str, list[int]] = {r: [] for r in req_ids}
+    step_logits: list[torch.Tensor] = []
+    first = [driver.new(r, p, len(p) if r != "r2" else CHUNK)
+             for r, p in zip(req_ids, PROMPTS, strict=True)]
+    plans = [driver.plan(new_reqs=first)]
+    for step in range(NUM_DECODE + 1):
+        scheduled = runner.apply(plans[-1])
+        inputs = runner.prepare(scheduled)
+        with torch.inference_mode():
+            logits = model(inputs.input_ids, inputs.positions, inputs.batch)
+        ids = torch.empty(len(inputs.sample_rows), dtype=torch.int64)
+        if distributed.tp_rank() == 0:
+            step_logits.append(logits)
+            ids = logits.argmax(dim=-1)
+        else:
+            assert logits is None, "only rank 0 gets logits"
+        distributed.broadcast_tensor(ids)
+        # What ModelRunner.execute does after sampling.
+        batch = runner.input_batch
+        batch.num_computed[scheduled.rows] += scheduled.query_lens
+        batch.append_sampled_tokens(inputs.sample_rows, ids.numpy())
+        sampled = [(batch.req_ids[r], [int(t)])
+                   for r, t in zip(inputs.sample_rows, ids.tolist(), strict=True)]
+        driver.record(sampled)
+        for req_id, new_ids in sampled:
+            tokens[req_id].extend(new_ids)
+        cached = driver.decode_all(["r0", "r1"])
+        cached.append(driver.cached("r2", len(PROMPTS[2]) - CHUNK) if step == 0
+                      else driver.decode_all(["r2"])[0])
+        plans.append(driver.plan(cached_reqs=cached))
+    if distributed.tp_rank() != 0:
+        return None
+    return {"tokens": tokens, "logits": step_logits}
+
+
+def _model_rank(rank: int, checkpoints: dict[str, str], out_dir: str) -> None:
+    for name, model_dir in checkpoints.items():
+        result = greedy_run(Path(model_dir))
+        if rank == 0:
+            torch.save(result, Path(out_dir) / f"{name}.pt")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_greedy_matches_tp1(tp, tp_checkpoints, tp1_results, tmp_path):
+    # Every case's heads divide 4 (4 q heads; 4, 2 or 1 KV heads), so all run at both sizes.
+    run_ranks(_model_rank, tp, tp_checkpoints, str(tmp_path))
+    for name, expected in tp1_results.items():
+        got = torch.load(tmp_path / f"{name}.pt")
+        assert got["tokens"] == expected["tokens"], name
+        assert len(got["tokens"]["r2"]) == NUM_DECODE  # the chunked prompt sampled from step 1
+        for step, (a, b) in enumerate(zip(got["logits"], expected["logits"], strict=True)):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m, n=name, s=step: f"{n} step {s}: {m}")
+
+
+class _RecordingSlice:
+    def __init__(self, inner, name: str, reads: list):
+        self.inner, self.name, self.reads = inner, name, reads
+
+    def __getitem__(self, index: tuple):
+        (dim, part), = [(d, s) for d, s in enumerate(index) if s != slice(None)]
+        self.reads.append([self.name, dim, part.start, part.stop])
+        return self.inner[index]
+
+
+class _RecordingFile:
+    """safetensors' file handle, recording what is read of each tensor."""
+
+    def __init__(self, inner, reads: list):
+        self.inner, self.reads = inner, reads
+
+    def get_tensor(self, name: str):
+        self.reads.append([name, None, None, None])
+        return self.inner.get_tensor(name)
+
+    def get_slice(self, name: str):
+        return _RecordingSlice(self.inner.get_slice(name), name, self.reads)
+
+
+def _reads_rank(rank: int, checkpoints: dict[str, str], out_dir: str) -> None:
+    for name, model_dir in checkpoints.items():
+        cfg = ModelConfig.from_dir(Path(model_dir))
+        reads: list = []
+
+        @contextlib.contextmanager
+        def recording_open(file, framework="np", reads=reads):
+            with open_safetensors(file, framework) as f:
+                yield _RecordingFile(f, reads)
+
+        with torch.device("meta"):
+            model = model_class(cfg.architecture)(cfg, dtype=torch.float32, max_model_len=64,
+                                                  backend=None)
+        headers = read_weight_headers(safetensors_files(Path(model_dir)))
+        placements = plan_weights(model, headers, cfg.tie_word_embeddings)
+        model.to_empty(device="cpu")
+        load_weights(model, placements, open_file=recording_open)
+        (Path(out_dir) / f"{name}.{rank}.json").write_text(json.dumps(reads))
+
+
+def test_each_rank_reads_only_its_shard(tp_checkpoints, tmp_path):
+    tp = 2
+    names = ["llama2", "qwen2", "qwen3", "gqa_kv1"]  # untied head; biases; q/k norms; kv < tp
+    checkpoints = {n: tp_checkpoints[n] for n in names}
+    run_ranks(_reads_rank, tp, checkpoints, str(tmp_path))
+    for name in names:
+        model_dir = Path(checkpoints[name])
+        cfg = ModelConfig.from_dir(model_dir)
+        reads = [json.loads((tmp_path / f"{name}.{r}.json").read_text()) for r in range(tp)]
+        for header in read_weight_headers(safetensors_files(model_dir)):
+            per_rank = [[r[1:] for r in rank_reads if r[0] == header.name]
+                        for rank_reads in reads]
+            if header.name.endswith("norm.weight"):  # replicated: read whole by every rank
+                assert all(r == [[None, None, None]] for r in per_rank), (name, header.name)
+                continue
+            # Sharded: one slice per rank, never the whole tensor; together the slices cover
+            # the tensor once, except KV heads replicated on tp / num_kv_heads ranks.
+            assert all(len(r) == 1 and r[0][0] is not None for r in per_rank), (name, header)
+            dim = per_rank[0][0][0]
+            counts = np.zeros(header.shape[dim], np.int64)
+            for (_, start, stop), in per_rank:
+                counts[start:stop] += 1
+            kv = (".k_proj." in header.name or ".v_proj." in header.name)
+            copies = tp // cfg.num_kv_heads if kv and cfg.num_kv_heads < tp else 1
+            assert (counts == copies).all(), (name, header.name, counts)
+
+
+def _refusal_rank(rank: int, model_dir: str) -> None:
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 does not divide "
+                                         r"intermediate_size 129 \(129 % 2 = 1\)"):
+        load_model(Path(model_dir), dtype=torch.float32, device=torch.device("cpu"),
+                   max_model_len=64)
+
+
+def test_unsplittable_model_is_refused_in_the_group(tp_checkpoints, tmp_path):
+    model_dir = tmp_path / "odd"
+    shutil.copytree(tp_checkpoints["llama2"], model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "intermediate_size": 129}))
+    run_ranks(_refusal_rank, 2, str(model_dir))
+
+
+@pytest.mark.parametrize("overrides, tp, message", [
+    (dict(num_attention_heads=6, num_key_value_heads=6, hidden_size=48), 4,
+     r"--tensor-parallel-size 4 does not divide num_attention_heads 6 \(6 % 4 = 2\)"),
+    (dict(num_attention_heads=12, num_key_value_heads=3, hidden_size=48), 4,
+     r"--tensor-parallel-size 4: num_key_value_heads 3 is neither a multiple of 4 nor a "
+     r"divisor of it"),
+    (dict(intermediate_size=130), 4,
+     r"--tensor-parallel-size 4 does not divide intermediate_size 130 \(130 % 4 = 2\)"),
+])
+def test_refusals_name_the_flag_and_numbers(overrides, tp, message):
+    base = dict(architectures=["LlamaForCausalLM"], vocab_size=300, hidden_size=64,
+                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2)
+    cfg = ModelConfig.from_dict({**base, **overrides})
+    check_tensor_parallel(cfg, 1)  # one rank takes anything
+    with pytest.raises(ValueError, match=message):
+        check_tensor_parallel(cfg, tp)
+
+
+@pytest.mark.parametrize("num_kv_heads, tp, expected", [(8, 2, 4), (2, 2, 1), (2, 4, 1),
+                                                        (1, 4, 1), (4, 1, 4)])
+def test_local_kv_heads(num_kv_heads, tp, expected):
+    cfg = ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=10,
+                                     hidden_size=64, intermediate_size=8,
+                                     num_hidden_layers=1, num_attention_heads=8,
+                                     num_key_value_heads=num_kv_heads))
+    check_tensor_parallel(cfg, tp)
+    assert local_kv_heads(cfg, tp) == expected
