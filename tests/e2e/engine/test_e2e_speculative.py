@@ -178,7 +178,7 @@ async def test_executor_killed_under_speculation_streams_equal_plain_decoding(
     """Part of the fault workload of tests/e2e/engine/test_e2e_faults.py (greedy, seeded, penalised,
     n = 4, beam search) through a server with n-gram speculation whose executor is SIGKILLed
     mid-run: every stream equals an undisturbed run of a server without speculation."""
-    from tests.e2e import test_e2e_faults as faults
+    from tests.e2e.engine import test_e2e_faults as faults
 
     checkpoint = make_checkpoint("llama3", tmp_path_factory.mktemp("spec-faults"))
     every = faults.workload(load_hf_model(checkpoint).config.vocab_size)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from executor_svc.step.input_batch import INITIAL_CAPACITY
@@ -83,15 +85,16 @@ def test_bad_plans_fail_with_a_reason_and_drop_the_requests(checkpoint_cache):
     assert "a" not in runner.requests
 
     new = driver.new("b", PROMPT, len(PROMPT))
-    too_many = new.__class__(new.req_id, new.token_ids, new.sampling, new.block_ids, 0,
-                             len(PROMPT) + 1)
+    too_many = dataclasses.replace(new, num_computed_tokens=0,
+                                   num_scheduled_tokens=len(PROMPT) + 1)
     with pytest.raises(PlanError, match="exceeds its 11 tokens"):
         runner.execute(driver.plan(new_reqs=[too_many]))
-    short = new.__class__(new.req_id, new.token_ids, new.sampling, new.block_ids[:1], 0,
-                          len(PROMPT))
+    short = dataclasses.replace(new, block_ids=new.block_ids[:1], num_computed_tokens=0,
+                                num_scheduled_tokens=len(PROMPT))
     with pytest.raises(PlanError, match="do not fit its 1 blocks"):
         runner.execute(driver.plan(new_reqs=[short]))
-    bad_ids = new.__class__(new.req_id, [1, 2, 300], new.sampling, new.block_ids, 0, 3)
+    bad_ids = dataclasses.replace(new, token_ids=[1, 2, 300], num_prompt_tokens=3,
+                                  num_computed_tokens=0, num_scheduled_tokens=3)
     with pytest.raises(PlanError, match="outside the model's vocabulary of 300"):
         runner.execute(driver.plan(new_reqs=[bad_ids]))
     for spec, reason in ((SamplingSpec(logit_bias=((300, 1.0),)),
@@ -102,7 +105,8 @@ def test_bad_plans_fail_with_a_reason_and_drop_the_requests(checkpoint_cache):
                          (SamplingSpec(allowed_token_ids=(1, 999)), "allowed_token_ids names"),
                          (SamplingSpec(repetition_penalty=0.0), "repetition_penalty > 0"),
                          (SamplingSpec(min_p=float("nan")), "must be finite")):
-        bad_spec = new.__class__(new.req_id, new.token_ids, spec, new.block_ids, 0, len(PROMPT))
+        bad_spec = dataclasses.replace(new, sampling=spec, num_computed_tokens=0,
+                                       num_scheduled_tokens=len(PROMPT))
         with pytest.raises(PlanError, match=reason):
             runner.execute(driver.plan(new_reqs=[bad_spec]))
     # A well-formed plan still runs afterwards; an empty one computes nothing.

@@ -78,7 +78,7 @@ async def test_validator_refuses_with_the_library_message_and_caches():
 def test_validation_imports_no_torch():
     code = ("import sys, asyncio; from scheduler_svc.api.structured_output import *; "
             "from protos.sampling_spec import StructuredSpec; v = StructuredValidator(frozenset({1})); "
-            "asyncio.run(v.check(StructuredSpec('json_schema', '{\"type\": \"object\"}'))); "
+            "asyncio.run(v.check(StructuredSpec(kind='json_schema', text='{\"type\": \"object\"}'))); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'transformers', 'executor_svc')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
