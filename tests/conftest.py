@@ -58,6 +58,20 @@ def _isa_line() -> str:
         return f"folio isa: unknown ({type(e).__name__}: {e})"
 
 
+E2E_DIR = ROOT / "tests" / "e2e"
+# Fixtures that start real Folio processes (`folio serve`, an executor).
+SERVER_FIXTURES = {"folio_server", "default_server", "folio_executor"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """`e2e`: a test that runs real server processes. Everything under tests/e2e/ is, and so is
+    any test that takes a server fixture; tests elsewhere that start processes themselves carry
+    the mark in their module. `make test-fast` deselects them."""
+    for item in items:
+        if E2E_DIR in item.path.parents or SERVER_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.e2e)
+
+
 def pytest_report_header(config) -> list[str]:
     return [_isa_line()]
 

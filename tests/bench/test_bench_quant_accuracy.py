@@ -6,7 +6,12 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from bench.quant_accuracy import common_prefix, main
+
+# Two real servers.
+pytestmark = pytest.mark.e2e
 
 
 def test_common_prefix():

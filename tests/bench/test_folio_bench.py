@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from client.bench.folio_peer import step_extras
 from client.bench.metrics import RequestTiming, RunResult, aggregate, percentile, summarize
 from client.bench.workload import (
@@ -121,6 +123,7 @@ def test_spec_acceptance_only_for_runs_that_speculated():
 
 # ---- the real command -----------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_throughput_end_to_end_with_folio_and_hf(tmp_path, default_model_dir, folio_cache_dir):
     num_prompts, input_len, output_len = 4, 16, 8
     out = tmp_path / "results"
@@ -163,6 +166,7 @@ def test_throughput_end_to_end_with_folio_and_hf(tmp_path, default_model_dir, fo
     assert stems[".png"].read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.e2e
 def test_half_constrained_folio_next_to_plain_folio(tmp_path, folio_cache_dir):
     """`--peers folio,folio-constrained`: every other request of the second peer runs under a
     JSON schema or a regex that never completes, so both make every output token, and the

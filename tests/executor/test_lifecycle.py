@@ -24,6 +24,9 @@ from protos.plan import PROTOCOL_VERSION, Hello, StepResult, Welcome
 from tests.executor.harness import PlanDriver
 from tests.fixtures.checkpoints import make_checkpoint
 
+# Each test starts a real executor process.
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[2]
 STOP_BUDGET_S = 2.0  # from the signal to the process being gone
 START_TIMEOUT_S = 120.0  # torch import + model load on a busy 2-core machine

@@ -25,6 +25,9 @@ from protos.plan import (
 )
 from tests.executor.harness import PlanDriver, hf_greedy, hf_top_logprobs
 
+# Each test runs the real executor process; the test plays the scheduler.
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[2]
 RECV_TIMEOUT_S = 90.0  # the first message waits for torch import and model load
 

@@ -64,6 +64,7 @@ def test_smollm2_greedy_matches_transformers(smollm2):
     assert "Paris" in tok.decode(ours[0])  # a real model, not noise
 
 
+@pytest.mark.e2e
 def test_folio_serve_stops_promptly_during_a_conversion(tmp_path):
     """SIGTERM while the scheduler's converter subprocess works: both are gone within
     seconds (the conversion is abandoned, its temp dir cleaned up by the next one)."""

@@ -9,6 +9,8 @@ import asyncio
 import subprocess
 import sys
 
+import pytest
+
 from executor_svc.parallel.tp_launch import free_port
 from protos.channel import SchedulerEnd
 from protos.plan import (
@@ -23,6 +25,9 @@ from protos.plan import (
 )
 from tests.executor.harness import PlanDriver, hf_greedy
 from tests.executor.test_worker import ROOT, _recv, _start, _stop
+
+# Real tensor-parallel executor processes.
+pytestmark = pytest.mark.e2e
 
 
 async def test_two_ranks_serve_fail_steps_alike_and_stop_together(checkpoint_cache, tmp_path):
