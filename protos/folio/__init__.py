@@ -1,0 +1,1 @@
+"""The `folio` protobuf package (the public API's namespace)."""
