@@ -32,6 +32,28 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_isa() -> str:
+    """The widest x86 vector ISA the CPU offers, with its bf16 and AMX units, and a lower one
+    forced by ATEN_CPU_CAPABILITY (which Folio's fused kernels follow): results differ by it."""
+    try:
+        flags = set()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        return platform.machine()
+    if "avx512f" in flags:
+        isa = "AVX512" + (" with AVX512-BF16" if "avx512_bf16" in flags else "")
+        isa += " and AMX" if "amx_tile" in flags else ""
+    elif "avx2" in flags:
+        isa = "AVX2"
+    else:
+        isa = platform.machine()
+    forced = os.environ.get("ATEN_CPU_CAPABILITY")
+    return f"{isa}, forced to {forced}" if forced else isa
+
+
 def git_commit() -> str | None:
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True,
@@ -56,6 +78,7 @@ def machine_facts() -> dict:
     """What the run's numbers depend on, besides the software: taken at the start."""
     return {
         "cpu": cpu_model(),
+        "isa": cpu_isa(),
         "logical_cpus": os.cpu_count(),
         "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "python": platform.python_version(),
@@ -101,7 +124,8 @@ def markdown(result: dict, aggregates: dict[str, dict[str, Aggregate]]) -> str:
         + f", request rate {rate}, seed {w['seed']}",
         f"- repetitions: {result['reps']} (interleaved; cells are median (min–max))"
         + (", with a competing busy process on one core" if result["competing_load"] else ""),
-        f"- machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, load average "
+        f"- machine: {m['cpu']} ({m.get('isa', 'ISA not recorded')}), {m['logical_cpus']} "
+        f"logical CPUs, load average "
         f"{result['load_before'][0]:.2f} before / {result['load_after'][0]:.2f} after",
         f"- commit: {m['git_commit']}; command: `{m['command']}`",
         "",

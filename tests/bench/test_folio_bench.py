@@ -144,9 +144,10 @@ def test_throughput_end_to_end_with_folio_and_hf(tmp_path, default_model_dir, fo
     assert result["model"]["random_weights"] is True
     assert set(result["summary"]) == {"folio", "hf"}
     assert "install_vllm_cpu.sh" in result["skipped"]["vllm"]
-    for key in ("cpu", "logical_cpus", "git_commit", "command", "folio_env"):
+    for key in ("cpu", "isa", "logical_cpus", "git_commit", "command", "folio_env"):
         assert result["machine"][key], key
     assert result["machine"]["command"].startswith("folio bench throughput")
+    assert f"({result['machine']['isa']})" in stems[".md"].read_text()  # every result names it
     assert result["workload"]["requested_output_tokens"] == num_prompts * output_len
     for peer, metrics in result["summary"].items():
         assert metrics["output tokens"]["median"] == num_prompts * output_len, peer
