@@ -4,10 +4,13 @@ speculative decoding's acceptance rate and throughput since the last line)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING
 
 import structlog
+
+from scheduler_svc.sched.counters import SchedulerCounters
 
 if TYPE_CHECKING:
     from protos.plan import StepPlan, StepResult
@@ -17,9 +20,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("folio.scheduler.stats")
 
 # Cumulative ServerStats counters (Scheduler.counters fields), kept across executor changes.
-COUNTERS = ("num_preemptions", "num_swap_outs", "num_finished_requests", "num_prompt_tokens",
-            "num_generated_tokens", "num_steps", "prefix_cache_queries", "prefix_cache_hits",
-            "num_draft_tokens", "num_accepted_tokens")
+COUNTERS = tuple(f.name for f in dataclasses.fields(SchedulerCounters))
 
 
 def server_stats(s: Scheduler | None, past_totals: dict[str, int], executor_connected: bool

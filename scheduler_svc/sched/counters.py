@@ -1,5 +1,6 @@
 """What a Scheduler has done, counted for ServerStats, the periodic INFO line and the
-Prometheus counters (`scheduler_svc.engine.stats.COUNTERS` names these fields)."""
+Prometheus counters; every field is a ServerStats counter (`scheduler_svc.engine.stats.COUNTERS`
+lists them from here)."""
 
 from __future__ import annotations
 
