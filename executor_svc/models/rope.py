@@ -11,12 +11,15 @@ Two HF types choose their frequencies by the length of the sequence in the forwa
 position instead, the rule HF itself follows while it decodes one token at a time:
 
 - **longrope** (Phi-3): row p uses the short factors for p < original_max_position_embeddings
-  and the long ones from there on. vLLM instead switches the whole batch to the long factors
-  when any token in it is past the original context, so one long request changes how its
-  neighbours' tokens are rotated; Folio's rows never depend on other requests.
+  and the long ones from there on. vLLM once switched a whole batch to the long factors when
+  any token in it was past the original context (so one long request changed how its
+  neighbours were rotated); it now uses the long factors at every position whenever
+  max_model_len exceeds the original context, which differs from HF for short sequences too.
+  Folio's rows depend on the position alone and follow HF's decode-time rule.
 - **dynamic** (NTK): row p uses the base HF computes for a sequence of length
-  max(p + 1, max_position_embeddings). vLLM uses one base, scaled for factor times the context,
-  at every position; Folio follows HF.
+  max(p + 1, max_position_embeddings). vLLM builds one table for factor times the context
+  with a single base for every position (its formula reduces to the unscaled base); Folio
+  follows HF.
 
 So for one sequence whose prompt fits in the original context Folio equals HF token for token,
 also when generation runs past it (the tests check both). The divergence: a prompt longer than
