@@ -190,8 +190,9 @@ def _copy_shard(f: Any, p: _Placement, dest: torch.Tensor) -> None:
 
 
 def effective_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
-    """The model's position limit, capped by the operator and by a sliding window."""
-    max_len = cfg.max_position_embeddings
+    """The model's position limit (the scaled context for YaRN and dynamic NTK, see
+    `RopeSpec.max_position`), capped by the operator and by a sliding window."""
+    max_len = cfg.rope.max_position(cfg.max_position_embeddings)
     if requested is not None:
         max_len = min(max_len, requested)
     if cfg.sliding_window is not None and cfg.sliding_window < max_len:

@@ -21,9 +21,27 @@ from checkpoints.files import CheckpointError, read_json_object
 
 @dataclass(frozen=True)
 class RopeSpec:
+    """How positions are rotated. For yarn, longrope and dynamic, ``params`` always holds the
+    resolved ``original_max_position_embeddings`` (the pretraining context) and ``factor``."""
+
     theta: float = 10000.0
-    rope_type: str = "default"  # default | linear | llama3 | freq_factors (from GGUF)
+    # default | linear | llama3 | yarn | longrope | dynamic | freq_factors (from GGUF)
+    rope_type: str = "default"
     params: dict[str, Any] = field(default_factory=dict)  # factor, low_freq_factor, ...
+
+    def max_position(self, max_position_embeddings: int) -> int:
+        """The longest context the scaling is meant for, as vLLM derives it: YaRN and dynamic
+        NTK configs keep the pretraining value in max_position_embeddings and reach factor
+        times the original; LongRoPE (Phi-3) and llama3 configs already state the extended
+        length there. Never below max_position_embeddings."""
+        match self.rope_type:
+            case "yarn":
+                scaled = self.params["original_max_position_embeddings"] * self.params["factor"]
+            case "dynamic":
+                scaled = max_position_embeddings * self.params["factor"]
+            case _:
+                scaled = max_position_embeddings
+        return max(max_position_embeddings, int(scaled))
 
 
 _REQUIRED = object()
@@ -89,6 +107,11 @@ class ModelConfig:
                              f"num_key_value_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even: RoPE rotates pairs")
+        if self.rope.rope_type == "longrope":
+            for key in ("short_factor", "long_factor"):
+                if len(self.rope.params[key]) != self.head_dim // 2:
+                    raise ValueError(f"rope {key} has {len(self.rope.params[key])} entries; "
+                                     f"head_dim {self.head_dim} needs {self.head_dim // 2}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be a positive integer, got "
                              f"{self.sliding_window}")
@@ -149,14 +172,32 @@ def _rope_spec(d: dict[str, Any]) -> RopeSpec:
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     if not isinstance(rope_type, str):
         raise ValueError(f"rope_type must be a string, got {rope_type!r}")
+    if rope_type in ("yarn", "longrope", "dynamic"):
+        _resolve_original_context(d, rope_type, params)
     # The numbers the scaled variants divide by (see models/rope.py).
     needed = {"linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                         "original_max_position_embeddings")}.get(rope_type, ())
+                         "original_max_position_embeddings"),
+              "yarn": ("factor",),
+              "dynamic": ("factor",)}.get(rope_type, ())
     for key in needed:
         if key not in params:
             raise ValueError(f"rope type {rope_type!r} needs {key!r}, which is missing")
         _float(params, key, math.nan)
+    # Optional numbers: checked when given (null means "use the default", as in HF).
+    for key in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        if params.get(key) is not None:
+            _float(params, key, math.nan)
+    if not isinstance(params.get("truncate", True), bool):
+        raise ValueError(f"rope truncate must be true or false, got {params['truncate']!r}")
+    if rope_type == "longrope":
+        for key in ("short_factor", "long_factor"):
+            factors = params.get(key)
+            if not (isinstance(factors, list) and factors and all(
+                    isinstance(f, int | float) and not isinstance(f, bool) and 0 < f < math.inf
+                    for f in factors)):
+                raise ValueError(f"rope type 'longrope' needs {key!r}, a list of positive "
+                                 f"numbers, got {factors!r}")
     if rope_type == "freq_factors":
         # Folio's own type, written by the GGUF converter: one divisor per rotary frequency.
         factors = params.get("freq_factors")
@@ -169,6 +210,23 @@ def _rope_spec(d: dict[str, Any]) -> RopeSpec:
         raise ValueError("rope high_freq_factor must be larger than low_freq_factor, got "
                          f"{params['high_freq_factor']} <= {params['low_freq_factor']}")
     return RopeSpec(theta=theta, rope_type=rope_type, params=params)
+
+
+def _resolve_original_context(d: dict[str, Any], rope_type: str, params: dict[str, Any]) -> None:
+    """Fill in the pretraining context and (LongRoPE) the factor as HF does: a top-level
+    original_max_position_embeddings (Phi-3 writes it there) wins over the rope dict's, which
+    defaults to max_position_embeddings; LongRoPE without a factor takes the ratio. Dynamic NTK
+    scales against max_position_embeddings itself, as HF's does."""
+    max_pos = _int(d, "max_position_embeddings", 2048)
+    if rope_type == "dynamic":
+        original = max_pos
+    elif d.get("original_max_position_embeddings") is not None:
+        original = _int(d, "original_max_position_embeddings")
+    else:
+        original = _int(params, "original_max_position_embeddings", max_pos)
+    params["original_max_position_embeddings"] = original
+    if rope_type == "longrope" and params.get("factor") is None:
+        params["factor"] = max_pos / original
 
 
 def _sliding_window(d: dict[str, Any]) -> int | None:

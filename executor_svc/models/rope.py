@@ -1,8 +1,32 @@
 """Rotary position embedding tables.
 
-Every RoPE variant we support differs only in its inverse frequencies, so the model builds one
-`cos_sin_cache` `[max_position, head_dim]` (cos in the first half of the columns, sin in the
-second) and the `kernels.rotary` op applies it, neox style.
+Every RoPE variant we support differs only in its inverse frequencies and a constant attention
+factor on cos and sin, so the model builds one `cos_sin_cache` `[max_position, head_dim]` (cos in
+the first half of the columns, sin in the second) and the `kernels.rotary` op applies it, neox
+style. A row depends on the position alone, never on the batch or on the sequence's length, so
+the table serves paged, chunked, batched and prefix-cached steps alike.
+
+Two HF types choose their frequencies by the length of the sequence in the forward call
+(``max(position_ids) + 1``), which a per-position table cannot see. Folio fixes the rule per
+position instead, the rule HF itself follows while it decodes one token at a time:
+
+- **longrope** (Phi-3): row p uses the short factors for p < original_max_position_embeddings
+  and the long ones from there on. vLLM once switched a whole batch to the long factors when
+  any token in it was past the original context (so one long request changed how its
+  neighbours were rotated); it now uses the long factors at every position whenever
+  max_model_len exceeds the original context, which differs from HF for short sequences too.
+  Folio's rows depend on the position alone and follow HF's decode-time rule.
+- **dynamic** (NTK): row p uses the base HF computes for a sequence of length
+  max(p + 1, max_position_embeddings). vLLM builds one table for factor times the context
+  with a single base for every position (its formula reduces to the unscaled base); Folio
+  follows HF.
+
+So for one sequence whose prompt fits in the original context Folio equals HF token for token,
+also when generation runs past it (the tests check both). The divergence: a prompt longer than
+the original context is rotated by HF, in its one prefill call, entirely with the long factors
+(dynamic: with the base for the prompt's full length), while Folio rotates its first positions
+with the short ones (the unscaled base). HF's choice depends on how the prompt is split into
+calls, so no paged, chunked-prefill engine can reproduce it; vLLM does not either.
 """
 
 from __future__ import annotations
@@ -39,7 +63,78 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
+    """YaRN: interpolate (divide by `factor`) the frequencies that turn fewer than `beta_slow`
+    times over the original context, keep those that turn more than `beta_fast` times, and ramp
+    linearly between them (by dimension index)."""
+    params = rope.params
+    factor = params["factor"]
+    original = params["original_max_position_embeddings"]
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def dim_for(num_rotations: float) -> float:  # the dimension that turns that many times
+        return (head_dim * math.log(original / (num_rotations * 2 * math.pi))
+                / (2 * math.log(rope.theta)))
+
+    low, high = dim_for(beta_fast), dim_for(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # avoid dividing by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low)
+            / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    steps = torch.arange(0, head_dim, 2, device="cpu").to(torch.float32)
+    pos_freqs = rope.theta ** (steps / head_dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def _longrope_inv_freq(rope: RopeSpec, head_dim: int, key: str) -> torch.Tensor:
+    factors = torch.tensor(rope.params[key], dtype=torch.float32, device="cpu")
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+    return 1.0 / (factors * rope.theta ** (steps / head_dim))  # [head_dim // 2]
+
+
+def _dynamic_inv_freq(rope: RopeSpec, head_dim: int, positions: torch.Tensor) -> torch.Tensor:
+    """Dynamic NTK for each position p: the base HF computes for a sequence of p + 1 tokens,
+    in float32 as HF does. positions [n] int64 -> [n, head_dim // 2]."""
+    factor = rope.params["factor"]
+    original = rope.params["original_max_position_embeddings"]
+    seq_len = torch.clamp(positions + 1, min=original)  # [n]
+    base = rope.theta * ((factor * seq_len / original) - (factor - 1)) ** (head_dim
+                                                                            / (head_dim - 2))
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+    return 1.0 / (base[:, None] ** (steps / head_dim)[None, :])
+
+
+def attention_factor(rope: RopeSpec) -> float:
+    """The constant YaRN and LongRoPE multiply cos and sin by (1 for the other types)."""
+    params = rope.params
+    factor = params.get("factor", 1.0)
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    match rope.rope_type:
+        case "yarn":
+            def mscale(scale: float, m: float = 1) -> float:
+                return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+            if params.get("mscale") and params.get("mscale_all_dim"):
+                return float(mscale(factor, params["mscale"])
+                             / mscale(factor, params["mscale_all_dim"]))
+            return mscale(factor)
+        case "longrope":
+            if factor <= 1.0:
+                return 1.0
+            original = params["original_max_position_embeddings"]
+            return math.sqrt(1 + math.log(factor) / math.log(original))
+        case _:
+            return 1.0
+
+
 def inv_freq_for(rope: RopeSpec, head_dim: int) -> torch.Tensor:
+    """[head_dim // 2]: the inverse frequencies within the original context (longrope: the
+    short factors; dynamic: unscaled). `build_cos_sin_cache` applies the rest per position."""
     if rope.params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial rotary embeddings are not supported")
     inv_freq = _default_inv_freq(rope.theta, head_dim)
@@ -57,15 +152,32 @@ def inv_freq_for(rope: RopeSpec, head_dim: int) -> torch.Tensor:
                 raise ValueError(f"rope freq_factors has {factors.numel()} entries; head_dim "
                                  f"{head_dim} needs {inv_freq.numel()}")
             return inv_freq / factors
+        case "yarn":
+            return _yarn_inv_freq(rope, head_dim)
+        case "longrope":
+            return _longrope_inv_freq(rope, head_dim, "short_factor")
+        case "dynamic":
+            return inv_freq
         case other:
-            raise ValueError(f"RoPE scaling type {other!r} is not supported "
-                             "(supported: default, linear, llama3, freq_factors)")
+            raise ValueError(f"RoPE scaling type {other!r} is not supported (supported: "
+                             "default, linear, llama3, yarn, longrope, dynamic, freq_factors)")
 
 
 def build_cos_sin_cache(rope: RopeSpec, head_dim: int, max_position: int,
                         device: torch.device | str | None = None) -> torch.Tensor:
-    """[max_position, head_dim] float32: cos(pos * inv_freq) | sin(pos * inv_freq)."""
-    inv_freq = inv_freq_for(rope, head_dim)  # [head_dim // 2]
-    positions = torch.arange(max_position, dtype=torch.int64, device="cpu").to(torch.float32)
-    freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+    """[max_position, head_dim] float32: a * cos(pos * inv_freq) | a * sin(pos * inv_freq), with
+    a = `attention_factor(rope)` and inv_freq chosen per position (see the module docstring)."""
+    positions = torch.arange(max_position, dtype=torch.int64, device="cpu")
+    inv_freq = inv_freq_for(rope, head_dim)[None, :].expand(max_position, -1)
+    if rope.rope_type in ("longrope", "dynamic"):
+        original = rope.params["original_max_position_embeddings"]
+        past = positions >= original  # HF's switch: sequence length p + 1 > original
+        if rope.rope_type == "longrope":
+            long = _longrope_inv_freq(rope, head_dim, "long_factor")
+            inv_freq = torch.where(past[:, None], long[None, :], inv_freq)
+        elif past.any():
+            inv_freq = inv_freq.clone()
+            inv_freq[past] = _dynamic_inv_freq(rope, head_dim, positions[past])
+    freqs = positions.to(torch.float32)[:, None] * inv_freq  # [max_position, head_dim // 2]
+    scale = attention_factor(rope)
+    return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1).to(device)
