@@ -1,8 +1,6 @@
 """Model facts read from a checkpoint's config.json, normalised across HF config versions.
 
-HF configs spell RoPE two ways: older ones carry ``rope_theta`` and ``rope_scaling`` at the top
-level, newer ones a single ``rope_parameters`` dict holding ``rope_theta`` and ``rope_type``.
-Both end up in `RopeSpec`.
+RoPE is read by `checkpoints.rope` (both services need the context length it implies).
 
 Every value Folio uses is checked here (positive integer sizes, heads that divide, booleans that
 are booleans), so a damaged config.json ends in one `CheckpointError` naming the file and the
@@ -11,75 +9,15 @@ field, never in a tensor of negative size deep inside the model.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from checkpoints.config_fields import boolean as _bool
+from checkpoints.config_fields import positive_float as _float
+from checkpoints.config_fields import positive_int as _int
 from checkpoints.files import CheckpointError, read_json_object
-
-
-@dataclass(frozen=True)
-class RopeSpec:
-    """How positions are rotated. For yarn, longrope and dynamic, ``params`` always holds the
-    resolved ``original_max_position_embeddings`` (the pretraining context) and ``factor``."""
-
-    theta: float = 10000.0
-    # default | linear | llama3 | yarn | longrope | dynamic | freq_factors (from GGUF)
-    rope_type: str = "default"
-    params: dict[str, Any] = field(default_factory=dict)  # factor, low_freq_factor, ...
-
-    def max_position(self, max_position_embeddings: int) -> int:
-        """The longest context the scaling is meant for, as vLLM derives it: YaRN and dynamic
-        NTK configs keep the pretraining value in max_position_embeddings and reach factor
-        times the original; LongRoPE (Phi-3) and llama3 configs already state the extended
-        length there. Never below max_position_embeddings."""
-        match self.rope_type:
-            case "yarn":
-                scaled = self.params["original_max_position_embeddings"] * self.params["factor"]
-            case "dynamic":
-                scaled = max_position_embeddings * self.params["factor"]
-            case _:
-                scaled = max_position_embeddings
-        return max(max_position_embeddings, int(scaled))
-
-
-_REQUIRED = object()
-
-
-def _int(d: dict[str, Any], key: str, default: Any = _REQUIRED) -> int:
-    """A positive JSON integer. Strings and fractions are refused: HF writes sizes as integers,
-    and a model built from a silently rounded size would only fail later, on a tensor."""
-    value = d.get(key)
-    if value is None:  # absent, or null as some configs write head_dim
-        value = default
-    if value is _REQUIRED:
-        raise ValueError(f"lacks the field {key!r}")
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{key} must be a positive integer, got {value!r}")
-    return value
-
-
-def _float(d: dict[str, Any], key: str, default: float) -> float:
-    """A positive finite JSON number."""
-    value = d.get(key)
-    if value is None:
-        value = default
-    if (not isinstance(value, int | float) or isinstance(value, bool)
-            or not 0 < value < math.inf):
-        raise ValueError(f"{key} must be a positive number, got {value!r}")
-    return float(value)
-
-
-def _bool(d: dict[str, Any], key: str) -> bool:
-    value = d.get(key, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):  # "false" would be truthy
-        raise ValueError(f"{key} must be true or false, got {value!r}")
-    return value
+from checkpoints.rope import DEFAULT_MAX_POSITION_EMBEDDINGS, RopeSpec, rope_spec
 
 
 @dataclass(frozen=True)
@@ -139,8 +77,9 @@ class ModelConfig:
             num_kv_heads=_int(d, "num_key_value_heads", num_heads),
             head_dim=_int(d, "head_dim", hidden_size // num_heads),
             rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
-            max_position_embeddings=_int(d, "max_position_embeddings", 2048),
-            rope=_rope_spec(d),
+            max_position_embeddings=_int(d, "max_position_embeddings",
+                                         DEFAULT_MAX_POSITION_EMBEDDINGS),
+            rope=rope_spec(d),
             tie_word_embeddings=_bool(d, "tie_word_embeddings"),
             attention_bias=_bool(d, "attention_bias"),
             mlp_bias=_bool(d, "mlp_bias"),
@@ -159,74 +98,6 @@ class ModelConfig:
             raise
         except ValueError as e:
             raise CheckpointError(path, str(e)) from None
-
-
-def _rope_spec(d: dict[str, Any]) -> RopeSpec:
-    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise ValueError(f"rope_parameters / rope_scaling must be an object, got {params!r}")
-    params = dict(params)
-    theta = _float({"rope_theta": params.pop("rope_theta", d.get("rope_theta"))}, "rope_theta",
-                   10000.0)
-    # Old configs name the type "type"; "default" and missing mean unscaled.
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    if not isinstance(rope_type, str):
-        raise ValueError(f"rope_type must be a string, got {rope_type!r}")
-    if rope_type in ("yarn", "longrope", "dynamic"):
-        _resolve_original_context(d, rope_type, params)
-    # The numbers the scaled variants divide by (see models/rope.py).
-    needed = {"linear": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                         "original_max_position_embeddings"),
-              "yarn": ("factor",),
-              "dynamic": ("factor",)}.get(rope_type, ())
-    for key in needed:
-        if key not in params:
-            raise ValueError(f"rope type {rope_type!r} needs {key!r}, which is missing")
-        _float(params, key, math.nan)
-    # Optional numbers: checked when given (null means "use the default", as in HF).
-    for key in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
-        if params.get(key) is not None:
-            _float(params, key, math.nan)
-    if not isinstance(params.get("truncate", True), bool):
-        raise ValueError(f"rope truncate must be true or false, got {params['truncate']!r}")
-    if rope_type == "longrope":
-        for key in ("short_factor", "long_factor"):
-            factors = params.get(key)
-            if not (isinstance(factors, list) and factors and all(
-                    isinstance(f, int | float) and not isinstance(f, bool) and 0 < f < math.inf
-                    for f in factors)):
-                raise ValueError(f"rope type 'longrope' needs {key!r}, a list of positive "
-                                 f"numbers, got {factors!r}")
-    if rope_type == "freq_factors":
-        # Folio's own type, written by the GGUF converter: one divisor per rotary frequency.
-        factors = params.get("freq_factors")
-        if not (isinstance(factors, list) and factors and all(
-                isinstance(f, int | float) and not isinstance(f, bool) and 0 < f < math.inf
-                for f in factors)):
-            raise ValueError("rope type 'freq_factors' needs 'freq_factors', a list of "
-                             f"positive numbers, got {factors!r}")
-    if rope_type == "llama3" and params["high_freq_factor"] <= params["low_freq_factor"]:
-        raise ValueError("rope high_freq_factor must be larger than low_freq_factor, got "
-                         f"{params['high_freq_factor']} <= {params['low_freq_factor']}")
-    return RopeSpec(theta=theta, rope_type=rope_type, params=params)
-
-
-def _resolve_original_context(d: dict[str, Any], rope_type: str, params: dict[str, Any]) -> None:
-    """Fill in the pretraining context and (LongRoPE) the factor as HF does: a top-level
-    original_max_position_embeddings (Phi-3 writes it there) wins over the rope dict's, which
-    defaults to max_position_embeddings; LongRoPE without a factor takes the ratio. Dynamic NTK
-    scales against max_position_embeddings itself, as HF's does."""
-    max_pos = _int(d, "max_position_embeddings", 2048)
-    if rope_type == "dynamic":
-        original = max_pos
-    elif d.get("original_max_position_embeddings") is not None:
-        original = _int(d, "original_max_position_embeddings")
-    else:
-        original = _int(params, "original_max_position_embeddings", max_pos)
-    params["original_max_position_embeddings"] = original
-    if rope_type == "longrope" and params.get("factor") is None:
-        params["factor"] = max_pos / original
 
 
 def _sliding_window(d: dict[str, Any]) -> int | None:

@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from executor_svc.loading.model_config import RopeSpec
+from checkpoints.rope import RopeSpec
 
 
 def _default_inv_freq(theta: float, rotary_dim: int) -> torch.Tensor:

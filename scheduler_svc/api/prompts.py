@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
+from checkpoints.rope import DEFAULT_MAX_POSITION_EMBEDDINGS, context_length
 from protos.folio.v1 import generator_pb2 as pb
 from scheduler_svc.api import inputs
 from scheduler_svc.errors import InvalidRequest
@@ -34,19 +35,21 @@ from scheduler_svc.text.tokenizer import (
     Tokenizer,
 )
 
-# What the executor assumes when config.json has no max_position_embeddings
-# (executor_svc.loading.model_config); the scheduler may not import the executor, so it is repeated.
-DEFAULT_MAX_POSITION_EMBEDDINGS = 2048
 NUM_TOKENIZER_THREADS = 2  # encodes run in parallel on two cores; more would queue anyway
 
 T = TypeVar("T")
 
 
 def model_max_len(model_dir: Path, cap: int | None) -> int:
-    """The model's own context limit from config.json (as the executor reads it), capped."""
+    """The model's own context limit from config.json (`checkpoints.rope.context_length`, the
+    executor's rule: RoPE scaling included), capped. The executor's report replaces it once one
+    connects."""
     try:
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-        limit = int(config.get("max_position_embeddings", DEFAULT_MAX_POSITION_EMBEDDINGS))
+        try:
+            limit = context_length(config)
+        except ValueError:  # a RoPE the executor refuses at start: the context as stated
+            limit = int(config.get("max_position_embeddings", DEFAULT_MAX_POSITION_EMBEDDINGS))
     except (OSError, ValueError, TypeError, AttributeError):
         # The Tokenizer read this file already; this only guards a file changed since.
         limit = DEFAULT_MAX_POSITION_EMBEDDINGS

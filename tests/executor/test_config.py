@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from checkpoints.rope import RopeSpec
 from executor_svc.cli import build_parser, config_from_args
 from executor_svc.config import ExecutorConfig, parse_memory
 from executor_svc.kv.kv_cache import bytes_per_block, num_blocks_for
-from executor_svc.loading.model_config import ModelConfig, RopeSpec
+from executor_svc.loading.model_config import ModelConfig
 
 
 @pytest.mark.parametrize("text, expected", [
