@@ -9,6 +9,9 @@ states instead:
   divisors, not as metadata, and transformers drops that tensor; here it becomes Folio's
   `freq_factors` rope type, which divides each inverse frequency by its factor exactly as
   llama.cpp does;
+- YaRN: `<arch>.rope.scaling.*` (factor, original_context_length, yarn_beta_fast/slow) become
+  HF's yarn rope parameters; llama.cpp's attention-factor keys, which multiply the scale where
+  HF's attention_factor replaces it, are refused by name;
 - a llama-architecture file whose name says "mistral" stays a Llama model (transformers makes it
   a Mistral one with a 4096-token sliding window the file does not state).
 """
@@ -154,11 +157,14 @@ def _rope_parameters(meta: Metadata, arch: str, head_dim: int,
     if scaling == "linear":
         factor = meta.positive_float(f"{arch}.rope.scaling.factor")
         params: dict[str, Any] = {"rope_type": "linear", "rope_theta": theta, "factor": factor}
+    elif scaling == "yarn":
+        params = _yarn_parameters(meta, arch, theta)
     elif scaling == "none":
         params = {"rope_type": "default", "rope_theta": theta}
     else:
         raise CheckpointError(meta.path, f"metadata {arch}.rope.scaling.type = {scaling!r}: "
-                                         "only linear RoPE scaling (or none) is supported")
+                                         "only linear and yarn RoPE scaling (or none) are "
+                                         "supported")
     if rope_freqs is not None:
         if scaling != "none":
             raise CheckpointError(meta.path, f"both {arch}.rope.scaling.type = {scaling!r} "
@@ -170,6 +176,31 @@ def _rope_parameters(meta: Metadata, arch: str, head_dim: int,
                                              f"rotary frequency), got shape {factors.shape}")
         params = {"rope_type": "freq_factors", "rope_theta": theta,
                   "freq_factors": [float(f) for f in factors]}
+    return params
+
+
+# llama.cpp's YaRN knobs whose meaning differs from HF's rope parameters (its attention
+# factors multiply the computed scale, HF's attention_factor replaces it): refused, not guessed.
+_YARN_UNSUPPORTED = ("attn_factor", "yarn_attn_factor", "yarn_ext_factor", "yarn_log_multiplier")
+
+
+def _yarn_parameters(meta: Metadata, arch: str, theta: float) -> dict[str, Any]:
+    """HF's yarn rope parameters from llama.cpp's keys: the factor, the pretraining context
+    (absent: max_position_embeddings, as in HF) and beta_fast/beta_slow where stated."""
+    key = f"{arch}.rope.scaling"
+    for name in _YARN_UNSUPPORTED:
+        if f"{key}.{name}" in meta.values:
+            raise CheckpointError(meta.path, f"metadata {key}.{name}: this YaRN setting is not "
+                                             "supported (only the factor, the original context "
+                                             "length and beta_fast/beta_slow are)")
+    params: dict[str, Any] = {"rope_type": "yarn", "rope_theta": theta,
+                              "factor": meta.positive_float(f"{key}.factor")}
+    if f"{key}.original_context_length" in meta.values:
+        params["original_max_position_embeddings"] = meta.positive_int(
+            f"{key}.original_context_length")
+    for name in ("beta_fast", "beta_slow"):
+        if f"{key}.yarn_{name}" in meta.values:
+            params[name] = meta.positive_float(f"{key}.yarn_{name}")
     return params
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from checkpoints.files import CheckpointError
 from checkpoints.gguf import gguf_checkpoint_dir
 from executor_svc.loading.model_config import ModelConfig
 from executor_svc.models.rope import inv_freq_for
@@ -117,6 +118,50 @@ def test_config_matches_transformers(arch, tensor_type, converted):
                                                 ours_facts.head_dim), rtol=1e-6, atol=0)
         their_facts = dataclasses.replace(their_facts, rope=ours_facts.rope)
     assert ours_facts == their_facts
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 16, "beta_fast": 16.0, "beta_slow": 2.0}
+
+
+def test_yarn_scaling_survives_the_round_trip(tmp_path):
+    """A YaRN checkpoint written to GGUF as llama.cpp writes it (scaling type, factor, original
+    context, beta_fast/beta_slow) converts back to the same RoPE and context, and generates past
+    the original context exactly as HF does on the original checkpoint."""
+    hf_dir, gguf_file = make_gguf("qwen2", "F16", tmp_path, rope_parameters=YARN,
+                                  max_position_embeddings=16)
+    model_dir = gguf_checkpoint_dir(gguf_file, tmp_path / "cache")
+    archs = ["Qwen2ForCausalLM"]
+    ours = model_facts(json.loads((model_dir / "config.json").read_text()), archs)
+    original = model_facts(json.loads((hf_dir / "config.json").read_text()), archs)
+    assert ours.rope == original.rope and ours.rope.rope_type == "yarn"
+    assert ours.rope.max_position(ours.max_position_embeddings) == 64
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    tok = Tokenizer(model_dir)
+    prompts = [tok.encode(t) for t in TEXTS[:2]]  # 9+ tokens: 24 more cross position 16
+    expected = [hf_greedy(hf_model, p, NUM_NEW_TOKENS) for p in prompts]
+    assert folio_greedy(model_dir, prompts, NUM_NEW_TOKENS) == expected
+
+
+def test_yarn_settings_with_another_meaning_are_refused(tmp_path):
+    """llama.cpp's YaRN attention factors multiply the computed scale (HF's replaces it): a file
+    stating one is refused with the key's name, never served with a guessed meaning."""
+    from tests.fixtures import gguf_files
+
+    hf_dir = make_checkpoint("qwen2", tmp_path / "hf", rope_parameters=YARN,
+                             max_position_embeddings=16)
+
+    def tokenizer_and_log_multiplier(writer) -> None:
+        gguf_files._write_tokenizer(writer, hf_dir)
+        writer.add_float32("qwen2.rope.scaling.yarn_log_multiplier", 0.1)
+
+    bad = write_gguf(hf_dir, tmp_path / "bad.gguf", "F16",
+                     write_tokenizer=tokenizer_and_log_multiplier)
+    with pytest.raises(CheckpointError, match=r"qwen2\.rope\.scaling\.yarn_log_multiplier: this "
+                                              "YaRN setting is not supported"):
+        gguf_checkpoint_dir(bad, tmp_path / "cache")
 
 
 def test_generation_config_lists_the_end_of_turn_id(converted):
