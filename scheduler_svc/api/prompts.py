@@ -48,8 +48,10 @@ def model_max_len(model_dir: Path, cap: int | None) -> int:
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
         try:
             limit = context_length(config)
-        except ValueError:  # a RoPE the executor refuses at start: the context as stated
-            limit = int(config.get("max_position_embeddings", DEFAULT_MAX_POSITION_EMBEDDINGS))
+        except ValueError:  # a config the executor refuses at start: the context as stated
+            stated = config.get("max_position_embeddings")
+            limit = stated if type(stated) is int and stated > 0 else (
+                DEFAULT_MAX_POSITION_EMBEDDINGS)
     except (OSError, ValueError, TypeError, AttributeError):
         # The Tokenizer read this file already; this only guards a file changed since.
         limit = DEFAULT_MAX_POSITION_EMBEDDINGS
