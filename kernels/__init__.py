@@ -78,12 +78,19 @@ def paged_attention(
     max_seq_len: int,
     scale: float,
     out=None,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks=None,
 ) -> torch.Tensor:
-    """Causal attention of a varlen query batch over the paged cache -> [num_tokens, num_heads, head_dim]."""
+    """Causal attention of a varlen query batch over the paged cache -> [num_tokens, num_heads,
+    head_dim]. Variants (twins.paged_attention defines them): `window` > 0 limits a query to
+    the last `window` keys, `softcap` > 0 caps the scores with tanh, `sinks` ([num_heads] fp32)
+    adds one learned logit per head to the softmax."""
     impl = _impl(q)
     return impl.paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        max_query_len, max_seq_len, scale, out,
+        max_query_len, max_seq_len, scale, out, window=window, softcap=softcap, sinks=sinks,
     )  # fmt: skip
 
 

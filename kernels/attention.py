@@ -311,7 +311,12 @@ def paged_attention(
     num_splits: int | None = None,  # split bound; None = from the grid's shape (tests force it)
     min_split_len: int = MIN_SPLIT_LEN,  # keys per split at least (tests shrink it)
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,  # from alloc_scratch, else allocated
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if window or softcap or sinks is not None:
+        raise NotImplementedError("the Triton attention has no window, softcap or sinks yet")
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = block_tables.shape[0]

@@ -304,8 +304,16 @@ def paged_attention(
     max_seq_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The twin's signature: plans the step, then attends (keys read from the cache)."""
+    if window or softcap or sinks is not None:
+        return twins.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                     query_start_loc, max_query_len, max_seq_len, scale, out,
+                                     window=window, softcap=softcap, sinks=sinks)
     plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     return paged_attention_planned(q, None, None, k_cache, v_cache, plan, scale, out)
 

@@ -46,13 +46,29 @@ def paged_attention(
     max_seq_len: int,
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    *,
+    window: int = 0,  # > 0: a query at position p sees keys p - window + 1 .. p only
+    softcap: float = 0.0,  # > 0: scores become softcap * tanh(scores / softcap)
+    sinks: torch.Tensor | None = None,  # [num_heads] fp32: a logit per head in the softmax
 ) -> torch.Tensor:
+    """The attention variants, as the models' HF code defines them (scores in natural-log
+    units, after `scale`):
+
+        s = scale * q.k;  s = softcap * tanh(s / softcap)         (softcap > 0)
+        visible(p, j) = j <= p and (window == 0 or j > p - window)
+        out = sum_j softmax([s_j for visible j] + [sink_h])_j * v_j  (the sink's weight dropped)
+
+    Keys below the window of a sequence's first query are never read (their blocks may have
+    been freed and reused: the block manager frees what left every window)."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "GQA needs num_heads % num_kv_heads == 0"
+    assert window >= 0 and softcap >= 0.0, "window and softcap are >= 0 (0: off)"
+    assert sinks is None or sinks.shape == (num_heads,), "sinks: one logit per q head"
     if out is None:
         out = torch.empty_like(q)
     compute_dtype = torch.float32
+    plain = window == 0 and softcap == 0.0 and sinks is None
     # One host transfer for the whole batch; the loop below is per sequence, never per token.
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -61,31 +77,67 @@ def paged_attention(
         q_len = q_end - q_start
         if q_len == 0:
             continue
+        # Keys from the first block any query of the sequence sees.
+        first_block = max(0, seq_len - q_len - window + 1) // block_size if window else 0
+        lo = first_block * block_size
         num_seq_blocks = -(-seq_len // block_size)
-        block_ids = block_tables[i, :num_seq_blocks].long()
+        block_ids = block_tables[i, first_block:num_seq_blocks].long()
         # Gather whole blocks, flatten to positions, trim the tail of the last block.
-        k = k_cache[block_ids].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
-        v = v_cache[block_ids].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
+        k = k_cache[block_ids].flatten(0, 1)[:seq_len - lo]  # [seq_len - lo, kv_heads, D]
+        v = v_cache[block_ids].flatten(0, 1)[:seq_len - lo]
         qi = q[q_start:q_end].transpose(0, 1).to(compute_dtype)  # [num_heads, q_len, head_dim]
         k = k.transpose(0, 1).to(compute_dtype)  # [num_kv_heads, seq_len, head_dim]
         v = v.transpose(0, 1).to(compute_dtype)  # [num_kv_heads, seq_len, head_dim]
-        if q_len == 1:
+        if not plain:
+            o = _attention_variant(qi, k, v, seq_len, lo, scale, window, softcap, sinks)
+        elif q_len == 1:
             # Decode: one query row sees the whole context. Two small matmuls per KV head beat
             # SDPA's CPU dispatch several times over at this size.
             qg = qi.view(num_kv_heads, num_heads // num_kv_heads, head_dim)  # [Hkv, group, D]
             probs = torch.softmax((qg @ k.transpose(1, 2)) * scale, dim=-1)  # [Hkv, group, seq_len]
             o = (probs @ v).view(num_heads, 1, head_dim)
         else:
-            # Query j sits at position seq_len - q_len + j and sees every key at or before it:
-            # full attention to the cached prefix, causal over the new tokens.
-            query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)  # [q_len]
-            key_pos = torch.arange(seq_len, device=q.device)  # [seq_len]
-            mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, seq_len]
             o = F.scaled_dot_product_attention(
-                qi, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+                qi, k, v, attn_mask=visible_keys(seq_len, q_len, 0, q.device), scale=scale,
+                enable_gqa=num_heads != num_kv_heads
             )  # [num_heads, q_len, head_dim]
         out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
     return out
+
+
+def visible_keys(seq_len: int, q_len: int, window: int,
+                 device: torch.device | str = "cpu", lo: int = 0) -> torch.Tensor:
+    """[q_len, seq_len - lo] bool: query j (at position seq_len - q_len + j) sees the key at
+    position lo + i. Full attention to the cached prefix, causal over the new tokens, within
+    `window` if > 0."""
+    query_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+    key_pos = torch.arange(lo, seq_len, device=device)[None, :]
+    mask = key_pos <= query_pos
+    if window:
+        mask &= key_pos > query_pos - window
+    return mask
+
+
+def _attention_variant(q: torch.Tensor,  # [num_heads, q_len, head_dim] fp32
+                       k: torch.Tensor,  # [num_kv_heads, seq_len - lo, head_dim] fp32
+                       v: torch.Tensor,  # [num_kv_heads, seq_len - lo, head_dim] fp32
+                       seq_len: int, lo: int, scale: float, window: int, softcap: float,
+                       sinks: torch.Tensor | None) -> torch.Tensor:  # [num_heads, q_len, D]
+    num_heads, q_len, _ = q.shape
+    group = num_heads // k.shape[0]
+    k = k.repeat_interleave(group, dim=0)  # [num_heads, seq_len, head_dim]
+    v = v.repeat_interleave(group, dim=0)
+    scores = (q @ k.transpose(1, 2)) * scale  # [num_heads, q_len, seq_len - lo]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~visible_keys(seq_len, q_len, window, q.device, lo),
+                               float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(scores.dtype)[:, None, None].expand(num_heads, q_len, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return probs @ v
 
 
 def rms_norm(

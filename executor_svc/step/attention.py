@@ -24,7 +24,8 @@ from kernels import cpu, cpu_backend_active, paged_attention, store_kv
 class AttentionBackend(Protocol):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: BatchMetadata,
-                scale: float) -> torch.Tensor: ...
+                scale: float, *, window: int = 0, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class PagedKernelsBackend:
@@ -38,15 +39,17 @@ class PagedKernelsBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: BatchMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, *, window: int = 0, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]
         store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        if cpu_backend_active(q):
+        variant = dict(window=window, softcap=softcap, sinks=sinks)
+        if cpu_backend_active(q) and window == 0 and softcap == 0.0 and sinks is None:
             plan = self._cpu_plan(batch, k_cache.shape[1])
             return cpu.paged_attention_planned(q, k, v, k_cache, v_cache, plan, scale)
         return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
                                batch.query_start_loc, batch.max_query_len, batch.max_seq_len,
-                               scale)  # [num_tokens, num_heads, head_dim]
+                               scale, **variant)  # [num_tokens, num_heads, head_dim]
 
     def _cpu_plan(self, batch: BatchMetadata, block_size: int) -> cpu.AttentionPlan:
         if batch is not self._plan_batch or self._plan is None:
