@@ -62,7 +62,7 @@ from protos.wire import (
     _strs,
 )
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,21 +202,30 @@ class Hello:
     # Speculative decoding with a draft model: proposals it makes per request per step
     # (StepResult.proposals); 0 = no draft model.
     num_draft_tokens: int = 0
+    # The KV groups of the model's layers (executor_svc/kv/groups.py): per group its sliding
+    # window, 0 = full attention. Block tables hold one block per group per position,
+    # interleaved (scheduler_svc/sched/block_manager.py).
+    kv_windows: list[int] = field(default_factory=lambda: [0])
 
     def to_wire(self) -> list:
         return [self.TAG, self.protocol_version, self.executor_id, self.model_name,
                 self.architecture, self.vocab_size, self.max_model_len, self.block_size,
                 self.num_kv_blocks, self.num_swap_blocks, self.dtype, self.device,
-                self.random_weights, self.tensor_parallel_size, self.num_draft_tokens]
+                self.random_weights, self.tensor_parallel_size, self.num_draft_tokens,
+                self.kv_windows]
 
     @classmethod
     def from_wire(cls, w: list) -> Hello:
-        _list(w, 15)
+        _list(w, 16)
+        kv_windows = _nats(w[15])
+        if not kv_windows:
+            raise TypeError("kv_windows must name at least one KV group")
         return cls(protocol_version=_int(w[1]), executor_id=_str(w[2]), model_name=_str(w[3]),
                    architecture=_str(w[4]), vocab_size=_nat(w[5]), max_model_len=_nat(w[6]),
                    block_size=_nat(w[7]), num_kv_blocks=_nat(w[8]), num_swap_blocks=_nat(w[9]),
                    dtype=_str(w[10]), device=_str(w[11]), random_weights=_bool(w[12]),
-                   tensor_parallel_size=_nat(w[13]), num_draft_tokens=_nat(w[14]))
+                   tensor_parallel_size=_nat(w[13]), num_draft_tokens=_nat(w[14]),
+                   kv_windows=kv_windows)
 
 
 @dataclass(frozen=True, kw_only=True)

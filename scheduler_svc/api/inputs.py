@@ -320,8 +320,8 @@ def check_beam_fits(params: SubmitParams, max_tokens: int, bm: BlockManager) -> 
     max_model_len tokens) no beam writes anything past the prompt."""
     width = params.sequence.beam_width
     num_written = max_tokens - 1
-    need = bm.blocks_for(len(params.prompt_token_ids)) + (
-        width * (bm.blocks_for(num_written) + 1) if num_written else 0)
+    need = bm.num_groups * (bm.blocks_for(len(params.prompt_token_ids)) + (
+        width * (bm.blocks_for(num_written) + 1) if num_written else 0))
     if need > bm.num_blocks:
         raise InvalidRequest(f"beam search with beam_width {width} and max_tokens "
                              f"{max_tokens} may need {need} KV blocks, but the pool has "

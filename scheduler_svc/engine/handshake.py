@@ -96,7 +96,8 @@ def new_scheduler(info: ExecutorInfo, hello: Hello, config: SchedulerConfig, *,
                     tensor_parallel_size=hello.tensor_parallel_size)
         spec_k = 0
     return Scheduler(
-        BlockManager(info.num_kv_blocks, info.block_size, max(0, hello.num_swap_blocks)),
+        BlockManager(info.num_kv_blocks, info.block_size, max(0, hello.num_swap_blocks),
+                     windows=hello.kv_windows, window_margin=spec_k),
         config.max_num_seqs, config.max_num_batched_tokens, info.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
         preemption_mode=config.preemption_mode, first_step_id=first_step_id,

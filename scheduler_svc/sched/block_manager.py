@@ -1,4 +1,5 @@
-"""The KV block manager: block tables, reference counts, prefix caching, copy-on-write, swap.
+"""The KV block manager: block tables, reference counts, prefix caching, copy-on-write, swap,
+and the blocks that sliding windows let go.
 
 The executor's KV pool is `num_blocks` GPU blocks of `block_size` token slots (plus an optional
 CPU swap pool of `num_cpu_blocks`). The scheduler owns every block table; the executor only
@@ -12,31 +13,53 @@ reads them from step plans. Tables are keyed by sequence id (a request id today)
     evictable:   b5                  (ref 0, keyed: reusable until evicted, LRU first)
     free(b3)... b3 is in `free` too; "free blocks" = free + evictable
 
+KV groups. The executor splits a model's layers into `len(windows)` groups of equally many
+layers, each group's layers of one attention kind: windows[g] = 0 (full attention) or W (each
+query sees its last W positions). A block id names one block of every layer of the group that
+holds it, so the groups share the pool and every position of a sequence takes one block per
+group. A table holds the groups interleaved, G entries per block position::
+
+    G = 2, windows = (0, 4), block_size 2, 7 tokens:   [a0 s0 | a1 s1 | a2 s2 | a3 s3]
+    after the window moves past positions 0-3:          [a0 -- | a1 -- | a2 s2 | a3 s3]
+
+A position's block of a windowed group is released (`--`, FREED in the table) once it lies
+wholly below the window of every query still to come: below num_computed - W + 1 - margin,
+`margin` being the positions a step may roll back (rejected speculative proposals). A model
+with one full-attention group (G = 1, windows = (0,)) has plain tables, one entry per position.
+The executor never reads a FREED entry: attention reads a sequence's keys from its first
+query's window on (the plan sends FREED as block 0).
+
 API (each call all-or-nothing: None or an exception changes nothing):
 - `allocate_new(seq, num_tokens, cached_block_ids)`: a new table starting with cached blocks
   (prefix-cache hits, from `cached_prefix(keys)`), grown to hold `num_tokens` tokens.
-- `allocate(seq, num_tokens)`: grow a table. If its last block is partly filled and shared
-  (ref count > 1), the write would clobber the other holders: the block is replaced by a fresh
-  copy and `Allocation.copy` = (src, dst) for the plan's `block_copies` (copy-on-write).
-- `num_blocks_needed(seq, num_tokens)`: free blocks `allocate` would take (copy included);
+- `allocate(seq, num_tokens)`: grow a table. If a group's last block is partly filled and
+  shared (ref count > 1), the write would clobber the other holders: the block is replaced by a
+  fresh copy and `Allocation.copies` holds (src, dst) for the plan's `block_copies`.
+- `num_blocks_needed(seq, num_tokens)`: free blocks `allocate` would take (copies included);
   `num_blocks_needed_many` sums it over many sequences.
+- `release_outside_windows(seq, num_computed)`: free the windowed groups' blocks no query from
+  position num_computed on can see. Returns how many blocks became free.
 - `fork(parent, child)`: the child's table is the parent's; every block's ref count +1. The
   first of them to write into a shared, partly filled last block gets the copy.
-- `cache_blocks(seq, keys)`: offer the table's leading full, computed blocks to the prefix
-  cache under their keys (`prefix_cache.extend_block_keys`). A key already cached in another
-  block stays with that block.
+- `cache_blocks(seq, keys)`: offer the table's leading full, computed positions to the prefix
+  cache under their keys (`prefix_cache.extend_block_keys`), each group's block under the key
+  and its group. A key already cached in another block stays with that block.
+- `cached_prefix(keys)`: the longest run of leading positions a new sequence can start from:
+  every full-attention group holds all of them, every windowed group those its window needs.
 - `swap_out(seqs)` / `swap_in(seqs)`: move a group of tables to the CPU pool and back; each
-  distinct block moves once (shared blocks stay shared) and the (src, dst) pairs go in the plan.
+  distinct block moves once (shared blocks stay shared), FREED entries stay FREED, and the
+  (src, dst) pairs go in the plan.
 - `free(seq)`: drop a table (GPU or CPU). Keyed blocks whose ref count drops to 0 become
   evictable, the table's leading blocks most recently (a prefix outlives its tail).
 
 Invariants (`check_invariants`, asserted in tests):
 - a GPU block is in exactly one of: a table (ref > 0), `free` (ref 0, no key), `evictable`
   (ref 0, keyed); a block's ref count is the number of table entries naming it;
-- `_key_of` and `_cached` are inverse maps: one block per key, one key per block; a keyed block
-  is full and its contents are what its key says, and nothing ever writes into it;
-- a table holds blocks_for(n) blocks, n = the tokens it was sized for; a sequence's table is on
-  the GPU or on the CPU, never both; CPU ref counts likewise count CPU table entries.
+- `_key_of` and `_cached` are inverse maps: one block per (key, group), one per block; a keyed
+  block is full and its contents are what its key says, and nothing ever writes into it;
+- a table holds G * blocks_for(n) entries, n = the tokens it was sized for; FREED entries sit
+  only in windowed groups, below the positions their windows still need; a sequence's table is
+  on the GPU or on the CPU, never both; CPU ref counts likewise count CPU table entries.
 Allocation takes a never-cached free block first, else evicts the least recently used
 evictable block and drops its key, so a request never reads a block that was reassigned.
 """
@@ -47,23 +70,34 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+FREED = -1  # a table entry whose block left every window of its group and was released
+
 
 class Allocation(NamedTuple):
     """What one `allocate` call did. A NamedTuple, not a frozen dataclass: one is made per
     running request per step, and a frozen dataclass's __init__ costs several times more."""
 
-    new_block_ids: list[int]  # appended to the table
-    copy: tuple[int, int] | None = None  # (src, dst): dst replaced the shared last block src
+    new_block_ids: list[int]  # appended to the table (G per new position, interleaved)
+    copies: tuple[tuple[int, int], ...] = ()  # (src, dst): dst replaced the shared block src
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
+                 windows: Sequence[int] = (0,), window_margin: int = 0):
         if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0:
             raise ValueError(f"need at least one block of at least one token, got "
                              f"num_blocks={num_blocks}, block_size={block_size}, "
                              f"num_cpu_blocks={num_cpu_blocks}")
+        if not windows or any(w < 0 for w in windows) or window_margin < 0:
+            raise ValueError(f"KV groups need windows >= 0 (0: full attention) and a margin "
+                             f">= 0, got windows={list(windows)}, margin={window_margin}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.windows = tuple(windows)
+        self.num_groups = len(self.windows)
+        self.window_margin = window_margin
+        self._windowed = [(g, w) for g, w in enumerate(self.windows) if w]
+        self._full_groups = [g for g, w in enumerate(self.windows) if not w]
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # least recently used first
@@ -71,7 +105,9 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}
         self.block_tables: dict[str, list[int]] = {}
         self._num_tokens: dict[str, int] = {}  # tokens each table (GPU or CPU) is sized for
-        self._num_offered: dict[str, int] = {}  # leading blocks already offered to the cache
+        self._num_offered: dict[str, int] = {}  # leading positions already offered to the cache
+        self._released_to: dict[str, int] = {}  # positions below this were window-released
+        self.num_window_released = 0  # blocks released because they left every window
         self.num_cpu_blocks = num_cpu_blocks
         self.cpu_ref_counts = [0] * num_cpu_blocks
         self._cpu_free: deque[int] = deque(range(num_cpu_blocks))
@@ -92,21 +128,46 @@ class BlockManager:
         return len(self._cached)
 
     def blocks_for(self, num_tokens: int) -> int:
+        """Block positions (one block of each group at each) that hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)  # ceil
+
+    def blocks_to_hold(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a sequence of `num_tokens` tokens computed `chunk` tokens a step
+        ever holds at once: every position in full-attention groups, in windowed groups the
+        positions of one chunk and the window behind it (plus the rollback margin)."""
+        positions = self.blocks_for(num_tokens)
+        total = positions * len(self._full_groups)
+        for _, w in self._windowed:
+            total += min(positions, self.blocks_for(w + chunk + self.window_margin) + 1)
+        return total
 
     def block_table(self, seq_id: str) -> list[int]:
         return list(self.block_tables.get(seq_id, ()))
 
+    def plan_table(self, seq_id: str) -> list[int]:
+        """The table as a plan sends it: FREED entries as block 0 (never read)."""
+        table = self.block_tables.get(seq_id, ())
+        return [b if b != FREED else 0 for b in table] if self._windowed else list(table)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether some KV group has a sliding window (blocks are released as it moves)."""
+        return bool(self._windowed)
+
     def cpu_block_table(self, seq_id: str) -> list[int]:
         return list(self.cpu_tables.get(seq_id, ()))
 
+    def num_blocks_held(self, seq_id: str) -> int:
+        """GPU blocks `seq_id`'s table names (FREED entries aside)."""
+        return sum(1 for b in self.block_tables.get(seq_id, ()) if b != FREED)
+
     def num_blocks_needed(self, seq_id: str, num_tokens: int) -> int:
         """Free blocks that `allocate(seq_id, num_tokens)` would take."""
-        num_fresh, needs_copy = self._growth(seq_id, num_tokens)
-        return num_fresh + needs_copy
+        num_fresh, copies = self._growth(seq_id, num_tokens)
+        return num_fresh * self.num_groups + len(copies)
 
     def num_offered(self, seq_id: str) -> int:
-        """How many of the table's leading blocks were already offered to the prefix cache."""
+        """How many of the table's leading positions were already offered to the prefix cache."""
         return self._num_offered.get(seq_id, 0)
 
     # ---- growing and freeing ---------------------------------------------------------------
@@ -114,6 +175,9 @@ class BlockManager:
     def num_blocks_needed_many(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> int:
         """sum(num_blocks_needed(s, n) for s, n in zip(seq_ids, num_tokens)), in one pass: the
         scheduler asks it for every running request at every step."""
+        if self.num_groups > 1:
+            return sum(self.num_blocks_needed(s, n)
+                       for s, n in zip(seq_ids, num_tokens, strict=True))
         bs, tables, sizes, refs = self.block_size, self.block_tables, self._num_tokens, \
             self.ref_counts
         total = 0
@@ -134,7 +198,7 @@ class BlockManager:
         when too few blocks are free: the caller decides whom to preempt."""
         assert seq_id not in self.cpu_tables, f"{seq_id} is swapped out"
         table = self.block_tables.get(seq_id)
-        if table and num_tokens <= len(table) * self.block_size:
+        if table and self.num_groups == 1 and num_tokens <= len(table) * self.block_size:
             # Most decodes: the tokens fit the last block. Only a shared, partly filled last
             # block being written needs more (the copy below).
             have = self._num_tokens.get(seq_id, 0)
@@ -143,52 +207,105 @@ class BlockManager:
             if have % self.block_size == 0 or self.ref_counts[table[-1]] == 1:
                 self._num_tokens[seq_id] = num_tokens
                 return Allocation([])
-        num_fresh, needs_copy = self._growth(seq_id, num_tokens)
-        if num_fresh + needs_copy > self.num_free_blocks:
+        num_fresh, copy_at = self._growth(seq_id, num_tokens)
+        if num_fresh * self.num_groups + len(copy_at) > self.num_free_blocks:
             return None
         table = self.block_tables.setdefault(seq_id, [])
-        copy = None
-        if needs_copy:
-            src, dst = table[-1], self._take_free_block()
+        copies = []
+        for i in copy_at:
+            src, dst = table[i], self._take_free_block()
             self.ref_counts[src] -= 1  # > 0 still: the other holders keep it
-            table[-1] = dst
-            copy = (src, dst)
-        new_block_ids = []  # usually stays empty: a decode writes into its last block
-        for _ in range(num_fresh):
-            new_block_ids.append(self._take_free_block())
+            table[i] = dst
+            copies.append((src, dst))
+        # usually stays empty: a decode writes into its last block
+        new_block_ids = [self._take_free_block() for _ in range(num_fresh * self.num_groups)]
         table.extend(new_block_ids)
         if num_tokens > self._num_tokens.get(seq_id, 0):
             self._num_tokens[seq_id] = num_tokens
-        return Allocation(new_block_ids, copy)
+        return Allocation(new_block_ids, tuple(copies))
+
+    def release_outside_windows(self, seq_id: str, num_computed: int) -> int:
+        """Release the windowed groups' blocks that no query at position >= num_computed -
+        margin can see (wholly below its window). Returns how many blocks became free."""
+        if not self._windowed or (table := self.block_tables.get(seq_id)) is None:
+            return 0
+        G, bs, released = self.num_groups, self.block_size, 0
+        start = self._released_to.get(seq_id, 0)
+        first_query = max(0, num_computed - self.window_margin)
+        last = len(table) // G - 1  # the newest position always stays
+        end = last
+        for g, w in self._windowed:
+            # Positions below group_end are wholly out of the window of every query to come.
+            group_end = min(max(0, first_query - w + 1) // bs, last)
+            end = min(end, group_end)
+            for k in range(start, group_end):
+                if (block_id := table[k * G + g]) != FREED:
+                    table[k * G + g] = FREED
+                    released += self._release(block_id)
+        if end > start:  # every windowed group released below `end`
+            self._released_to[seq_id] = end
+        self.num_window_released += released
+        return released
 
     def cached_prefix(self, keys: Iterable[bytes]) -> list[int]:
-        """The blocks holding the leading run of `keys` that is cached (prefix-cache hits)."""
-        hits = []
+        """The table (G entries per position, FREED where a window needs none) of the longest
+        run of leading positions of `keys` a new sequence can start from: each full-attention
+        group's block is cached at every one, each windowed group's at the positions the window
+        of the first position after them needs (prefix-cache hits)."""
+        G, bs = self.num_groups, self.block_size
+        hits: list[list[int | None]] = []  # per position, per group: the cached block or None
         for key in keys:
-            if (block_id := self._cached.get(key)) is None:
+            row = [self._cached.get(self._group_key(key, g)) for g in range(G)]
+            if any(row[g] is None for g in self._full_groups):
                 break
-            hits.append(block_id)
-        return hits
+            hits.append(row)
+        for n in range(len(hits), 0, -1):  # the longest usable run
+            usable = True
+            for g, w in self._windowed:
+                first_needed = max(0, n * bs - w + 1) // bs
+                if any(hits[k][g] is None for k in range(first_needed, n)):
+                    usable = False
+                    break
+            if usable:
+                table = []
+                for k in range(n):
+                    for g in range(G):
+                        w = self.windows[g]
+                        needed = not w or k >= max(0, n * bs - w + 1) // bs
+                        block_id = hits[k][g]
+                        table.append(block_id if needed and block_id is not None else FREED)
+                return table
+        return []
 
     def allocate_new(self, seq_id: str, num_tokens: int,
                      cached_block_ids: Sequence[int] = ()) -> list[int] | None:
-        """A table for a new sequence: the cached blocks, then fresh ones up to `num_tokens`.
-        Returns the whole table, or None (nothing changed) when too few blocks are free."""
+        """A table for a new sequence: the cached blocks (a `cached_prefix` table), then fresh
+        ones up to `num_tokens`. Returns the whole table, or None (nothing changed) when too few
+        blocks are free."""
         assert seq_id not in self.block_tables and seq_id not in self.cpu_tables, seq_id
-        num_fresh = self.blocks_for(num_tokens) - len(cached_block_ids)
+        G = self.num_groups
+        assert len(cached_block_ids) % G == 0, "a cached prefix holds G entries per position"
+        num_cached = len(cached_block_ids) // G
+        num_fresh = self.blocks_for(num_tokens) - num_cached
         assert num_fresh >= 0, "cached blocks cover more than the tokens asked for"
+        hits = [b for b in cached_block_ids if b != FREED]
         # Hits that sit in the evictable pool leave it, so they count against the free blocks.
-        num_revived = sum(1 for b in cached_block_ids if self.ref_counts[b] == 0)
-        if num_fresh + num_revived > self.num_free_blocks:
+        num_revived = sum(1 for b in hits if self.ref_counts[b] == 0)
+        if num_fresh * G + num_revived > self.num_free_blocks:
             return None
-        for block_id in cached_block_ids:  # before taking fresh ones: those may evict
+        for block_id in hits:  # before taking fresh ones: those may evict
             if self.ref_counts[block_id] == 0:
                 del self._evictable[block_id]
             self.ref_counts[block_id] += 1
-        table = list(cached_block_ids) + [self._take_free_block() for _ in range(num_fresh)]
+        table = list(cached_block_ids) + [self._take_free_block() for _ in range(num_fresh * G)]
         self.block_tables[seq_id] = table
         self._num_tokens[seq_id] = num_tokens
-        self._num_offered[seq_id] = len(cached_block_ids)  # hits are cached already
+        self._num_offered[seq_id] = num_cached  # hits are cached already
+        if self._windowed:
+            # No windowed group holds a block below the first position any of them holds.
+            held = [k for k in range(num_cached)
+                    if any(table[k * G + g] != FREED for g, _ in self._windowed)]
+            self._released_to[seq_id] = held[0] if held else num_cached
         return list(table)
 
     def fork(self, parent_seq_id: str, child_seq_id: str) -> None:
@@ -196,46 +313,59 @@ class BlockManager:
         assert child_seq_id not in self.block_tables and child_seq_id not in self.cpu_tables
         table = self.block_tables[parent_seq_id]
         for block_id in table:
-            self.ref_counts[block_id] += 1
+            if block_id != FREED:
+                self.ref_counts[block_id] += 1
         self.block_tables[child_seq_id] = list(table)
         self._num_tokens[child_seq_id] = self._num_tokens[parent_seq_id]
         self._num_offered[child_seq_id] = self._num_offered.get(parent_seq_id, 0)
+        if parent_seq_id in self._released_to:
+            self._released_to[child_seq_id] = self._released_to[parent_seq_id]
 
     def free(self, seq_id: str) -> int:
         """Drop `seq_id`'s table (GPU or CPU). Returns how many blocks became free; unknown ids
         are a no-op (already freed)."""
         self._num_tokens.pop(seq_id, None)
         self._num_offered.pop(seq_id, None)
+        self._released_to.pop(seq_id, None)
         if (cpu_table := self.cpu_tables.pop(seq_id, None)) is not None:
-            return sum(self._release_cpu(c) for c in cpu_table)
+            return sum(self._release_cpu(c) for c in cpu_table if c != FREED)
         table = self.block_tables.pop(seq_id, None)
         if table is None:
             return 0
-        return sum(self._release(b) for b in reversed(table))
+        return sum(self._release(b) for b in reversed(table) if b != FREED)
 
     # ---- prefix cache ----------------------------------------------------------------------
 
     def cache_blocks(self, seq_id: str, keys: Sequence[bytes]) -> int:
-        """Key the table's leading blocks with `keys` (one per full, computed block). Returns
-        how many blocks became cached."""
+        """Key the table's leading positions with `keys` (one per full, computed position):
+        each group's block under (key, group). Returns how many blocks became cached."""
         table = self.block_tables.get(seq_id)
         if table is None:
             return 0
-        start, end = self._num_offered.get(seq_id, 0), min(len(keys), len(table))
+        G = self.num_groups
+        start, end = self._num_offered.get(seq_id, 0), min(len(keys), len(table) // G)
         num_cached = 0
-        for block_id, key in zip(table[start:end], keys[start:end], strict=True):
-            if block_id in self._key_of or key in self._cached:
-                continue  # already a hit, or the same contents live in another block
-            self._key_of[block_id] = key
-            self._cached[key] = block_id
-            num_cached += 1
+        for k in range(start, end):
+            for g in range(G):
+                block_id = table[k * G + g]
+                key = self._group_key(keys[k], g)
+                if block_id == FREED or block_id in self._key_of or key in self._cached:
+                    continue  # released, already a hit, or the same contents in another block
+                self._key_of[block_id] = key
+                self._cached[key] = block_id
+                num_cached += 1
         self._num_offered[seq_id] = max(start, end)
         return num_cached
+
+    @staticmethod
+    def _group_key(key: bytes, group: int) -> bytes:
+        """Group 0's blocks are cached under the position's key; group g's under key + g."""
+        return key if group == 0 else key + group.to_bytes(2, "little")
 
     # ---- swapping --------------------------------------------------------------------------
 
     def num_swap_out_blocks(self, seq_ids: Iterable[str]) -> int:
-        return len({b for s in seq_ids for b in self.block_tables[s]})
+        return len({b for s in seq_ids for b in self.block_tables[s] if b != FREED})
 
     def swap_out(self, seq_ids: Sequence[str]) -> list[tuple[int, int]] | None:
         """Move these GPU tables to the CPU pool: (gpu, cpu) pairs, or None (nothing changed)
@@ -247,18 +377,22 @@ class BlockManager:
             table = self.block_tables.pop(seq_id)
             cpu_table = []
             for block_id in table:
+                if block_id == FREED:
+                    cpu_table.append(FREED)
+                    continue
                 if block_id not in moved:
                     moved[block_id] = self._cpu_free.popleft()
                 cpu_table.append(moved[block_id])
                 self.cpu_ref_counts[moved[block_id]] += 1
             for block_id in reversed(table):
-                self._release(block_id)
+                if block_id != FREED:
+                    self._release(block_id)
             self.cpu_tables[seq_id] = cpu_table
             self._num_offered.pop(seq_id, None)
         return list(moved.items())
 
     def num_swap_in_blocks(self, seq_ids: Iterable[str]) -> int:
-        return len({c for s in seq_ids for c in self.cpu_tables[s]})
+        return len({c for s in seq_ids for c in self.cpu_tables[s] if c != FREED})
 
     def swap_in(self, seq_ids: Sequence[str]) -> list[tuple[int, int]] | None:
         """Move these CPU tables back to fresh GPU blocks: (cpu, gpu) pairs, or None (nothing
@@ -270,32 +404,39 @@ class BlockManager:
             cpu_table = self.cpu_tables.pop(seq_id)
             table = []
             for cpu_id in cpu_table:
-                if cpu_id in moved:
+                if cpu_id == FREED:
+                    table.append(FREED)
+                elif cpu_id in moved:
                     self.ref_counts[moved[cpu_id]] += 1  # shared within the group
+                    table.append(moved[cpu_id])
                 else:
                     moved[cpu_id] = self._take_free_block()
-                table.append(moved[cpu_id])
+                    table.append(moved[cpu_id])
             for cpu_id in cpu_table:
-                self._release_cpu(cpu_id)
+                if cpu_id != FREED:
+                    self._release_cpu(cpu_id)
             self.block_tables[seq_id] = table
             self._num_offered[seq_id] = 0  # fresh blocks: offer them to the cache again
         return list(moved.items())
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _growth(self, seq_id: str, num_tokens: int) -> tuple[int, bool]:
-        """What growing `seq_id`'s GPU table to `num_tokens` tokens takes: (fresh blocks to
-        append, whether its partly filled last block is shared and must be copied first).
+    def _growth(self, seq_id: str, num_tokens: int) -> tuple[int, list[int]]:
+        """What growing `seq_id`'s GPU table to `num_tokens` tokens takes: (fresh positions to
+        append, the table indices of partly filled, shared last blocks to copy first).
         Computed once per call of allocate / num_blocks_needed: it is on every step's path."""
         num_fresh = -(-num_tokens // self.block_size)  # blocks_for(num_tokens)
         table = self.block_tables.get(seq_id)
         if not table:
-            return num_fresh, False
-        num_fresh -= len(table)
+            return num_fresh, []
+        G = self.num_groups
+        num_fresh -= len(table) // G
         have = self._num_tokens.get(seq_id, 0)
-        needs_copy = (num_tokens > have and have % self.block_size != 0
-                      and self.ref_counts[table[-1]] > 1)
-        return max(0, num_fresh), needs_copy
+        copy_at = []
+        if num_tokens > have and have % self.block_size != 0:
+            copy_at = [i for i in range(len(table) - G, len(table))
+                       if table[i] != FREED and self.ref_counts[table[i]] > 1]
+        return max(0, num_fresh), copy_at
 
     def _take_free_block(self) -> int:
         if self._free:
@@ -330,7 +471,8 @@ class BlockManager:
         counted = [0] * self.num_blocks
         for table in self.block_tables.values():
             for block_id in table:
-                counted[block_id] += 1
+                if block_id != FREED:
+                    counted[block_id] += 1
         assert counted == self.ref_counts, "ref counts disagree with the block tables"
         assert set(free) | set(evictable) == {b for b, c in enumerate(counted) if c == 0}, \
             "free + evictable is not exactly the unreferenced blocks"
@@ -338,13 +480,21 @@ class BlockManager:
         assert set(evictable) <= set(self._key_of), "an evictable block has no key"
         assert {k: b for b, k in self._key_of.items()} == self._cached, "key maps disagree"
         assert not set(self.block_tables) & set(self.cpu_tables), "a table on GPU and CPU"
+        G = self.num_groups
         for seq_id, table in (*self.block_tables.items(), *self.cpu_tables.items()):
-            assert len(table) == self.blocks_for(self._num_tokens[seq_id]), \
-                f"{seq_id}'s table does not match its size"
+            n = self._num_tokens[seq_id]
+            assert len(table) == G * self.blocks_for(n), f"{seq_id}'s table does not match its size"
+            for i, block_id in enumerate(table):
+                if block_id == FREED:
+                    w = self.windows[i % G]
+                    assert w, f"{seq_id}: a full-attention group's block was released"
+                    # The last position always stays: it holds the newest keys.
+                    assert i // G < len(table) // G - 1, f"{seq_id}: its last block released"
         cpu_counted = [0] * self.num_cpu_blocks
         for table in self.cpu_tables.values():
             for cpu_id in table:
-                cpu_counted[cpu_id] += 1
+                if cpu_id != FREED:
+                    cpu_counted[cpu_id] += 1
         assert cpu_counted == self.cpu_ref_counts, "CPU ref counts disagree with the tables"
         cpu_free = list(self._cpu_free)
         assert len(cpu_free) == len(set(cpu_free)) and set(cpu_free) == {

@@ -47,5 +47,6 @@ def preemption_mode(policy: str, bm: BlockManager, req: Request) -> str:
 def swap_in_fits(bm: BlockManager, req: Request, num_new: int) -> bool:
     """Whether `req` can come back from the CPU pool and grow by `num_new` tokens now."""
     target = req.num_computed_tokens + num_new
-    num_growth = max(0, bm.blocks_for(target) - len(bm.cpu_tables[req.req_id]))
+    num_growth = bm.num_groups * max(0, bm.blocks_for(target)
+                                     - len(bm.cpu_tables[req.req_id]) // bm.num_groups)
     return bm.num_swap_in_blocks([req.req_id]) + num_growth <= bm.num_free_blocks

@@ -320,8 +320,7 @@ class Scheduler:
                 break  # the oldest goes first; younger ones wait behind it
             step.swap_in.extend(self.queues.swap_in(req))
             alloc = bm.allocate(req.req_id, req.num_computed_tokens + num_new)
-            if alloc.copy is not None:
-                step.block_copies.append(alloc.copy)
+            step.block_copies.extend(alloc.copies)
             step.num_seq_slots += num_seq_slots([req])
             step.new_reqs.append(self._new_request(req, num_new))
             self._advance(req, num_new)
@@ -331,6 +330,8 @@ class Scheduler:
         """Blocks for each running request's tokens (there are enough: `_make_room`), and its
         plan entry (a loop over every running request at every step)."""
         allocate, held = self.block_manager.allocate, self.executor_view.held_req_ids
+        release = self.block_manager.release_outside_windows if self.block_manager.windowed \
+            else None
         cached_reqs = step.cached_reqs
         lookahead, max_len = step.lookahead, self.max_model_len
         for req, num_new in wants:
@@ -338,10 +339,12 @@ class Scheduler:
             alloc = allocate(req.req_id, min(num_computed + num_new + lookahead.get(req.req_id, 0),
                                              max_len))
             assert alloc is not None, "make_room left too few blocks"
-            if alloc.copy is not None:
-                step.block_copies.append(alloc.copy)
+            if release is not None:  # this step's queries see no key below their windows
+                release(req.req_id, num_computed)
+            if alloc.copies:
+                step.block_copies.extend(alloc.copies)
             drafts = step.drafts.get(req.req_id, [])
-            if alloc.copy is None and req.req_id in held:
+            if not alloc.copies and req.req_id in held:
                 cached_reqs.append(CachedRequest(req_id=req.req_id,
                                                  new_block_ids=alloc.new_block_ids,
                                                  num_computed_tokens=num_computed,
@@ -365,7 +368,7 @@ class Scheduler:
             # Prompt logprobs need every prompt position computed: no prefix cache read then.
             cached_block_ids = (cached_prefix(bm, req) if self.enable_prefix_caching
                                 and req.sampling.prompt_logprobs < 0 else [])
-            num_cached = len(cached_block_ids) * bm.block_size
+            num_cached = len(cached_block_ids) // bm.num_groups * bm.block_size
             num_new = min(req.num_tokens - num_cached, step.budget)
             if not self.queues.admit(req, num_cached + num_new, cached_block_ids):
                 break  # head-of-line waits for blocks; FCFS lets no one overtake it
@@ -396,7 +399,7 @@ class Scheduler:
         req.pending_token_ids = []  # all_token_ids carries them
         req.executor_prompt_logprobs = req.sampling.prompt_logprobs >= 0
         return NewRequest(req_id=req.req_id, token_ids=req.all_token_ids, sampling=req.sampling,
-                          block_ids=self.block_manager.block_table(req.req_id),
+                          block_ids=self.block_manager.plan_table(req.req_id),
                           num_computed_tokens=req.num_computed_tokens,
                           num_scheduled_tokens=num_new, num_prompt_tokens=req.num_prompt_tokens)
 

@@ -52,7 +52,13 @@ class PlanMirror:
     """Also simulates the KV pools: each slot records the (token id, position) written there;
     swaps and copies move slots like the real executor (swap_out, swap_in, then copies, all
     before the forward pass). A request that samples must read back exactly its own tokens
-    through its block table, and no step may write into a block another request holds."""
+    through its block table, and no step may write into a block another request holds.
+
+    KV groups (`windows`, as the executor's Hello states them): a table holds one block per
+    group per position, interleaved; every token is written in each group's block. A windowed
+    group's request holds, and reads back, only the positions the window of its queries this
+    step can see (from num_computed - W + 1 at the step's start); entries below them may name
+    blocks the scheduler released and handed to someone else."""
 
     block_size: int
     sample: Callable[[str, list[int]], int] = lambda req_id, ids: next_token(ids)
@@ -63,6 +69,18 @@ class PlanMirror:
     num_swapped_out: int = 0  # blocks moved to the CPU pool so far
     num_copied: int = 0
     failed_req_ids: set[str] = field(default_factory=set)  # of the last step, if it failed
+    windows: tuple[int, ...] = (0,)
+    _first_query: dict[str, int] = field(default_factory=dict)  # this step's, per request
+
+    def _held(self, req: MirroredRequest, first_query: int) -> set[int]:
+        """The blocks `req` holds while its queries start at `first_query`."""
+        G, bs = len(self.windows), self.block_size
+        held = set()
+        for i, block_id in enumerate(req.block_ids):
+            w = self.windows[i % G]
+            if not w or i // G >= max(0, first_query - w + 1) // bs:
+                held.add(block_id)
+        return held
 
     def apply(self, plan: StepPlan) -> StepResult:
         self.num_plans += 1
@@ -99,6 +117,8 @@ class PlanMirror:
             scheduled.append((cached.req_id, cached.num_scheduled_tokens))
         if len({r for r, _ in scheduled}) != len(scheduled):
             raise PlanViolation(f"step {plan.step_id}: a request is scheduled twice")
+        # Where each request's queries start this step: what its windows still hold.
+        self._first_query = {r: q.num_computed_tokens for r, q in self.reqs.items()}
         for req_id, num_scheduled in scheduled:
             self._write(plan.step_id, req_id, num_scheduled)
         sampled: list[tuple[str, list[int]]] = []
@@ -131,28 +151,38 @@ class PlanMirror:
         if num_scheduled < 1 or end > len(req.token_ids):
             raise PlanViolation(f"step {step_id}: {req_id} schedules {num_scheduled} "
                                 f"tokens from {req.num_computed_tokens} of {len(req.token_ids)}")
-        if len(req.block_ids) * self.block_size < end:
-            raise PlanViolation(f"step {step_id}: {req_id} has {len(req.block_ids)} blocks "
-                                f"for {end} tokens")
-        bs = self.block_size
-        written = {req.block_ids[p // bs] for p in range(req.num_computed_tokens, end)}
+        G, bs = len(self.windows), self.block_size
+        if len(req.block_ids) % G or len(req.block_ids) // G * bs < end:
+            raise PlanViolation(f"step {step_id}: {req_id} has {len(req.block_ids)} block "
+                                f"entries for {end} tokens in {G} KV groups")
+        written = {req.block_ids[p // bs * G + g] for p in range(req.num_computed_tokens, end)
+                   for g in range(G)}
         for other_id, other in self.reqs.items():
-            if other_id != req_id and (shared := written & set(other.block_ids)):
+            if other_id == req_id:
+                continue
+            held = self._held(other, self._first_query.get(other_id, other.num_computed_tokens))
+            if shared := written & held:
                 raise PlanViolation(f"step {step_id}: {req_id} writes into blocks {shared} "
                                     f"that {other_id} holds")
         for p in range(req.num_computed_tokens, end):
-            self.gpu.setdefault(req.block_ids[p // bs], [None] * bs)[p % bs] = \
-                (req.token_ids[p], p)
+            for g in range(G):
+                self.gpu.setdefault(req.block_ids[p // bs * G + g], [None] * bs)[p % bs] = \
+                    (req.token_ids[p], p)
         req.num_computed_tokens = end
 
     def _check_reads(self, step_id: int, req_id: str) -> None:
-        req, bs = self.reqs[req_id], self.block_size
-        for p, token_id in enumerate(req.token_ids):
-            slot = self.gpu.get(req.block_ids[p // bs], [None] * bs)[p % bs]
-            if slot != (token_id, p):
-                raise PlanViolation(f"step {step_id}: {req_id} reads {slot} at position {p} "
-                                    f"(block {req.block_ids[p // bs]}), expected "
-                                    f"{(token_id, p)}")
+        req, bs, G = self.reqs[req_id], self.block_size, len(self.windows)
+        first_query = self._first_query.get(req_id, 0)
+        for g, w in enumerate(self.windows):
+            first = max(0, first_query - w + 1) if w else 0
+            for p in range(first, len(req.token_ids)):
+                token_id = req.token_ids[p]
+                block_id = req.block_ids[p // bs * G + g]
+                slot = self.gpu.get(block_id, [None] * bs)[p % bs]
+                if slot != (token_id, p):
+                    raise PlanViolation(f"step {step_id}: {req_id} reads {slot} at position "
+                                        f"{p} (group {g}, block {block_id}), expected "
+                                        f"{(token_id, p)}")
 
     def fail(self, plan: StepPlan) -> ExecutorError:
         """Fail the step: like the real executor, keep no state for its requests."""
@@ -188,7 +218,8 @@ class NullExecutor(threading.Thread):
         self.keys = keys
         self.address = address
         self.hello = hello or make_hello()
-        self.mirror = mirror if mirror is not None else PlanMirror(self.hello.block_size)
+        self.mirror = mirror if mirror is not None else PlanMirror(
+            self.hello.block_size, windows=tuple(self.hello.kv_windows))
         self.step_delay_s = step_delay_s
         self.fail_step = fail_step
         self.go_silent_after = go_silent_after

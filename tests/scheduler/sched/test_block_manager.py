@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from scheduler_svc.sched.block_manager import Allocation, BlockManager
+from scheduler_svc.sched.block_manager import FREED, Allocation, BlockManager
 from scheduler_svc.sched.prefix_cache import block_key, extend_block_keys
 
 
@@ -139,15 +139,15 @@ def test_fork_shares_blocks_and_copy_on_write_on_a_shared_partial_block():
     assert bm.ref_counts[:2] == [3, 3]
     assert bm.num_blocks_needed("c1", 7) == 1  # the copy
     # c1 writes token 7 into block 1, which p and c2 share: it gets a copy of block 1.
-    assert bm.allocate("c1", 7) == Allocation([], copy=(1, 2))
+    assert bm.allocate("c1", 7) == Allocation([], ((1, 2),))
     assert bm.block_table("c1") == [0, 2] and bm.ref_counts[:3] == [3, 2, 1]
-    assert bm.allocate("p", 7) == Allocation([], copy=(1, 3))
+    assert bm.allocate("p", 7) == Allocation([], ((1, 3),))
     # c2 is the last holder of block 1: it writes in place.
     assert bm.allocate("c2", 7) == Allocation([])
     assert bm.block_table("c2") == [0, 1] and bm.ref_counts[:4] == [3, 1, 1, 1]
     # Full blocks are never copied: growing past a shared full block appends.
     bm.fork("c2", "c3")
-    assert bm.allocate("c3", 8) == Allocation([], copy=(1, 4))  # c3 = [0, 4]: both full
+    assert bm.allocate("c3", 8) == Allocation([], ((1, 4),))  # c3 = [0, 4]: both full
     bm.fork("c3", "c4")
     assert bm.allocate("c4", 13) == Allocation([5, 6])
     assert bm.block_table("c4") == [0, 4, 5, 6]
@@ -215,3 +215,110 @@ def test_random_workload_never_leaks():
         bm.free(req_id)
     assert bm.num_free_blocks == 32
     assert bm.ref_counts == [0] * 32
+
+
+# ---- KV groups and sliding windows ------------------------------------------------------------
+
+def test_groups_interleave_one_block_per_group_per_position():
+    bm = BlockManager(num_blocks=12, block_size=2, windows=(0, 4))
+    assert bm.allocate("a", 3) == Allocation([0, 1, 2, 3])  # 2 positions x 2 groups
+    assert bm.num_blocks_needed("a", 5) == 2
+    assert bm.allocate("a", 5) == Allocation([4, 5])
+    assert bm.block_table("a") == [0, 1, 2, 3, 4, 5]
+    bm.check_invariants()
+
+
+def test_windowed_group_releases_what_left_every_window():
+    bm = BlockManager(num_blocks=20, block_size=2, windows=(0, 4))
+    bm.allocate("a", 9)  # positions 0-4: [0 1 | 2 3 | 4 5 | 6 7 | 8 9]
+    # Queries from position 8 see keys 5..: positions 0 and 1 (tokens 0-3) are out.
+    assert bm.release_outside_windows("a", 8) == 2
+    assert bm.block_table("a") == [0, FREED, 2, FREED, 4, 5, 6, 7, 8, 9]
+    assert bm.plan_table("a") == [0, 0, 2, 0, 4, 5, 6, 7, 8, 9]  # FREED goes out as block 0
+    assert bm.release_outside_windows("a", 8) == 0  # idempotent
+    assert bm.num_window_released == 2 and bm.num_blocks_held("a") == 8
+    bm.check_invariants()
+    assert bm.free("a") == 8
+    assert bm.num_free_blocks == 20
+    bm.check_invariants()
+
+
+def test_window_margin_keeps_positions_a_rollback_may_need():
+    bm = BlockManager(num_blocks=20, block_size=2, windows=(4,), window_margin=3)
+    bm.allocate("a", 10)
+    # Queries may restart at 8 - 3 = 5, seeing keys 2..: only position 0 goes.
+    assert bm.release_outside_windows("a", 8) == 1
+    assert bm.block_table("a")[:2] == [FREED, 1]
+
+
+def test_all_sliding_sequence_outgrows_the_pool():
+    # Without releases the pool holds 16 tokens; with a window of 6 a sequence grows to 200.
+    bm = BlockManager(num_blocks=8, block_size=2, windows=(6,))
+    bm.allocate("a", 1)
+    for n in range(1, 200):
+        bm.release_outside_windows("a", n)  # queries from position n on
+        assert bm.allocate("a", n + 1) is not None, n
+        assert bm.num_blocks_held("a") <= bm.blocks_to_hold(n + 1, chunk=1)
+        bm.check_invariants()
+    assert bm.blocks_to_hold(200, chunk=1) == 5 < bm.blocks_for(200)
+
+
+def test_blocks_to_hold_counts_full_groups_whole_and_windows_bounded():
+    bm = BlockManager(num_blocks=100, block_size=4, windows=(0, 8, 8))
+    # 64 tokens = 16 positions; a window of 8 with 4-token chunks: ceil(12 / 4) + 1 = 4.
+    assert bm.blocks_to_hold(64, chunk=4) == 16 + 4 + 4
+    assert bm.blocks_to_hold(4, chunk=4) == 3  # shorter than the window: every group whole
+
+
+def test_cached_prefix_needs_only_the_window_of_windowed_groups():
+    bm = BlockManager(num_blocks=40, block_size=2, windows=(0, 3))
+    keys = extend_block_keys([], list(range(20, 32)), 2)  # 12 tokens, 6 positions
+    bm.allocate("a", 12)
+    bm.cache_blocks("a", keys)
+    bm.release_outside_windows("a", 12)  # windowed blocks of positions 0-4 released
+    # A sequence starting after all 6 positions sees keys 10..: the window needs position 5.
+    table = bm.cached_prefix(keys)
+    assert len(table) == 12
+    assert table[1::2] == [bm.block_table("a")[1::2][k] if k == 5 else FREED for k in range(6)]
+    assert table[0::2] == bm.block_table("a")[0::2]  # the full group: every position
+    bm.allocate_new("b", 13, table)
+    bm.check_invariants()
+    bm.free("a")
+    bm.free("b")
+    assert bm.num_free_blocks == 40
+    bm.check_invariants()
+
+
+def test_cached_prefix_shrinks_when_a_windowed_block_was_evicted():
+    bm = BlockManager(num_blocks=40, block_size=2, windows=(0, 3))
+    keys = extend_block_keys([], list(range(20, 32)), 2)
+    bm.allocate("a", 12)
+    bm.cache_blocks("a", keys)
+    windowed = bm.block_table("a")[1::2]
+    del bm._cached[bm._key_of.pop(windowed[5])]  # as if evicted: position 5's window block
+    table = bm.cached_prefix(keys)
+    # 5 positions: queries from 10 need keys 8.. = position 4, still cached.
+    assert len(table) == 10 and table[9] == windowed[4] and table[7] == FREED
+
+
+def test_swap_keeps_released_entries_released():
+    bm = BlockManager(num_blocks=20, block_size=2, num_cpu_blocks=20, windows=(0, 2))
+    bm.allocate("a", 8)
+    bm.release_outside_windows("a", 7)  # queries from 7 see 6..: positions 0-2 go
+    pairs = bm.swap_out(["a"])
+    assert len(pairs) == 5
+    assert bm.cpu_block_table("a")[1:6:2] == [FREED] * 3
+    bm.check_invariants()
+    bm.swap_in(["a"])
+    assert bm.block_table("a")[1:6:2] == [FREED] * 3 and bm.num_blocks_held("a") == 5
+    bm.check_invariants()
+
+
+def test_fork_shares_and_copies_per_group():
+    bm = BlockManager(num_blocks=20, block_size=4, windows=(0, 8))
+    bm.allocate("p", 5)  # [0 1 | 2 3]
+    bm.fork("p", "c")
+    alloc = bm.allocate("c", 6)  # the last position's blocks are shared and partly filled
+    assert alloc.new_block_ids == [] and alloc.copies == ((2, 4), (3, 5))
+    assert bm.block_table("c") == [0, 1, 4, 5]
+    bm.check_invariants()

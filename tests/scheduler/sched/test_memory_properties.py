@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from protos.plan import SamplingSpec
-from scheduler_svc.sched.block_manager import BlockManager
+from scheduler_svc.sched.block_manager import FREED, BlockManager
 from scheduler_svc.sched.prefix_cache import extend_block_keys
 from scheduler_svc.sched.request import Request, RequestStatus
 from scheduler_svc.sched.scheduler import Scheduler
@@ -33,10 +33,18 @@ EOS = 1
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
+    """`WINDOWS`: the KV groups (0 = full attention); every token is written in each group's
+    block, and a windowed group must read back only what its window needs."""
+
+    WINDOWS: tuple[int, ...] = (0,)
+
     def __init__(self):
         super().__init__()
-        self.bm = BlockManager(num_blocks=12, block_size=BS, num_cpu_blocks=6)
+        self.G = len(self.WINDOWS)
+        self.bm = BlockManager(num_blocks=12 * self.G, block_size=BS,
+                               num_cpu_blocks=6 * self.G, windows=self.WINDOWS)
         self.tokens: dict[str, list[int]] = {}  # every live sequence's tokens (all written)
+        self.first_query: dict[str, int] = {}  # where each sequence's next queries may start
         self.gpu: dict[int, list] = {}
         self.cpu: dict[int, list] = {}
         self.next_id = 0
@@ -44,13 +52,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _on_gpu(self) -> list[str]:
         return sorted(self.bm.block_tables)
 
+    def _needed(self, seq_id: str, group: int) -> range:
+        """The positions of `seq_id` that group `group` must still hold."""
+        w = self.WINDOWS[group]
+        first = max(0, self.first_query[seq_id] - w + 1) if w else 0
+        return range(first, len(self.tokens[seq_id]))
+
     def _write(self, seq_id: str, start: int) -> None:
-        table, tokens = self.bm.block_tables[seq_id], self.tokens[seq_id]
+        table, tokens, G = self.bm.block_tables[seq_id], self.tokens[seq_id], self.G
         for p in range(start, len(tokens)):
-            block_id = table[p // BS]
-            assert self.bm.ref_counts[block_id] == 1, "a write into a shared block"
-            assert block_id not in self.bm._key_of, "a write into a cached block"
-            self.gpu.setdefault(block_id, [None] * BS)[p % BS] = (tokens[p], p)
+            for g in range(G):
+                block_id = table[p // BS * G + g]
+                assert block_id != FREED, "a write into a released position"
+                assert self.bm.ref_counts[block_id] == 1, "a write into a shared block"
+                assert block_id not in self.bm._key_of, "a write into a cached block"
+                self.gpu.setdefault(block_id, [None] * BS)[p % BS] = (tokens[p], p)
         keys = extend_block_keys([], tokens, BS)
         self.bm.cache_blocks(seq_id, keys)  # all written tokens count as computed
 
@@ -63,7 +79,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if self.bm.allocate_new(seq_id, len(tokens), hits) is None:
             return
         self.tokens[seq_id] = list(tokens)
-        self._write(seq_id, len(hits) * BS)
+        num_cached = len(hits) // self.G * BS
+        self.first_query[seq_id] = num_cached
+        self._write(seq_id, num_cached)
 
     @precondition(lambda self: self.bm.block_tables)
     @rule(data=st.data(), extra=st.lists(st.integers(2, 3), min_size=1, max_size=4))
@@ -73,11 +91,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         alloc = self.bm.allocate(seq_id, start + len(extra))
         if alloc is None:
             return
-        if alloc.copy is not None:
-            src, dst = alloc.copy
+        for src, dst in alloc.copies:
             self.gpu[dst] = list(self.gpu[src])
         self.tokens[seq_id] += extra
         self._write(seq_id, start)
+
+    @precondition(lambda self: self.bm.block_tables)
+    @rule(data=st.data())
+    def release_outside_windows(self, data):
+        # The next queries start after every written token: what lies below their windows goes.
+        seq_id = data.draw(st.sampled_from(self._on_gpu()))
+        self.first_query[seq_id] = len(self.tokens[seq_id])
+        self.bm.release_outside_windows(seq_id, self.first_query[seq_id])
 
     @precondition(lambda self: self.bm.block_tables)
     @rule(data=st.data())
@@ -87,6 +112,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         self.bm.fork(parent, child)
         self.tokens[child] = list(self.tokens[parent])
+        self.first_query[child] = self.first_query[parent]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -116,20 +142,35 @@ class BlockManagerMachine(RuleBasedStateMachine):
             on_gpu = seq_id in self.bm.block_tables
             table = self.bm.block_tables[seq_id] if on_gpu else self.bm.cpu_tables[seq_id]
             slots = self.gpu if on_gpu else self.cpu
-            assert [slots[table[p // BS]][p % BS] for p in range(len(tokens))] == \
-                [(t, p) for p, t in enumerate(tokens)], seq_id
+            for g in range(self.G):
+                needed = self._needed(seq_id, g)
+                assert [slots[table[p // BS * self.G + g]][p % BS] for p in needed] == \
+                    [(tokens[p], p) for p in needed], (seq_id, g)
 
     def teardown(self):
         for seq_id in list(self.tokens):
             self.bm.free(seq_id)
-        assert self.bm.num_free_blocks == 12 and self.bm.num_free_cpu_blocks == 6
-        assert self.bm.ref_counts == [0] * 12
+        assert self.bm.num_free_blocks == 12 * self.G
+        assert self.bm.num_free_cpu_blocks == 6 * self.G
+        assert self.bm.ref_counts == [0] * (12 * self.G)
         self.bm.check_invariants()
 
 
+class WindowedBlockManagerMachine(BlockManagerMachine):
+    WINDOWS = (0, 3, 5)  # a full-attention group and two windows (Gemma-like, smaller)
+
+
+class SlidingBlockManagerMachine(BlockManagerMachine):
+    WINDOWS = (3,)  # every layer windowed (Mistral-like)
+
+
+MACHINE_SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestBlockManagerMachine = BlockManagerMachine.TestCase
-TestBlockManagerMachine.settings = settings(max_examples=60, stateful_step_count=40,
-                                            deadline=None)
+TestBlockManagerMachine.settings = MACHINE_SETTINGS
+TestWindowedBlockManagerMachine = WindowedBlockManagerMachine.TestCase
+TestWindowedBlockManagerMachine.settings = MACHINE_SETTINGS
+TestSlidingBlockManagerMachine = SlidingBlockManagerMachine.TestCase
+TestSlidingBlockManagerMachine.settings = MACHINE_SETTINGS
 
 
 def null_sample(req_id: str, ids: list[int]) -> int:
@@ -161,15 +202,17 @@ op = st.one_of(
        bs=st.sampled_from([2, 4]),
        num_cpu_blocks=st.integers(0, 8), mode=st.sampled_from(["auto", "recompute", "swap"]),
        caching=st.booleans(), max_num_seqs=st.integers(2, 4), extra_budget=st.integers(0, 12),
-       overlap=st.booleans())
+       overlap=st.booleans(), windows=st.sampled_from([(0,), (3,), (0, 2), (5, 0, 1)]))
 def test_random_workloads_finish_exactly_and_leak_nothing(ops, num_blocks, bs, num_cpu_blocks,
                                                           mode, caching, max_num_seqs,
-                                                          extra_budget, overlap):
+                                                          extra_budget, overlap, windows):
     max_model_len = num_blocks * bs  # every request fits the pool alone
-    sched = Scheduler(BlockManager(num_blocks, bs, num_cpu_blocks), max_num_seqs,
+    G = len(windows)  # KV groups: a block of each per position
+    num_blocks, num_cpu_blocks = num_blocks * G, num_cpu_blocks * G
+    sched = Scheduler(BlockManager(num_blocks, bs, num_cpu_blocks, windows=windows), max_num_seqs,
                       max_num_seqs + extra_budget, max_model_len,
                       enable_prefix_caching=caching, preemption_mode=mode)
-    mirror = PlanMirror(block_size=bs, sample=null_sample)
+    mirror = PlanMirror(block_size=bs, sample=null_sample, windows=windows)
     reqs: list[Request] = []
     aborted: set[str] = set()
 
