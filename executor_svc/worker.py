@@ -26,7 +26,7 @@ import torch
 
 from checkpoints.resolve import resolve_model_dir
 from executor_svc.config import ExecutorConfig
-from executor_svc.kv.kv_cache import KVCache, bytes_per_block, num_blocks_for
+from executor_svc.kv.kv_cache import KVCache, bytes_per_block, model_kv_layout, num_blocks_for
 from executor_svc.kv.memory import DEFAULT_GRAPH_RESERVE_BYTES, profiled_kv_budget
 from executor_svc.kv.swap import SwapPool, num_swap_blocks_for
 from executor_svc.loading.loader import (
@@ -96,6 +96,12 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
     model = load_model(model_dir, dtype=dtype, device=device, max_model_len=max_model_len,
                        cfg=model_cfg, quantization=cfg.quantization)
     draft_model = draft_cfg = None
+    if cfg.num_draft_tokens and model_kv_layout(model_cfg).windowed:
+        # The draft model attends over the target's block tables, whose windowed entries the
+        # scheduler releases.
+        raise ValueError("--num-draft-tokens: a draft model is not supported with a model "
+                         "whose layers attend through sliding windows; use n-gram "
+                         "speculation (--speculative-method ngram) instead")
     if cfg.num_draft_tokens:  # speculative decoding's draft model (draft.py)
         draft_dir = (resolve_model_dir(cfg.draft_model, cache_dir=cfg.hub_cache_dir)
                      if cfg.draft_model else model_dir)
@@ -117,11 +123,11 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
                                                extra),
                                 device)
     kv_cache = KVCache.allocate(model_cfg, num_blocks, cfg.block_size, dtype, device)
-    model.bind_kv_cache(kv_cache.per_layer())
+    kv_cache.bind(model)
     draft = None
     if draft_model is not None:
         draft_kv = KVCache.allocate(draft_cfg, num_blocks, cfg.block_size, dtype, device)
-        draft_model.bind_kv_cache(draft_kv.per_layer())
+        draft_kv.bind(draft_model)
         draft = DraftProposer(draft_model, draft_kv, cfg.num_draft_tokens, max_model_len, device)
     if device.type == "cuda":  # every attention variant compiled before the first request
         from executor_svc.step.warmup import warm_attention  # imports triton: CUDA only
@@ -138,7 +144,8 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
         graph_runner = DecodeGraphRunner(model, cfg.max_num_seqs,
                                          -(-max_model_len // cfg.block_size), max_model_len,
                                          model_cfg.hidden_size, dtype, device,
-                                         use_cuda_graphs=True)
+                                         use_cuda_graphs=True,
+                                         num_kv_groups=kv_cache.layout.num_groups)
         graph_runner.capture()
     runner = ModelRunner(model, kv_cache, cfg.block_size, max_model_len,
                          model_cfg.vocab_size, device, swap_pool,
@@ -159,6 +166,7 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
         random_weights=has_random_weights(model_dir),
         tensor_parallel_size=tp_size(),
         num_draft_tokens=cfg.num_draft_tokens if draft is not None else 0,
+        kv_windows=list(kv_cache.layout.windows),
     )
     return Executor(runner, hello)
 

@@ -1,6 +1,8 @@
-"""The paged KV cache: one k and one v tensor per layer, in blocks the scheduler hands out.
+"""The paged KV cache: k and v tensors of blocks the scheduler hands out, one pair per slot of
+the model's KV layout (kv/groups.py: one per layer when all layers attend alike, else one per
+layer of a group, each shared by the layers at that place in every group).
 
-Layout per layer (both k and v)::
+Layout per slot (both k and v)::
 
     [num_blocks, block_size, num_kv_heads, head_dim]
       block 0: | tok 0 | tok 1 | ... | tok block_size-1 |
@@ -22,6 +24,7 @@ import numpy as np
 import structlog
 import torch
 
+from executor_svc.kv.groups import KVLayout, kv_layout
 from executor_svc.loading.model_config import ModelConfig, local_kv_heads
 from executor_svc.parallel.distributed import tp_size
 
@@ -40,11 +43,17 @@ def to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def model_kv_layout(cfg: ModelConfig) -> KVLayout:
+    return kv_layout(cfg.layer_windows)
+
+
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V, every layer, one block: this rank's KV heads (all of them with one rank)."""
+    """K and V, every slot (layer of a group), one block: this rank's KV heads (all of them
+    with one rank)."""
     elem = torch.empty((), dtype=dtype).element_size()
     num_kv_heads = local_kv_heads(cfg, tp_size())
-    return 2 * cfg.num_layers * block_size * num_kv_heads * cfg.head_dim * elem
+    slots = model_kv_layout(cfg).group_size
+    return 2 * slots * block_size * num_kv_heads * cfg.head_dim * elem
 
 
 def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
@@ -74,26 +83,41 @@ def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device
 class KVCache:
     """Invariant: all tensors share one shape; block ids index dim 0 of every one of them."""
 
-    k_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+    k_caches: list[torch.Tensor]  # per slot [num_blocks, block_size, num_kv_heads, head_dim]
     v_caches: list[torch.Tensor]
+    layout: KVLayout | None = None  # None: one full-attention group, a slot per layer
+
+    def __post_init__(self) -> None:
+        if self.layout is None:
+            self.layout = kv_layout((0,) * len(self.k_caches))
+        assert self.layout.group_size == len(self.k_caches) == len(self.v_caches)
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> KVCache:
+        layout = model_kv_layout(cfg)
         shape = (num_blocks, block_size, local_kv_heads(cfg, tp_size()), cfg.head_dim)
         # Zeros, not empty: a stale NaN in an unused slot must never reach a masked softmax.
-        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.group_size)]
+        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.group_size)]
         log.info("KV cache allocated", num_blocks=num_blocks, block_size=block_size,
-                 bytes=num_blocks * bytes_per_block(cfg, block_size, dtype))
-        return cls(k, v)
+                 bytes=num_blocks * bytes_per_block(cfg, block_size, dtype),
+                 kv_groups=layout.num_groups, windows=list(layout.windows))
+        return cls(k, v, layout)
 
     @property
     def num_blocks(self) -> int:
         return self.k_caches[0].shape[0]
 
+    def bind(self, model) -> None:
+        """Give each of the model's layers its tensors and KV group (`bind_kv_cache`)."""
+        assert self.layout is not None
+        model.bind_kv_cache(self.per_layer(), self.layout.layer_group)
+
     def per_layer(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return list(zip(self.k_caches, self.v_caches, strict=True))
+        """Each layer's (k_cache, v_cache): its slot's tensors."""
+        assert self.layout is not None
+        return [(self.k_caches[s], self.v_caches[s]) for s in self.layout.layer_slot]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst becomes a copy of block src, in every layer."""

@@ -99,7 +99,7 @@ def snapshot_for(device: torch.device) -> Callable[[], MemorySnapshot]:
 
 
 def profile_plan(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                 block_size: int, vocab_size: int) -> StepPlan:
+                 block_size: int, vocab_size: int, num_kv_groups: int = 1) -> StepPlan:
     """The largest step the scheduler may send, as new requests over block 0 only."""
     num_seqs = max(1, min(max_num_seqs, max_num_batched_tokens))
     per_seq = min(max_model_len, max(1, max_num_batched_tokens // num_seqs))
@@ -110,7 +110,7 @@ def profile_plan(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: 
     sampling = SamplingSpec(temperature=1.0, top_p=0.9, top_k=50,
                             num_logprobs=min(20, vocab_size))
     reqs = [NewRequest(req_id=f"{PROFILE_REQ_PREFIX}{i}", token_ids=[0] * n, sampling=sampling,
-                       block_ids=[0] * -(-n // block_size),
+                       block_ids=[0] * (num_kv_groups * -(-n // block_size)),
                        num_computed_tokens=0, num_scheduled_tokens=n) for i, n in enumerate(lens)]
     return StepPlan(step_id=-1, new_reqs=reqs)
 
@@ -145,10 +145,10 @@ def profiled_kv_budget(model: torch.nn.Module, cfg: ModelConfig, *, block_size: 
     """Bind a one-block cache and run the profiling step: the KV cache's byte budget. The
     caller binds the real cache next (the scratch block stays bound until then)."""
     scratch = KVCache.allocate(cfg, 1, block_size, dtype, device)
-    model.bind_kv_cache(scratch.per_layer())
+    scratch.bind(model)
     runner = ModelRunner(model, scratch, block_size, max_model_len, cfg.vocab_size, device)
     plan = profile_plan(max_num_batched_tokens, max_num_seqs, max_model_len, block_size,
-                        cfg.vocab_size)
+                        cfg.vocab_size, scratch.layout.num_groups)
     try:
         profile = profile_step(runner.execute, plan, snapshot_for(device), device)
     finally:

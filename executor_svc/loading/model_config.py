@@ -54,6 +54,11 @@ class ModelConfig:
             raise ValueError(f"sliding_window must be a positive integer, got "
                              f"{self.sliding_window}")
 
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window, 0 = full attention."""
+        return (self.sliding_window or 0,) * self.num_layers
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Read and check every field Folio uses; ValueError says which one and why."""

@@ -16,6 +16,8 @@ the logits on rank 0 and None on the other ranks. With one rank nothing communic
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -51,9 +53,11 @@ class LlamaAttention(nn.Module):
                                         dtype)
         self.scale = cfg.head_dim ** -0.5
         self.backend = backend
-        # This layer's slice of the paged KV cache, bound once by `bind_kv_cache`.
+        # This layer's slice of the paged KV cache and its KV group (executor_svc/kv/groups.py:
+        # whose block tables it reads), bound once by `bind_kv_cache`.
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads, head_dim]
         self.v_cache: torch.Tensor | None = None
+        self.kv_group = 0
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook for families that normalise q and k per head before RoPE (Qwen3)."""
@@ -70,7 +74,8 @@ class LlamaAttention(nn.Module):
         q, k = self.norm_qk(q, k)
         rotary(positions, q, k, cos_sin_cache)  # in place
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache,
+                                   batch.for_group(self.kv_group), self.scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
@@ -155,12 +160,15 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[LlamaAttention]:
         return [layer.self_attn for layer in self.model.layers]
 
-    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Give layer i its (k_cache, v_cache); done once, before the first step."""
+    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      layer_groups: Sequence[int] | None = None) -> None:
+        """Give layer i its (k_cache, v_cache) and KV group (None: all group 0); done once,
+        before the first step."""
         layers = self.attention_layers()
         assert len(kv_caches) == len(layers)
-        for attn, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
-            attn.k_cache, attn.v_cache = k_cache, v_cache
+        groups = layer_groups if layer_groups is not None else [0] * len(layers)
+        for attn, (k_cache, v_cache), group in zip(layers, kv_caches, groups, strict=True):
+            attn.k_cache, attn.v_cache, attn.kv_group = k_cache, v_cache, group
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 batch: BatchMetadata) -> torch.Tensor | None:

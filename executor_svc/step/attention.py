@@ -5,10 +5,10 @@ its backend with this step's q/k/v and the batch metadata. The `kernels` ops dis
 tensors' device: Triton on CUDA, kernels/cpu.py on the CPU (the twins with FOLIO_KERNELS=torch).
 
 On the CPU backend the per-step bookkeeping (which rows decode, their gather index and length
-mask) is built once per step, by the first layer, and reused by the others: one backend
-instance serves every layer of a model (the loader builds one), and it remembers the plan of
-the last batch it saw. `BatchMetadata` is frozen and built fresh every step, so identity is the
-step's key.
+mask) is built once per step and KV group, by the group's first layer, and reused by the
+others: one backend instance serves every layer of a model (the loader builds one), and it
+remembers, per group, the plan of the last batch it saw. `BatchMetadata` is frozen and built
+fresh every step (its per-group views once per step), so identity is the step's key.
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ class PagedKernelsBackend:
     """store_kv then paged_attention, both from `kernels`."""
 
     def __init__(self) -> None:
-        # Invariant: _plan was built from _plan_batch (the object itself, kept alive here so
-        # its id cannot be reused by a later step's batch).
-        self._plan_batch: BatchMetadata | None = None
-        self._plan: cpu.AttentionPlan | None = None
+        # Invariant: _plans[g] = (batch, plan built from it) for KV group g; the batch object
+        # itself is kept alive here so its id cannot be reused by a later step's batch.
+        self._plans: dict[int, tuple[BatchMetadata, cpu.AttentionPlan]] = {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: BatchMetadata,
@@ -52,11 +51,12 @@ class PagedKernelsBackend:
                                scale, **variant)  # [num_tokens, num_heads, head_dim]
 
     def _cpu_plan(self, batch: BatchMetadata, block_size: int) -> cpu.AttentionPlan:
-        if batch is not self._plan_batch or self._plan is None:
-            self._plan = cpu.plan_attention(batch.block_tables, batch.seq_lens,
-                                            batch.query_start_loc, block_size)
-            self._plan_batch = batch
-        return self._plan
+        cached = self._plans.get(batch.kv_group)
+        if cached is None or cached[0] is not batch:
+            plan = cpu.plan_attention(batch.block_tables, batch.seq_lens,
+                                      batch.query_start_loc, block_size)
+            self._plans[batch.kv_group] = cached = (batch, plan)
+        return cached[1]
 
 
 def default_backend() -> AttentionBackend:

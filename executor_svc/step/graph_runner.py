@@ -12,10 +12,11 @@ largest first, all in one memory pool (a smaller graph reuses the larger one's b
 Static buffers, allocated once for the largest size and never reallocated (a graph holds their
 addresses)::
 
-    input_ids, positions, slot_mapping   [max_size]            int64
+    input_ids, positions                 [max_size]            int64
+    slot_mapping                         [G, max_size]         int64  one row per KV group
     seq_lens                             [max_size]            int32
     query_start_loc                      [max_size + 1]        int32
-    block_tables                         [max_size, max_num_blocks] int32
+    block_tables                         [G, max_size, max_num_blocks] int32  (positions)
     logits_indices                       [max_size]            int64  arange: the decoder
                                                                       never reads it
     hidden                               [max_size, hidden_size]      the graph's output
@@ -80,7 +81,8 @@ class DecodeGraphRunner:
 
     def __init__(self, model: nn.Module, max_num_seqs: int, max_num_blocks: int,
                  max_model_len: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device, use_cuda_graphs: bool, limit: int = MAX_CAPTURE_SIZE):
+                 device: torch.device, use_cuda_graphs: bool, limit: int = MAX_CAPTURE_SIZE,
+                 num_kv_groups: int = 1):
         if use_cuda_graphs and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.model = model
@@ -97,10 +99,11 @@ class DecodeGraphRunner:
         i64, i32 = torch.int64, torch.int32
         self.input_ids = torch.zeros(max_size, dtype=i64, device=device)
         self.positions = torch.zeros(max_size, dtype=i64, device=device)
-        self.slot_mapping = torch.full((max_size,), -1, dtype=i64, device=device)
+        G = num_kv_groups
+        self.slot_mapping = torch.full((G, max_size), -1, dtype=i64, device=device)
         self.seq_lens = torch.zeros(max_size, dtype=i32, device=device)
         self.query_start_loc = torch.zeros(max_size + 1, dtype=i32, device=device)
-        self.block_tables = torch.zeros((max_size, max_num_blocks), dtype=i32, device=device)
+        self.block_tables = torch.zeros((G, max_size, max_num_blocks), dtype=i32, device=device)
         self.logits_indices = torch.arange(max_size, dtype=i64, device=device)
         self.hidden = torch.zeros((max_size, hidden_size), dtype=dtype, device=device)
 
@@ -170,26 +173,30 @@ class DecodeGraphRunner:
         width = batch.block_tables.shape[1]
         self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
         self.positions[:n].copy_(inputs.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
         self.query_start_loc[:n + 1].copy_(batch.query_start_loc, non_blocking=True)
-        self.block_tables[:n, :width].copy_(batch.block_tables, non_blocking=True)
-        self.block_tables[:n, width:].zero_()
+        for g in range(batch.num_kv_groups):
+            group = batch.for_group(g)
+            self.slot_mapping[g, :n].copy_(group.slot_mapping, non_blocking=True)
+            self.block_tables[g, :n, :width].copy_(group.block_tables, non_blocking=True)
+        self.block_tables[:, :n, width:].zero_()
         self._pad(n, size)
 
     def _pad(self, n: int, size: int) -> None:
         """Rows n..size-1 become padding (see the module docstring)."""
         self.input_ids[n:size].zero_()
         self.positions[n:size].zero_()
-        self.slot_mapping[n:size].fill_(-1)
+        self.slot_mapping[:, n:size].fill_(-1)
         self.seq_lens[n:size].zero_()
         self.query_start_loc[n + 1:size + 1].fill_(n)
-        self.block_tables[n:size].zero_()
+        self.block_tables[:, n:size].zero_()
 
     def _static_batch(self, size: int) -> BatchMetadata:
         return BatchMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            block_tables=self.block_tables[:size],
+            slot_mapping=self.slot_mapping[0, :size],
+            block_tables=self.block_tables[0, :size],
+            other_groups=tuple((self.slot_mapping[g, :size], self.block_tables[g, :size])
+                               for g in range(1, self.slot_mapping.shape[0])),
             seq_lens=self.seq_lens[:size],
             query_start_loc=self.query_start_loc[:size + 1],
             max_query_len=1,

@@ -8,7 +8,9 @@ over either and no rebuild from lists::
 
     row r ──► token_ids[r, :num_tokens[r]]           every token held: prompt, then outputs
               num_prompt[r]                          where the outputs start (kept on resume)
-              block_table[r, :num_blocks[r]]         the request's blocks, then zeros
+              block_table[r, :num_blocks[r]]         the request's blocks, then zeros (with
+                                                     KV groups: G entries per position,
+                                                     interleaved, kv/groups.py)
               num_computed[r]                        tokens whose KV is in those blocks
               temperature, top_p, top_k, seed, has_seed, num_logprobs, append_sampled,
               sampled_logprob, prompt_logprobs, processed_logprobs [r]
@@ -21,8 +23,8 @@ Invariants:
 - ``block_table[r, num_blocks[r]:]`` is all zeros for every row, held or free, so a gathered
   table is already padded with block 0 (freeing a row zeroes its used prefix).
 - ``num_tokens[r] <= max_model_len + 1`` (the token sampled at position max_model_len still
-  fits) and ``num_blocks[r] <= ceil(max_model_len / block_size)``; the runner checks both
-  before it writes.
+  fits) and ``num_blocks[r] <= G * ceil(max_model_len / block_size)``, a multiple of G (the
+  KV groups); the runner checks both before it writes.
 
 Rows are not kept compact: a freed row goes on a free list and the lowest free row is reused
 first (a heap), which keeps held rows near the top of the arrays. Compacting would move a
@@ -68,11 +70,12 @@ class InputBatch(Mapping[str, RequestState]):
     """Rows of per-request state. As a Mapping it reads req_id -> RequestState (a copy)."""
 
     def __init__(self, max_model_len: int, block_size: int,
-                 capacity: int = INITIAL_CAPACITY):
+                 capacity: int = INITIAL_CAPACITY, num_kv_groups: int = 1):
         self.max_model_len = max_model_len
         self.block_size = block_size
+        self.num_kv_groups = num_kv_groups
         self.max_num_tokens = max_model_len + 1  # room for the sample at position max_model_len
-        self.max_num_blocks = -(-max_model_len // block_size)
+        self.max_num_blocks = num_kv_groups * -(-max_model_len // block_size)  # table entries
         self.row_of: dict[str, int] = {}
         self._allocate(capacity)
 

@@ -9,6 +9,10 @@ one host buffer, pinned on CUDA, of 16-byte-aligned typed segments::
     int32:   seq_lens | query_start_loc | block_tables
     float32: temperature | top_p
 
+With KV groups (executor_svc/kv/groups.py), ``slot_mapping`` holds G rows of num_tokens and
+``block_tables`` G tables of [num_seqs, positions], group after group: the rows' interleaved
+tables (G entries per position) are split by group here, once per step.
+
 Rows that use a logits processor add their segments (``processor_rows.ProcessorInputs``: bans,
 allowed ids, biases, penalty histories, min_p) to the same buffer; a step without any adds none.
 
@@ -119,7 +123,8 @@ def build_step_inputs(ib: InputBatch, rows: np.ndarray, query_lens: np.ndarray,
     samples = seq_lens == ib.num_tokens[rows]  # [num_seqs] bool
     sample_rows = rows[samples]  # [num_logits]
     num_tokens, num_logits = int(query_lens.sum()), len(sample_rows)
-    width = int(ib.num_blocks[rows].max())  # block table columns this step
+    G = ib.num_kv_groups
+    width = int(ib.num_blocks[rows].max())  # block table entries this step (G per position)
     seeded = np.flatnonzero(ib.has_seed[sample_rows])  # [num_seeded] logits rows
     logprob_rows = np.flatnonzero(ib.num_logprobs[sample_rows])  # [num_lp] logits rows
     sampled_lp = np.flatnonzero(ib.sampled_logprob[sample_rows])  # [num_slp] logits rows
@@ -134,7 +139,8 @@ def build_step_inputs(ib: InputBatch, rows: np.ndarray, query_lens: np.ndarray,
     extra = _processor_segments(processors) if processors is not None else []
     stage = _Staging(extra + [
         ("input_ids", i64, num_tokens), ("positions", i64, num_tokens),
-        ("slot_mapping", i64, num_tokens), ("logits_indices", i64, num_logits + num_pl + num_spec),
+        ("slot_mapping", i64, G * num_tokens),
+        ("logits_indices", i64, num_logits + num_pl + num_spec),
         ("top_k", i64, num_logits), ("seeded_rows", i64, len(seeded)),
         ("seeds", i64, len(seeded)), ("token_indices", i64, len(seeded)),
         ("logprob_rows", i64, len(logprob_rows)), ("sampled_lp_rows", i64, len(sampled_lp)),
@@ -151,10 +157,18 @@ def build_step_inputs(ib: InputBatch, rows: np.ndarray, query_lens: np.ndarray,
     positions = h["positions"]
     positions[:] = np.arange(num_tokens) - (query_start_loc[:-1] - computed)[seq_idx]
     h["input_ids"][:] = ib.token_ids[rows[seq_idx], positions]
-    block_tables = h["block_tables"].reshape(num_seqs, width)  # padded with 0 (InputBatch)
-    np.take(ib.block_table[:, :width], rows, axis=0, out=block_tables)
-    h["slot_mapping"][:] = (block_tables[seq_idx, positions // block_size].astype(np.int64)
-                            * block_size + positions % block_size)
+    # Padded with 0 (InputBatch).
+    if G == 1:
+        block_tables = h["block_tables"].reshape(1, num_seqs, width)
+        np.take(ib.block_table[:, :width], rows, axis=0, out=block_tables[0])
+    else:
+        block_tables = h["block_tables"].reshape(G, num_seqs, width // G)
+        block_tables[:] = ib.block_table[rows, :width].reshape(
+            num_seqs, width // G, G).transpose(2, 0, 1)
+    slots = h["slot_mapping"].reshape(G, num_tokens)
+    block_of, offset = positions // block_size, positions % block_size
+    for g in range(G):
+        slots[g] = block_tables[g][seq_idx, block_of].astype(np.int64) * block_size + offset
     h["logits_indices"][:num_logits] = (query_start_loc[1:] - 1)[samples]
     prompt_lp = None
     if len(pl_seqs):
@@ -191,9 +205,12 @@ def build_step_inputs(ib: InputBatch, rows: np.ndarray, query_lens: np.ndarray,
         for name, _, _ in extra:
             h[name][:] = getattr(processors, name).reshape(-1)
     d = stage.to_device()
+    dev_slots = d["slot_mapping"].view(G, num_tokens)
+    dev_tables = d["block_tables"].view(G, num_seqs, width // G)
     batch = BatchMetadata(
-        slot_mapping=d["slot_mapping"],
-        block_tables=d["block_tables"].view(num_seqs, width),
+        slot_mapping=dev_slots[0],
+        block_tables=dev_tables[0],
+        other_groups=tuple((dev_slots[g], dev_tables[g]) for g in range(1, G)),
         seq_lens=d["seq_lens"],
         query_start_loc=d["query_start_loc"],
         max_query_len=int(query_lens.max()),

@@ -136,7 +136,7 @@ class PlanValidator:
             twice = next(r for r in rows.tolist() if r in seen or seen.add(r))
             raise PlanError(f"request {batch.req_ids[twice]} appears twice in one plan")
         computed, held = batch.num_computed[rows], batch.num_tokens[rows]  # [num_entries]
-        num_blocks = batch.num_blocks[rows]
+        num_blocks = batch.num_blocks[rows] // batch.num_kv_groups  # positions
         end = computed + counts
         over_tokens = (counts < 0) | (end > held)
         over_blocks = end > num_blocks * block_size
@@ -165,6 +165,9 @@ class PlanValidator:
         if any(not (0 <= b < self.num_blocks) for b in block_ids):
             raise PlanError(f"request {req_id}: block table names a block outside "
                             f"0..{self.num_blocks - 1}")
+        if len(block_ids) % (groups := self.batch.num_kv_groups):
+            raise PlanError(f"request {req_id}: {len(block_ids)} block ids are not whole "
+                            f"positions of {groups} KV groups (one block per group each)")
 
     def _check_token_ids(self, req_id: str, token_ids: list[int]) -> None:
         # An id past the embedding table would be a device-side assert on CUDA.

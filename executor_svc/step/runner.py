@@ -105,7 +105,8 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.device = device
-        self.input_batch = InputBatch(max_model_len, block_size)
+        self.input_batch = InputBatch(max_model_len, block_size,
+                                      num_kv_groups=kv_cache.layout.num_groups)
         # Structured output's matchers, next to their rows (tokenizer_json: the model's).
         self.structured = StructuredRows(tokenizer_json, vocab_size)
         self.verifier = SpecVerifier(self.input_batch, self.structured)

@@ -78,7 +78,7 @@ def make_runner(model_dir: Path, num_blocks: int = NUM_BLOCKS, num_swap_blocks: 
     model = load_model(model_dir, dtype=torch.float32, device=device, max_model_len=max_len,
                        cfg=cfg, keep_plain_weights=keep_plain_weights)
     kv_cache = KVCache.allocate(cfg, num_blocks, BLOCK_SIZE, torch.float32, device)
-    model.bind_kv_cache(kv_cache.per_layer())
+    kv_cache.bind(model)
     swap_pool = SwapPool.allocate(kv_cache, num_swap_blocks) if num_swap_blocks else None
     return ModelRunner(model, kv_cache, BLOCK_SIZE, max_len, cfg.vocab_size, device, swap_pool)
 
