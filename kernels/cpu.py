@@ -15,6 +15,13 @@ differs is how the work is batched, never what is computed:
   sequence (the flash CPU kernel), on the new keys directly when there is no cached prefix.
   The per-step bookkeeping (which rows decode, their block tables or gather index and mask) is
   an `AttentionPlan`, built once per step and shared by every layer.
+  The variants (twins.paged_attention: sliding window, logit soft-capping, attention sinks) run
+  on every path, per layer: the fused kernels take them as arguments; the torch paths gather
+  from the block holding a sequence's first visible key (a window's gather index and mask are
+  derived once per step and window, kept in the plan) and compute softcap and sinks with
+  explicit matmuls and an fp32 softmax, which SDPA cannot. No path reads a key below a
+  window, so a windowed decode costs the window, not the context, and blocks the block
+  manager freed below a window may hold anything.
 - rms_norm, silu_and_mul: the fused kernels for 16-bit dtypes (silu_and_mul bitwise equal to
   the twin, rms_norm within one rounding: its mean sums in another order); in fp32 torch's own
   ops, whose reduction order the twin and transformers share, so fp32 stays bitwise.
