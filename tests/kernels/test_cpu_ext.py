@@ -89,10 +89,10 @@ def _decode_case(lens, group, num_kv_heads, head_dim, block_size, dtype, seed):
     return batch, expected
 
 
-def _decode(batch, out=None):
+def _decode(batch, out=None, **variant):
     out = torch.full_like(batch.q, float("nan")) if out is None else out
     ops.decode_attention(out, batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
-                         batch.seq_lens, batch.scale)
+                         batch.seq_lens, batch.scale, **variant)
     return out
 
 
@@ -125,22 +125,25 @@ def test_decode_attention_writes_through_strided_views():
     assert wide[0].isnan().all() and wide[-1].isnan().all(), "rows outside the view written"
 
 
-def test_decode_attention_is_batch_and_thread_invariant():
+@pytest.mark.parametrize("variant", ["plain", "all"])
+def test_decode_attention_is_batch_and_thread_invariant(variant):
     """A sequence's output is computed from its own rows only: alone or in a batch, on one
     thread or two, the bits are the same (what seeded sampling's batch invariance needs)."""
     batch, _ = _decode_case([90, 5, 300, 17, 777], 7, 2, 64, 16, torch.bfloat16, seed=5)
-    together = _decode(batch)
+    args = _variant(variant, 14) if variant != "plain" else {}
+    together = _decode(batch, **args)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one_thread = _decode(batch)
+        one_thread = _decode(batch, **args)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(together, one_thread)
     for i in range(len(batch.seq_lens)):
         alone = torch.empty_like(batch.q[i:i + 1])
         ops.decode_attention(alone, batch.q[i:i + 1], batch.k_cache, batch.v_cache,
-                             batch.block_tables[i:i + 1], batch.seq_lens[i:i + 1], batch.scale)
+                             batch.block_tables[i:i + 1], batch.seq_lens[i:i + 1], batch.scale,
+                             **args)
         assert torch.equal(alone, together[i:i + 1])
 
 
@@ -192,19 +195,21 @@ def test_prefill_attention_matches_the_twin(seqs, group, num_kv_heads, head_dim,
             assert got[rows].isnan().all(), "a sequence not listed was written"
 
 
-def test_prefill_attention_is_batch_and_thread_invariant():
+@pytest.mark.parametrize("variant", ["plain", "all"])
+def test_prefill_attention_is_batch_and_thread_invariant(variant):
     seqs = [(300, 300), (40, 25), (9, 1), (130, 64)]
     batch = make_paged_batch(seqs, 14, 2, 64, 16, torch.bfloat16, torch.device("cpu"), seed=7)
-    together = _prefill(batch, [0, 1, 2, 3])
+    args = _variant(variant, 14) if variant != "plain" else {}
+    together = _prefill(batch, [0, 1, 2, 3], **args)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one_thread = _prefill(batch, [0, 1, 2, 3])
+        one_thread = _prefill(batch, [0, 1, 2, 3], **args)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(together, one_thread)
     for i in range(len(seqs)):
-        alone = _prefill(batch, [i])
+        alone = _prefill(batch, [i], **args)
         rows = slice(int(batch.query_start_loc[i]), int(batch.query_start_loc[i + 1]))
         assert torch.equal(alone[rows], together[rows])
 
