@@ -15,6 +15,13 @@ differs is how the work is batched, never what is computed:
   sequence (the flash CPU kernel), on the new keys directly when there is no cached prefix.
   The per-step bookkeeping (which rows decode, their block tables or gather index and mask) is
   an `AttentionPlan`, built once per step and shared by every layer.
+  The variants (twins.paged_attention: sliding window, logit soft-capping, attention sinks) run
+  on every path, per layer: the fused kernels take them as arguments; the torch paths gather
+  from the block holding a sequence's first visible key (a window's gather index and mask are
+  derived once per step and window, kept in the plan) and compute softcap and sinks with
+  explicit matmuls and an fp32 softmax, which SDPA cannot. No path reads a key below a
+  window, so a windowed decode costs the window, not the context, and blocks the block
+  manager freed below a window may hold anything.
 - rms_norm, silu_and_mul: the fused kernels for 16-bit dtypes (silu_and_mul bitwise equal to
   the twin, rms_norm within one rounding: its mean sums in another order); in fp32 torch's own
   ops, whose reduction order the twin and transformers share, so fp32 stays bitwise.
@@ -31,7 +38,7 @@ on CPUs without AVX512-BF16/AMX). Softmax is always accumulated in fp32.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +59,24 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     if dtype == torch.bfloat16 and has_native_bf16():
         return dtype
     return torch.float32
+
+
+@dataclass(frozen=True)
+class WindowedDecode:
+    """The torch decode path's operands for one sliding window: only the blocks holding some
+    sequence's last `window` positions, per sequence from the block of its first visible one.
+
+        block_ids  [num_decode * width] int64: each sequence's `width` blocks from that one
+                   (past its last block: repeats of a table entry, masked)
+        padding    [num_decode, 1, width * block_size] bool: outside the window or the length
+        padding_v  the same, shaped [num_decode, width * block_size, 1, 1] for values
+        per_seq    attend sequence by sequence, judged on the windowed lengths
+    """
+
+    block_ids: torch.Tensor
+    padding: torch.Tensor
+    padding_v: torch.Tensor
+    per_seq: bool
 
 
 @dataclass(frozen=True)
@@ -80,6 +105,11 @@ class AttentionPlan:
 
         prefill_seq_ids  [num_prefills] int32: the prefilling sequences' batch indices
         block_tables, query_start_loc, seq_lens: the step's, int32
+
+    Nothing here depends on a layer's attention variant (window, softcap, sinks): the fused
+    kernels take those per call. The torch decode path derives a window's gather index and
+    mask from the fields above on first use and keeps them in `windows` (window -> a
+    `WindowedDecode`), so layers sharing a window share them (Gemma alternates two).
     """
 
     num_decode: int
@@ -99,6 +129,7 @@ class AttentionPlan:
     block_tables: torch.Tensor | None = None
     query_start_loc: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
+    windows: dict[int, WindowedDecode] = field(default_factory=dict, compare=False, repr=False)
 
 
 # The padded batch computes max_len scores per decode sequence; one by one, each sequence costs
@@ -191,89 +222,182 @@ def paged_attention_planned(
     plan: AttentionPlan,
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    *,
+    window: int = 0,  # > 0: a query at position p sees keys p - window + 1 .. p only
+    softcap: float = 0.0,  # > 0: scores become softcap * tanh(scores / softcap)
+    sinks: torch.Tensor | None = None,  # [num_heads]: a logit per head in the softmax
 ) -> torch.Tensor:
     """Attention for a step whose keys/values are already in the cache. `key`/`value` are
-    optional: with them a prefill without cached prefix skips the gather from the cache."""
+    optional: with them a prefill without cached prefix skips the gather from the cache.
+    The variants are twins.paged_attention's; keys below a query's window are never read."""
+    assert window >= 0 and softcap >= 0.0, "window and softcap are >= 0 (0: off)"
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype)
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
+    variant = dict(window=window, softcap=softcap, sinks=sinks)
     if plan.decode_fused:
         ops = fused_kernels()
         if isinstance(plan.decode_rows, slice):  # written in place, through a strided view
             ops.decode_attention(out[plan.decode_rows], q[plan.decode_rows], k_cache, v_cache,
-                                 plan.decode_tables, plan.decode_seq_lens, scale)
+                                 plan.decode_tables, plan.decode_seq_lens, scale, **variant)
         else:
             dec_out = torch.empty((plan.num_decode, *q.shape[1:]), dtype=q.dtype)
             ops.decode_attention(dec_out, q[plan.decode_rows], k_cache, v_cache,
-                                 plan.decode_tables, plan.decode_seq_lens, scale)
+                                 plan.decode_tables, plan.decode_seq_lens, scale, **variant)
             out[plan.decode_rows] = dec_out
     elif plan.num_decode:
-        out[plan.decode_rows] = _decode(q[plan.decode_rows], k_cache, v_cache, plan, scale)
+        out[plan.decode_rows] = _decode(q[plan.decode_rows], k_cache, v_cache, plan, scale,
+                                        **variant)
     if plan.prefill_fused and q.shape[2] % fused_vector_width() == 0:
         fused_kernels().prefill_attention(out, q, k_cache, v_cache, plan.block_tables,
                                           plan.query_start_loc, plan.seq_lens,
-                                          plan.prefill_seq_ids, scale)
+                                          plan.prefill_seq_ids, scale, **variant)
         return out
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
     cdt = compute_dtype(q.dtype)
     for q_start, q_end, seq_len, block_ids, fresh in plan.prefills:
+        q_len = q_end - q_start
         qi = q[q_start:q_end].transpose(0, 1).to(cdt)  # [num_heads, q_len, head_dim]
-        if fresh and key is not None and value is not None:
+        direct = fresh and key is not None and value is not None
+        if direct:
             ki, vi = key[q_start:q_end], value[q_start:q_end]  # [q_len, num_kv_heads, head_dim]
-            mask, causal = None, True
+            lo = 0
         else:
-            # Whole blocks, flattened to positions, trimmed to seq_len.
-            ki = k_cache[block_ids].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
-            vi = v_cache[block_ids].flatten(0, 1)[:seq_len]
-            q_len = q_end - q_start
-            # Query j sits at position seq_len - q_len + j and sees keys at or before it.
-            mask = (torch.arange(seq_len)[None, :]
-                    <= torch.arange(seq_len - q_len, seq_len)[:, None])  # [q_len, seq_len]
-            causal = False
-        # 4-D inputs: with 3-D ones SDPA falls back to its unfused math path on the CPU.
-        o = F.scaled_dot_product_attention(
-            qi[None], ki.transpose(0, 1).to(cdt)[None], vi.transpose(0, 1).to(cdt)[None],
-            attn_mask=mask, is_causal=causal, scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
-        )  # [1, num_heads, q_len, head_dim]
-        out[q_start:q_end] = o[0].transpose(0, 1)
+            # Whole blocks from the one holding the first query's first visible key (every
+            # block without a window), flattened to positions lo.., trimmed to seq_len.
+            first = max(0, seq_len - q_len - window + 1) // block_size if window else 0
+            lo = first * block_size
+            ki = k_cache[block_ids[first:]].flatten(0, 1)[:seq_len - lo]  # [seq_len - lo, ...]
+            vi = v_cache[block_ids[first:]].flatten(0, 1)[:seq_len - lo]
+        ki, vi = ki.transpose(0, 1).to(cdt), vi.transpose(0, 1).to(cdt)  # [kv_heads, n, D]
+        explicit = softcap or sinks is not None  # score variants SDPA lacks
+        # A fresh prompt's own keys, plain: SDPA's causal flag, no mask.
+        mask = (None if direct and not window and not explicit
+                else _visible_keys(seq_len, q_len, window, lo))  # [q_len, seq_len - lo]
+        if explicit:
+            o = _attend(qi, ki, vi, scale, softcap, sinks, mask)  # [num_heads, q_len, D]
+        else:
+            # 4-D inputs: with 3-D ones SDPA falls back to its unfused math path on the CPU.
+            o = F.scaled_dot_product_attention(
+                qi[None], ki[None], vi[None], attn_mask=mask, is_causal=mask is None,
+                scale=scale, enable_gqa=num_heads != num_kv_heads,
+            )[0]  # [num_heads, q_len, head_dim]
+        out[q_start:q_end] = o.transpose(0, 1)
     return out
+
+
+def _visible_keys(seq_len: int, q_len: int, window: int, lo: int) -> torch.Tensor:
+    """[q_len, seq_len - lo] bool: query j (at position seq_len - q_len + j) sees the key at
+    position lo + i: at or before it, and within `window` of it if > 0."""
+    query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+    key_pos = torch.arange(lo, seq_len)[None, :]
+    mask = key_pos <= query_pos
+    if window:
+        mask &= key_pos > query_pos - window
+    return mask
+
+
+def _attend(q: torch.Tensor,  # [num_heads, q_len, head_dim], compute dtype
+            k: torch.Tensor,  # [num_kv_heads, n, head_dim]
+            v: torch.Tensor,  # [num_kv_heads, n, head_dim]
+            scale: float, softcap: float, sinks: torch.Tensor | None,  # [num_heads] fp32
+            mask: torch.Tensor | None,  # [q_len, n] bool, True: visible; None: all visible
+            ) -> torch.Tensor:  # [num_heads, q_len, head_dim], compute dtype
+    """Attention with the score variants SDPA lacks: explicit matmuls, a softmax in fp32.
+    Each KV head's group of query heads is one [group * q_len, D] matrix, so K and V are
+    never repeated per head."""
+    num_heads, q_len, head_dim = q.shape
+    num_kv_heads, n, _ = k.shape
+    group = num_heads // num_kv_heads
+    qg = q.reshape(num_kv_heads, group * q_len, head_dim)
+    scores = torch.bmm(qg, k.transpose(1, 2)).float().mul_(scale)  # [kv_heads, group*q_len, n]
+    if softcap:
+        scores.div_(softcap).tanh_().mul_(softcap)
+    scores = scores.view(num_kv_heads, group, q_len, n)
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.view(num_kv_heads, group, 1, 1).expand(num_kv_heads, group, q_len, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    probs = probs.to(q.dtype).reshape(num_kv_heads, group * q_len, n)
+    return torch.bmm(probs, v).view(num_heads, q_len, head_dim)
+
+
+def _windowed(plan: AttentionPlan, window: int, block_size: int) -> WindowedDecode:
+    """The plan's decode operands for `window`, built on first use in a step (host ints and a
+    few small tensor ops) and kept in the plan for the step's other layers."""
+    found = plan.windows.get(window)
+    if found is not None:
+        return found
+    lens = plan.decode_lens
+    firsts = [max(0, n - window) // block_size for n in lens]
+    width = max(-(-n // block_size) - f for n, f in zip(lens, firsts, strict=True))
+    max_blocks = plan.decode_block_ids.numel() // plan.num_decode
+    first = torch.tensor(firsts)[:, None]  # [num_decode, 1]
+    # A column past a sequence's last block repeats a table entry; its positions are masked.
+    cols = (first + torch.arange(width)).clamp_(max=max_blocks - 1)  # [num_decode, width]
+    block_ids = plan.decode_block_ids.view(plan.num_decode, max_blocks).gather(1, cols)
+    positions = first * block_size + torch.arange(width * block_size)  # [num_decode, ctx]
+    seq_lens = torch.tensor(lens)[:, None]
+    padding = (positions >= seq_lens) | (positions < seq_lens - window)
+    found = WindowedDecode(block_ids.flatten(), padding[:, None, :], padding[:, :, None, None],
+                           per_sequence_decode(tuple(min(n, window) for n in lens)))
+    plan.windows[window] = found
+    return found
 
 
 def _decode(q: torch.Tensor,  # [num_decode, num_heads, head_dim]
             k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
-            scale: float) -> torch.Tensor:  # [num_decode, num_heads, head_dim]
+            scale: float, *, window: int = 0, softcap: float = 0.0,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:  # [num_decode, num_heads, D]
     num_decode, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     cdt = compute_dtype(q.dtype)
-    if plan.decode_per_seq:
-        return _decode_per_sequence(q, k_cache, v_cache, plan, scale)
-    # Whole blocks of every decode sequence, all KV heads: [num_decode, max_ctx, kv_heads, D].
-    k = k_cache.index_select(0, plan.decode_block_ids).view(num_decode, -1, num_kv_heads,
-                                                            head_dim).to(cdt)
-    v = v_cache.index_select(0, plan.decode_block_ids).view(num_decode, -1, num_kv_heads,
-                                                            head_dim).to(cdt)
+    block_ids, padding, padding_v, per_seq = (plan.decode_block_ids, plan.decode_padding,
+                                              plan.decode_padding_v, plan.decode_per_seq)
+    if window:
+        w = _windowed(plan, window, k_cache.shape[1])
+        block_ids, padding, padding_v, per_seq = w.block_ids, w.padding, w.padding_v, w.per_seq
+    if per_seq:
+        return _decode_per_sequence(q, k_cache, v_cache, plan, scale, window, softcap, sinks)
+    # Whole blocks of every decode sequence, all KV heads: [num_decode, ctx, kv_heads, D].
+    k = k_cache.index_select(0, block_ids).view(num_decode, -1, num_kv_heads, head_dim).to(cdt)
+    v = v_cache.index_select(0, block_ids).view(num_decode, -1, num_kv_heads, head_dim).to(cdt)
     # Padded positions get probability exactly 0; zeroing their values keeps 0 * NaN (stale
     # or poisoned slots) out of the sum.
-    v.masked_fill_(plan.decode_padding_v, 0.0)
+    v.masked_fill_(padding_v, 0.0)
     qc = q.to(cdt)
     out = torch.empty((num_decode, num_heads, head_dim), dtype=cdt)
     for h in range(num_kv_heads):
         heads = slice(h * group, (h + 1) * group)
-        # Strided views: [num_decode, group, D] @ [num_decode, D, max_ctx], no copies.
+        # Strided views: [num_decode, group, D] @ [num_decode, D, ctx], no copies.
         scores = torch.bmm(qc[:, heads], k[:, :, h].transpose(1, 2))  # [num_decode, group, ctx]
+        scores = scores.float().mul_(scale)
+        if softcap:
+            scores.div_(softcap).tanh_().mul_(softcap)
         # Padded keys may hold anything, NaN included: their scores are replaced, not added to.
-        scores = scores.float().mul_(scale).masked_fill_(plan.decode_padding, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(cdt)
-        out[:, heads] = torch.bmm(probs, v[:, :, h])  # [num_decode, group, D]
+        scores.masked_fill_(padding, float("-inf"))
+        if sinks is not None:
+            sink = sinks[heads].view(1, group, 1).expand(num_decode, group, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out[:, heads] = torch.bmm(probs.to(cdt), v[:, :, h])  # [num_decode, group, D]
     return out.to(q.dtype)
 
 
 def _decode_per_sequence(q: torch.Tensor,  # [num_decode, num_heads, head_dim]
                          k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
-                         scale: float) -> torch.Tensor:  # [num_decode, num_heads, head_dim]
-    """Each decode sequence on its own: its keys trimmed to its length need no mask, and
-    SDPA's fused kernel reads no padding."""
+                         scale: float, window: int = 0, softcap: float = 0.0,
+                         sinks: torch.Tensor | None = None,
+                         ) -> torch.Tensor:  # [num_decode, num_heads, head_dim]
+    """Each decode sequence on its own: its keys trimmed to its window and length need no
+    mask, and SDPA's fused kernel reads no padding (explicit matmuls for softcap, sinks)."""
     num_decode, num_heads, _ = q.shape
     cdt = compute_dtype(q.dtype)
     gqa = num_heads != k_cache.shape[2]
@@ -282,14 +406,19 @@ def _decode_per_sequence(q: torch.Tensor,  # [num_decode, num_heads, head_dim]
     qc = q.to(cdt)[:, :, None, :]  # [num_decode, num_heads, 1, head_dim]
     out = torch.empty(q.shape, dtype=cdt)
     for i, seq_len in enumerate(plan.decode_lens):
+        lo = max(0, seq_len - window) if window else 0  # the first visible position
+        first = lo // block_size
         start = i * max_blocks
-        block_ids = plan.decode_block_ids[start:start + -(-seq_len // block_size)]
-        k1 = k_cache.index_select(0, block_ids).flatten(0, 1)[:seq_len]  # [len, kv_heads, D]
-        v1 = v_cache.index_select(0, block_ids).flatten(0, 1)[:seq_len]
-        o = F.scaled_dot_product_attention(  # [1, num_heads, 1, head_dim]
-            qc[i:i + 1], k1.transpose(0, 1).to(cdt)[None], v1.transpose(0, 1).to(cdt)[None],
-            scale=scale, enable_gqa=gqa)
-        out[i] = o[0, :, 0]
+        block_ids = plan.decode_block_ids[start + first:start + -(-seq_len // block_size)]
+        trim = slice(lo - first * block_size, seq_len - first * block_size)
+        k1 = k_cache.index_select(0, block_ids).flatten(0, 1)[trim]  # [n, kv_heads, D]
+        v1 = v_cache.index_select(0, block_ids).flatten(0, 1)[trim]
+        k1, v1 = k1.transpose(0, 1).to(cdt), v1.transpose(0, 1).to(cdt)  # [kv_heads, n, D]
+        if softcap or sinks is not None:
+            out[i] = _attend(qc[i], k1, v1, scale, softcap, sinks, None)[:, 0]
+        else:
+            out[i] = F.scaled_dot_product_attention(  # [1, num_heads, 1, head_dim]
+                qc[i:i + 1], k1[None], v1[None], scale=scale, enable_gqa=gqa)[0, :, 0]
     return out.to(q.dtype)
 
 
@@ -310,12 +439,9 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The twin's signature: plans the step, then attends (keys read from the cache)."""
-    if window or softcap or sinks is not None:
-        return twins.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
-                                     query_start_loc, max_query_len, max_seq_len, scale, out,
-                                     window=window, softcap=softcap, sinks=sinks)
     plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
-    return paged_attention_planned(q, None, None, k_cache, v_cache, plan, scale, out)
+    return paged_attention_planned(q, None, None, k_cache, v_cache, plan, scale, out,
+                                   window=window, softcap=softcap, sinks=sinks)
 
 
 def store_kv(

@@ -43,9 +43,9 @@ class PagedKernelsBackend:
         # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]
         store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         variant = dict(window=window, softcap=softcap, sinks=sinks)
-        if cpu_backend_active(q) and window == 0 and softcap == 0.0 and sinks is None:
+        if cpu_backend_active(q):  # every variant; one plan serves layers of any window
             plan = self._cpu_plan(batch, k_cache.shape[1])
-            return cpu.paged_attention_planned(q, k, v, k_cache, v_cache, plan, scale)
+            return cpu.paged_attention_planned(q, k, v, k_cache, v_cache, plan, scale, **variant)
         return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
                                batch.query_start_loc, batch.max_query_len, batch.max_seq_len,
                                scale, **variant)  # [num_tokens, num_heads, head_dim]

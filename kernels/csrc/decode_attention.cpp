@@ -1,14 +1,21 @@
-// Decode attention straight from the paged cache: one query token per sequence, attending to
-// its first seq_lens[s] cached positions.
+// Decode attention straight from the paged cache: one query token per sequence, at position
+// seq_lens[s] - 1, attending to the keys it sees: positions lo..seq_lens[s] - 1, where lo = 0,
+// or seq_lens[s] - window with a sliding window (window > 0).
 //
 // A work item is one chunk of kChunk positions of one sequence, all heads: it walks its blocks
 // front to back in tiles of up to 16 positions, reading each tile's K rows and then its V rows
 // whole (every KV head side by side, so the reads stream through contiguous memory), with an
-// online softmax per query head in fp32 (running max, rescaled sums). A sequence longer than
-// one chunk is split across items and its chunks' partial results merged in chunk order. The
-// chunking depends only on the sequence's own length, so a sequence's result does not depend
-// on the rest of the batch nor on the thread count. Positions past seq_lens[s] are never read,
-// so stale or poisoned slots cannot leak.
+// online softmax per query head in fp32 (running max, rescaled sums). A sequence with more than
+// one chunk of visible positions is split across items and its chunks' partial results merged
+// in chunk order. The chunking depends only on the sequence's own length (and the window), so a
+// sequence's result does not depend on the rest of the batch nor on the thread count.
+//
+// Only positions lo..seq_lens[s] - 1 are read: slots past the length and every block below the
+// window (which the block manager may have freed and handed to another sequence) are never
+// touched, so stale or poisoned slots cannot leak and a windowed decode costs the window, not
+// the context. Variants, as twins.paged_attention defines them: softcap > 0 maps each scaled
+// score s to softcap * tanh(s / softcap) before the softmax; sinks ([num_heads] fp32) adds one
+// logit per query head to the softmax's denominator only (the max taken over it too).
 
 #include <atomic>
 
@@ -123,7 +130,8 @@ inline void weigh_tile_any(const float* p, const T* vrows, int64_t vt, int64_t n
 template <typename T>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, double scale) {
+                           const at::Tensor& seq_lens, double scale, int64_t window,
+                           double softcap, const float* sinks) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv = k_cache.size(2);
   const int64_t group = num_heads / num_kv;
@@ -139,22 +147,24 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
-  // Work items (sequence, first position), longest sequences first; `first[s]` is the index
-  // of sequence s's first chunk in the partials, or -1 when it has one chunk.
+  // Work items (sequence, first position), longest sequences first; `lo[s]` is sequence s's
+  // first visible position, where its chunks start; `first[s]` the index of its first chunk in
+  // the partials, or -1 when it has one chunk.
   std::vector<std::pair<int64_t, int64_t>> items;
-  std::vector<int64_t> first(num_seqs, -1);
+  std::vector<int64_t> first(num_seqs, -1), lo(num_seqs, 0);
   int64_t num_partials = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t len = lens[s];
     TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "seq_lens[", s, "] = ", len,
                 " is outside [1, ", max_blocks * block_size, "]");
-    if (len > kChunk) {
+    if (window > 0) lo[s] = std::max<int64_t>(0, len - window);
+    if (len - lo[s] > kChunk) {
       first[s] = num_partials;
-      num_partials += (len + kChunk - 1) / kChunk;
+      num_partials += (len - lo[s] + kChunk - 1) / kChunk;
     }
-    for (int64_t t0 = 0; t0 < len; t0 += kChunk) items.emplace_back(s, t0);
+    for (int64_t t0 = lo[s]; t0 < len; t0 += kChunk) items.emplace_back(s, t0);
   }
   std::stable_sort(items.begin(), items.end(), [&](const auto& a, const auto& b) {
     return std::min<int64_t>(kChunk, lens[a.first] - a.second) >
@@ -199,6 +209,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
                      p.data() + hd * kTile);
         for (int64_t hd = 0; hd < num_heads; ++hd) {  // online softmax, per query head
           float* ph = p.data() + hd * kTile;
+          if (cap > 0.f) softcap_scores(ph, kTile, cap);  // before the padding's -inf
           std::fill(ph + n, ph + kTile, -std::numeric_limits<float>::infinity());
           fVec mx = fVec::loadu(ph);
           for (int64_t c = kV; c < kTile; c += kV) mx = at::vec::maximum(mx, fVec::loadu(ph + c));
@@ -229,11 +240,11 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       if (first[s] < 0) {
         for (int64_t hd = 0; hd < num_heads; ++hd) {
           T* orow = op + s * so0 + hd * so1;
-          const float inv = 1.f / l[hd];
+          const float inv = softmax_norm(m[hd], l[hd], sinks ? sinks + hd : nullptr);
           for (int64_t j = 0; j < dim; ++j) orow[j] = static_cast<T>(acc[hd * dim + j] * inv);
         }
       } else {
-        float* part = partials.data() + (first[s] + c0 / kChunk) * partial_size;
+        float* part = partials.data() + (first[s] + (c0 - lo[s]) / kChunk) * partial_size;
         std::copy(acc.begin(), acc.end(), part);
         std::copy(m.begin(), m.end(), part + num_heads * dim);
         std::copy(l.begin(), l.end(), part + num_heads * (dim + 1));
@@ -245,10 +256,11 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
     std::vector<float> acc(dim);
     for (int64_t s = begin; s < end; ++s) {
       if (first[s] < 0) continue;
-      const int64_t chunks = (lens[s] + kChunk - 1) / kChunk;
+      const int64_t chunks = (lens[s] - lo[s] + kChunk - 1) / kChunk;
       const float* base = partials.data() + first[s] * partial_size;
       for (int64_t hd = 0; hd < num_heads; ++hd) {
-        float m_all = -std::numeric_limits<float>::infinity();
+        // A sink is one more logit of the softmax: in the max, and in the sum with no value.
+        float m_all = sinks ? sinks[hd] : -std::numeric_limits<float>::infinity();
         for (int64_t c = 0; c < chunks; ++c)
           m_all = std::max(m_all, base[c * partial_size + num_heads * dim + hd]);
         std::fill(acc.begin(), acc.end(), 0.f);
@@ -259,6 +271,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
           l_all += w * part[num_heads * (dim + 1) + hd];
           for (int64_t j = 0; j < dim; ++j) acc[j] += w * part[hd * dim + j];
         }
+        if (sinks) l_all += std::exp(sinks[hd] - m_all);
         T* orow = op + s * so0 + hd * so1;
         for (int64_t j = 0; j < dim; ++j) orow[j] = static_cast<T>(acc[j] / l_all);
       }
@@ -268,15 +281,19 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 
 void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& block_tables,
-                      const at::Tensor& seq_lens, double scale) {
+                      const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
+                      const std::optional<at::Tensor>& sinks) {
   check_attention_operands(out, q, k_cache, v_cache);
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0 (0: off)");
+  const float* sink = sinks_data(sinks, q.size(1));
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
                   block_tables.size(0) == q.size(0) && block_tables.stride(1) == 1,
               "block_tables must be [num_seqs, max_blocks] int32");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
                   seq_lens.numel() == q.size(0), "seq_lens must be [num_seqs] int32");
   FOLIO_DISPATCH(q.scalar_type(), "decode_attention", [&] {
-    decode_attention_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+    decode_attention_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                    window, softcap, sink);
   });
 }
 

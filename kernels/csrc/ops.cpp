@@ -38,10 +38,11 @@ TORCH_LIBRARY(folio_cpu, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin) -> ()");
   m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+        "Tensor block_tables, Tensor seq_lens, float scale, int window=0, float softcap=0.0, "
+        "Tensor? sinks=None) -> ()");
   m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor seq_ids, "
-        "float scale) -> ()");
+        "float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> ()");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("skinny_linear_q8(Tensor x, Tensor packed, Tensor scale, Tensor? bias, "
         "int out_features) -> Tensor");

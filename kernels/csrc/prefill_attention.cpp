@@ -1,14 +1,20 @@
 // Prefill attention straight from the paged cache: sequences with one or more query tokens
 // (a prompt, a chunk of one after a cached prefix) attending causally to their cached keys.
-// Query row j of sequence s sits at position seq_lens[s] - q_len + j and sees keys 0..position.
+// Query row j of sequence s sits at position p = seq_lens[s] - q_len + j and sees keys 0..p, or
+// with a sliding window (window > 0) keys p - window + 1..p.
 //
 // One work item is (sequence, KV head, tile of up to kTileQ query positions): its rows are the
 // tile's positions times the KV head's group of query heads, so each K/V row loaded serves every
 // row of the tile. Flash-style: key tiles of kTileK rows (widened to fp32, K transposed), scores
 // by a register-blocked product, an online softmax per row (running max and sum, the output
-// rescaled when the max moves), then P.V into fp32 accumulators. Keys past a row's position are
-// masked; positions past seq_lens[s] are never read. Items are claimed from a shared counter,
-// longest first, so uneven tiles (later positions see more keys) balance across threads.
+// rescaled when the max moves), then P.V into fp32 accumulators. An item's key tiles start at
+// the window of its first row (0 without one): keys outside a row's own range are masked, keys
+// below the item's first window and positions past seq_lens[s] are never read (blocks wholly
+// below a window may have been freed and reused). Items are claimed from a shared counter,
+// costliest first, so uneven tiles (later positions see more keys) balance across threads.
+// Variants, as twins.paged_attention defines them: softcap > 0 maps each scaled score s to
+// softcap * tanh(s / softcap) before masking; sinks ([num_heads] fp32) adds one logit per query
+// head to the softmax's denominator only (softmax_norm in vec.h).
 
 #include <atomic>
 
@@ -85,7 +91,8 @@ template <typename T>
 void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                            const at::Tensor& seq_ids, double scale) {
+                            const at::Tensor& seq_ids, double scale, int64_t window,
+                            double softcap, const float* sinks) {
   const int64_t num_heads = q.size(1), dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv = k_cache.size(2);
   const int64_t group = num_heads / num_kv, num_cache_blocks = k_cache.size(0);
@@ -101,7 +108,11 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* ids = seq_ids.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  // The first key a query at position `pos` sees.
+  const auto window_start = [window](int64_t pos) {
+    return window > 0 ? std::max<int64_t>(0, pos - window + 1) : int64_t{0};
+  };
   const int64_t num_tokens = q.size(0), num_seqs = seq_lens.numel();
 
   std::vector<PrefillItem> items;
@@ -114,9 +125,9 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
     TORCH_CHECK(len >= q_len && len <= max_blocks * block_size, "seq_lens[", s, "] = ", len,
                 " is outside [", q_len, ", ", max_blocks * block_size, "]");
     for (int64_t q0 = 0; q0 < q_len; q0 += kTileQ) {
-      const int64_t nq = std::min(kTileQ, q_len - q0);
-      for (int64_t h = 0; h < num_kv; ++h)
-        items.push_back({s, h, q0, nq, nq * (len - q_len + q0 + nq)});
+      const int64_t nq = std::min(kTileQ, q_len - q0), first_pos = len - q_len + q0;
+      const int64_t cost = nq * (first_pos + nq - window_start(first_pos));
+      for (int64_t h = 0; h < num_kv; ++h) items.push_back({s, h, q0, nq, cost});
     }
   }
   std::stable_sort(items.begin(), items.end(),
@@ -147,7 +158,8 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
       std::fill(m.begin(), m.begin() + rows, -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.begin() + rows, 0.f);
       std::fill(acc.begin(), acc.begin() + rows * dim, 0.f);
-      for (int64_t k0 = 0; k0 < num_keys; k0 += kTileK) {
+      // Keys k_start .. num_keys - 1: the first row's window to the last row's position.
+      for (int64_t k0 = window_start(first_pos); k0 < num_keys; k0 += kTileK) {
         const int64_t nk = std::min(kTileK, num_keys - k0);
         for (int64_t t = 0; t < kTileK; ++t) {  // rows past nk are zeros (their scores masked)
           float* kd = krows.data() + t * dim;
@@ -172,15 +184,20 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
           score_rows<decltype(nr)::value>(qf.data() + r * dim, dim, ktile.data(),
                                           s.data() + r * kTileK);
         });
-        // Online softmax: row r sees keys k0 .. min(its position, k0 + nk - 1).
+        // Online softmax: row r sees this tile's keys [k0 + from, k0 + to): from its window's
+        // start to its position.
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t visible = std::min(first_pos + r / group - k0 + 1, nk);
+          const int64_t pos = first_pos + r / group;
+          const int64_t from = std::max<int64_t>(0, window_start(pos) - k0);
+          const int64_t to = std::min(pos - k0 + 1, nk);
           float* sr = s.data() + r * kTileK;
-          if (visible <= 0) {  // every key of this tile lies after the row's position
+          if (to <= from) {  // the row sees no key of this tile
             std::fill(sr, sr + kTileK, 0.f);
             continue;
           }
-          for (int64_t t = visible; t < kTileK; ++t) sr[t] = -std::numeric_limits<float>::infinity();
+          if (cap > 0.f) softcap_scores(sr, kTileK, cap);  // before the mask's -inf
+          for (int64_t t = 0; t < from; ++t) sr[t] = -std::numeric_limits<float>::infinity();
+          for (int64_t t = to; t < kTileK; ++t) sr[t] = -std::numeric_limits<float>::infinity();
           fVec mx = fVec::loadu(sr);
           for (int c = 1; c < kKeyVecs; ++c) mx = at::vec::maximum(mx, fVec::loadu(sr + c * kV));
           const float tile_max = at::vec::vec_reduce_all<float>(
@@ -209,8 +226,9 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
       for (int64_t i = 0; i < it.nq; ++i) {
         for (int64_t g = 0; g < group; ++g) {
           const int64_t r = i * group + g;
-          T* dst = op + (qsl[it.seq] + it.q0 + i) * so0 + (it.head * group + g) * so1;
-          const fVec inv(1.f / l[r]);
+          const int64_t hd = it.head * group + g;
+          T* dst = op + (qsl[it.seq] + it.q0 + i) * so0 + hd * so1;
+          const fVec inv(softmax_norm(m[r], l[r], sinks ? sinks + hd : nullptr));
           for (int64_t j = 0; j < dim; j += kV) store_f(dst + j, fVec::loadu(acc.data() + r * dim + j) * inv);
         }
       }
@@ -221,8 +239,11 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
 void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, const at::Tensor& block_tables,
                        const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                       const at::Tensor& seq_ids, double scale) {
+                       const at::Tensor& seq_ids, double scale, int64_t window, double softcap,
+                       const std::optional<at::Tensor>& sinks) {
   check_attention_operands(out, q, k_cache, v_cache);
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0 (0: off)");
+  const float* sink = sinks_data(sinks, q.size(1));
   TORCH_CHECK(q.size(2) % kV == 0, "head_dim must be a multiple of ", kV);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
                   block_tables.stride(1) == 1, "block_tables must be [num_seqs, max_blocks] int32");
@@ -235,7 +256,7 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
               "seq_ids must be [num_prefills] int32");
   FOLIO_DISPATCH(q.scalar_type(), "prefill_attention", [&] {
     prefill_attention_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, query_start_loc,
-                                     seq_lens, seq_ids, scale);
+                                     seq_lens, seq_ids, scale, window, softcap, sink);
   });
 }
 

@@ -145,6 +145,33 @@ inline void check_attention_operands(const at::Tensor& out, const at::Tensor& q,
   check_inner_contiguous(out, "out");
 }
 
+// The attention variants both attention kernels take (twins.paged_attention defines them).
+// Logit soft-capping: s[0..n) <- cap * tanh(s / cap), n a multiple of kV; the twin's operations
+// (a division, not a product with 1 / cap).
+inline void softcap_scores(float* s, int64_t n, float cap) {
+  const fVec c(cap);
+  for (int64_t i = 0; i < n; i += kV) (c * (fVec::loadu(s + i) / c).tanh()).store(s + i);
+}
+
+// What a row's unnormalised output (online softmax: running max m, sum l relative to it) is
+// multiplied by: 1 / l, or with a sink logit (sink non-null) exp(m - t) / (l exp(m - t) +
+// exp(*sink - t)), t = max(m, *sink): the sink joins the denominator, its weight dropped.
+inline float softmax_norm(float m, float l, const float* sink) {
+  if (sink == nullptr) return 1.f / l;
+  const float top = std::max(m, *sink);
+  const float a = std::exp(m - top);
+  return a / (l * a + std::exp(*sink - top));
+}
+
+// sinks must be [num_heads] fp32 when given: its data, or nullptr.
+inline const float* sinks_data(const std::optional<at::Tensor>& sinks, int64_t num_heads) {
+  if (!sinks.has_value()) return nullptr;
+  TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat &&
+                  sinks->dim() == 1 && sinks->size(0) == num_heads && sinks->is_contiguous(),
+              "sinks must be [num_heads] fp32, contiguous");
+  return sinks->data_ptr<float>();
+}
+
 // The ops, as torch.ops.folio_cpu registers them (ops.cpp).
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                  const std::optional<at::Tensor>& residual);
@@ -152,11 +179,13 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 void rotary(const at::Tensor& positions, at::Tensor q, at::Tensor k, const at::Tensor& cos_sin);
 void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& block_tables,
-                      const at::Tensor& seq_lens, double scale);
+                      const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
+                      const std::optional<at::Tensor>& sinks);
 void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, const at::Tensor& block_tables,
                        const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                       const at::Tensor& seq_ids, double scale);
+                       const at::Tensor& seq_ids, double scale, int64_t window, double softcap,
+                       const std::optional<at::Tensor>& sinks);
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed,
                          const std::optional<at::Tensor>& bias, int64_t out_features);
 at::Tensor skinny_linear_q8(const at::Tensor& x, const at::Tensor& packed,

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import cpu, cpu_ext, twins
+from tests.kernels.attention_reference import poison_outside_windows
 from tests.kernels.conftest import fused_qkv_views, make_paged_batch
 
 ops = cpu_ext.load()
@@ -88,10 +89,10 @@ def _decode_case(lens, group, num_kv_heads, head_dim, block_size, dtype, seed):
     return batch, expected
 
 
-def _decode(batch, out=None):
+def _decode(batch, out=None, **variant):
     out = torch.full_like(batch.q, float("nan")) if out is None else out
     ops.decode_attention(out, batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
-                         batch.seq_lens, batch.scale)
+                         batch.seq_lens, batch.scale, **variant)
     return out
 
 
@@ -124,22 +125,25 @@ def test_decode_attention_writes_through_strided_views():
     assert wide[0].isnan().all() and wide[-1].isnan().all(), "rows outside the view written"
 
 
-def test_decode_attention_is_batch_and_thread_invariant():
+@pytest.mark.parametrize("variant", ["plain", "all"])
+def test_decode_attention_is_batch_and_thread_invariant(variant):
     """A sequence's output is computed from its own rows only: alone or in a batch, on one
     thread or two, the bits are the same (what seeded sampling's batch invariance needs)."""
     batch, _ = _decode_case([90, 5, 300, 17, 777], 7, 2, 64, 16, torch.bfloat16, seed=5)
-    together = _decode(batch)
+    args = _variant(variant, 14) if variant != "plain" else {}
+    together = _decode(batch, **args)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one_thread = _decode(batch)
+        one_thread = _decode(batch, **args)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(together, one_thread)
     for i in range(len(batch.seq_lens)):
         alone = torch.empty_like(batch.q[i:i + 1])
         ops.decode_attention(alone, batch.q[i:i + 1], batch.k_cache, batch.v_cache,
-                             batch.block_tables[i:i + 1], batch.seq_lens[i:i + 1], batch.scale)
+                             batch.block_tables[i:i + 1], batch.seq_lens[i:i + 1], batch.scale,
+                             **args)
         assert torch.equal(alone, together[i:i + 1])
 
 
@@ -156,11 +160,11 @@ def test_decode_attention_refuses_out_of_range_metadata(bad):
                              tables, lens, batch.scale)
 
 
-def _prefill(batch, seq_ids, out=None):
+def _prefill(batch, seq_ids, out=None, **variant):
     out = torch.full_like(batch.q, float("nan")) if out is None else out
     ops.prefill_attention(out, batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
                           batch.query_start_loc, batch.seq_lens,
-                          torch.tensor(seq_ids, dtype=torch.int32), batch.scale)
+                          torch.tensor(seq_ids, dtype=torch.int32), batch.scale, **variant)
     return out
 
 
@@ -191,21 +195,91 @@ def test_prefill_attention_matches_the_twin(seqs, group, num_kv_heads, head_dim,
             assert got[rows].isnan().all(), "a sequence not listed was written"
 
 
-def test_prefill_attention_is_batch_and_thread_invariant():
+@pytest.mark.parametrize("variant", ["plain", "all"])
+def test_prefill_attention_is_batch_and_thread_invariant(variant):
     seqs = [(300, 300), (40, 25), (9, 1), (130, 64)]
     batch = make_paged_batch(seqs, 14, 2, 64, 16, torch.bfloat16, torch.device("cpu"), seed=7)
-    together = _prefill(batch, [0, 1, 2, 3])
+    args = _variant(variant, 14) if variant != "plain" else {}
+    together = _prefill(batch, [0, 1, 2, 3], **args)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one_thread = _prefill(batch, [0, 1, 2, 3])
+        one_thread = _prefill(batch, [0, 1, 2, 3], **args)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(together, one_thread)
     for i in range(len(seqs)):
-        alone = _prefill(batch, [i])
+        alone = _prefill(batch, [i], **args)
         rows = slice(int(batch.query_start_loc[i]), int(batch.query_start_loc[i + 1]))
         assert torch.equal(alone[rows], together[rows])
+
+
+# Attention variants (twins.paged_attention defines them). Windows of 1, not a multiple of the
+# block size, and wider than one decode work item (256 positions) so a window's chunks merge.
+ATTENTION_VARIANTS = {
+    "window-1": dict(window=1),
+    "window-77": dict(window=77),
+    "window-300": dict(window=300),
+    "softcap": dict(softcap=2.0),
+    "sinks": dict(sinks=True),
+    "all": dict(window=300, softcap=2.0, sinks=True),
+}
+
+
+def _variant(name: str, num_heads: int) -> dict:
+    args = dict(ATTENTION_VARIANTS[name])
+    if args.get("sinks"):
+        args["sinks"] = torch.linspace(-2.0, 3.0, num_heads)
+    return args
+
+
+# 40: not whole AVX-512 vectors, the kernel's generic scoring path.
+@pytest.mark.parametrize("head_dim, dtype", [(64, dt) for dt in DTYPES] + [(40, torch.float32)])
+@pytest.mark.parametrize("name", ATTENTION_VARIANTS)
+def test_decode_attention_variants_match_the_twin(name, head_dim, dtype):
+    """Blocks wholly below each window hold NaN: a windowed decode never reads them."""
+    batch, _ = _decode_case([700, 300, 17, 1, 257], 3, 2, head_dim, 4, dtype, seed=9)
+    args = _variant(name, 6)
+    if args.get("window"):
+        poison_outside_windows(batch, args["window"])
+    expected = twins.paged_attention(*batch.args(), **args)
+    got = torch.full_like(batch.q, float("nan"))
+    ops.decode_attention(got, batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
+                         batch.seq_lens, batch.scale, **args)
+    assert not got.isnan().any(), "a slot below a window or past a length was read"
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ATTENTION_VARIANTS)
+def test_prefill_attention_variants_match_the_twin(name, dtype):
+    """Prompts and chunks after a prefix past the window, tiles of rows whose windows start
+    in different key tiles; blocks wholly below each sequence's first window hold NaN."""
+    seqs = [(420, 420), (380, 35), (40, 1), (9, 9)]
+    batch = make_paged_batch(seqs, 4, 2, 64, 16, dtype, torch.device("cpu"), seed=4)
+    args = _variant(name, 4)
+    if args.get("window"):
+        poison_outside_windows(batch, args["window"])
+    expected = twins.paged_attention(*batch.args(), **args)
+    got = _prefill(batch, [0, 1, 2, 3], **args)
+    assert not got.isnan().any(), "a slot below a window or past a length was read"
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("bad", ["sinks_shape", "sinks_dtype", "window", "softcap"])
+def test_attention_refuses_bad_variants(bad):
+    batch = make_paged_batch([(20, 20), (30, 1)], 4, 2, 64, 16, torch.float32,
+                             torch.device("cpu"), seed=1)
+    args = {"sinks_shape": dict(sinks=torch.zeros(3)),
+            "sinks_dtype": dict(sinks=torch.zeros(4, dtype=torch.float64)),
+            "window": dict(window=-1), "softcap": dict(softcap=-1.0)}[bad]
+    with pytest.raises(RuntimeError, match="sinks must|must be >= 0"):
+        ops.decode_attention(torch.empty_like(batch.q), batch.q, batch.k_cache, batch.v_cache,
+                             batch.block_tables, batch.seq_lens, batch.scale, **args)
+    with pytest.raises(RuntimeError, match="sinks must|must be >= 0"):
+        _prefill(batch, [0], **args)
 
 
 def test_the_build_reports_the_isa_torch_dispatches_to():
