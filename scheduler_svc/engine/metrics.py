@@ -70,6 +70,8 @@ COUNTERS = (
      "num_draft_tokens"),
     ("vllm:spec_decode_num_accepted_tokens", "Speculative decoding: of the verified proposed "
      "tokens, those accepted.", "num_accepted_tokens"),
+    ("folio:num_window_released_blocks", "KV blocks released while their request ran because "
+     "they fell out of every sliding window of their layers.", "num_window_released_blocks"),
     ("folio:num_stalled_requests", "Requests ended by the stall watchdog (--stall-timeout): "
      "each one is a server bug, logged at ERROR.", "num_stalled_requests"),
 )
@@ -124,6 +126,8 @@ class _ServerStatsCollector(Collector):
              "swapped out to the CPU pool).", stats["num_waiting"] + stats["num_swapped"]),
             ("vllm:kv_cache_usage_perc", "KV cache usage: the fraction of KV blocks in use "
              "(1 = all).", kv_cache_usage(stats)),
+            ("folio:kv_blocks_windowed", "KV blocks held by layers with a sliding window "
+             "(bounded by the windows, not the context).", stats["kv_blocks_windowed"]),
         )
         for name, doc, value in gauges:
             family = GaugeMetricFamily(name, doc, labels=LABEL_NAMES)

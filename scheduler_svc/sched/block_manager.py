@@ -107,7 +107,6 @@ class BlockManager:
         self._num_tokens: dict[str, int] = {}  # tokens each table (GPU or CPU) is sized for
         self._num_offered: dict[str, int] = {}  # leading positions already offered to the cache
         self._released_to: dict[str, int] = {}  # positions below this were window-released
-        self.num_window_released = 0  # blocks released because they left every window
         self.num_cpu_blocks = num_cpu_blocks
         self.cpu_ref_counts = [0] * num_cpu_blocks
         self._cpu_free: deque[int] = deque(range(num_cpu_blocks))
@@ -156,6 +155,13 @@ class BlockManager:
 
     def cpu_block_table(self, seq_id: str) -> list[int]:
         return list(self.cpu_tables.get(seq_id, ()))
+
+    @property
+    def num_windowed_blocks(self) -> int:
+        """GPU blocks the windowed groups' table entries name now (a shared one once)."""
+        G = self.num_groups
+        return len({b for table in self.block_tables.values()
+                    for g, _ in self._windowed for b in table[g::G] if b != FREED})
 
     def num_blocks_held(self, seq_id: str) -> int:
         """GPU blocks `seq_id`'s table names (FREED entries aside)."""
@@ -244,7 +250,6 @@ class BlockManager:
                     released += self._release(block_id)
         if end > start:  # every windowed group released below `end`
             self._released_to[seq_id] = end
-        self.num_window_released += released
         return released
 
     def cached_prefix(self, keys: Iterable[bytes]) -> list[int]:

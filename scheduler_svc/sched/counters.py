@@ -25,3 +25,4 @@ class SchedulerCounters:
     prefix_cache_hits: int = 0  # of those, tokens found cached
     num_draft_tokens: int = 0  # proposals verified (speculative decoding)
     num_accepted_tokens: int = 0  # of those, accepted
+    num_window_released_blocks: int = 0  # KV blocks released as sliding windows moved on

@@ -340,7 +340,7 @@ class Scheduler:
                                              max_len))
             assert alloc is not None, "make_room left too few blocks"
             if release is not None:  # this step's queries see no key below their windows
-                release(req.req_id, num_computed)
+                self.counters.num_window_released_blocks += release(req.req_id, num_computed)
             if alloc.copies:
                 step.block_copies.extend(alloc.copies)
             drafts = step.drafts.get(req.req_id, [])
