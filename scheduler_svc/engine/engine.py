@@ -302,7 +302,8 @@ class Engine:
             return
         if self.executor is not None or isinstance(answer, Reject):
             return
-        info = ExecutorInfo.from_hello(identity, hello, self.config.max_model_len)
+        info = ExecutorInfo.from_hello(identity, hello, self.config.max_model_len,
+                                       self.config.max_num_batched_tokens)
         self.executor, self._hello = info, hello
         self.scheduler = new_scheduler(info, hello, self.config,
                                        first_step_id=self._next_step_id)

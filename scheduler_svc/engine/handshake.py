@@ -15,7 +15,7 @@ import structlog
 
 from protos.plan import PROTOCOL_VERSION, Hello, Reject, Welcome
 from scheduler_svc.config import SchedulerConfig, num_speculative_tokens
-from scheduler_svc.sched.block_manager import BlockManager
+from scheduler_svc.sched.block_manager import BlockManager, longest_context
 from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.text.tokenizer import Tokenizer
 
@@ -43,10 +43,13 @@ class ExecutorInfo:
     tensor_parallel_size: int
 
     @classmethod
-    def from_hello(cls, identity: bytes, hello: Hello, max_model_len_cap: int | None
-                   ) -> ExecutorInfo:
-        # A sequence running alone must fit in the pool, or it would preempt itself forever.
-        max_model_len = min(hello.max_model_len, hello.num_kv_blocks * hello.block_size)
+    def from_hello(cls, identity: bytes, hello: Hello, max_model_len_cap: int | None,
+                   max_num_batched_tokens: int = 1) -> ExecutorInfo:
+        # A sequence running alone must fit in the pool, or it would preempt itself forever;
+        # with sliding windows it holds only the windows' blocks (and a step's chunk) there.
+        max_model_len = longest_context(hello.num_kv_blocks, hello.block_size,
+                                        hello.kv_windows, max_num_batched_tokens,
+                                        hello.max_model_len)
         if max_model_len_cap is not None:
             max_model_len = min(max_model_len, max_model_len_cap)
         return cls(identity=identity, executor_id=hello.executor_id,
@@ -70,9 +73,11 @@ def check_hello(hello: Hello, tokenizer: Tokenizer) -> str | None:
     if hello.block_size < 1 or hello.num_kv_blocks < 1:
         return (f"executor reported {hello.num_kv_blocks} KV blocks of {hello.block_size} "
                 "tokens; it needs at least one block (give it more --kv-cache-memory)")
-    if hello.max_model_len < 2 or hello.num_kv_blocks * hello.block_size < 2:
-        return (f"executor can hold only {hello.num_kv_blocks * hello.block_size} tokens of KV "
-                f"(max_model_len {hello.max_model_len}); a request needs at least 2")
+    if hello.max_model_len < 2 or longest_context(hello.num_kv_blocks, hello.block_size,
+                                                  hello.kv_windows, 1, 2) < 2:
+        return (f"executor can hold only {hello.num_kv_blocks} KV blocks of "
+                f"{hello.block_size} tokens in {len(hello.kv_windows)} KV groups (max_model_len "
+                f"{hello.max_model_len}); a request needs at least 2 tokens")
     if tokenizer.vocab_size > hello.vocab_size:
         return (f"the scheduler's tokenizer has {tokenizer.vocab_size} tokens but the "
                 f"executor's model only {hello.vocab_size}; start both on the same model")

@@ -73,6 +73,32 @@ from typing import NamedTuple
 FREED = -1  # a table entry whose block left every window of its group and was released
 
 
+def blocks_to_hold(num_tokens: int, chunk: int, block_size: int, windows: Sequence[int],
+                   margin: int = 0) -> int:
+    """The most blocks a sequence of `num_tokens` tokens, computed `chunk` tokens a step, holds
+    at once: every position in full-attention groups, in windowed groups the positions of one
+    chunk and the window behind it (plus the rollback margin)."""
+    positions = -(-num_tokens // block_size)
+    total = 0
+    for w in windows:
+        total += min(positions, -(-(w + chunk + margin) // block_size) + 1) if w else positions
+    return total
+
+
+def longest_context(num_blocks: int, block_size: int, windows: Sequence[int], chunk: int,
+                    limit: int) -> int:
+    """The longest sequence (at most `limit` tokens) that runs alone in a pool of `num_blocks`
+    blocks, computed `chunk` tokens a step; 0 if none fits."""
+    lo, hi = 0, limit  # blocks_to_hold grows with the length: the last length that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if blocks_to_hold(mid, chunk, block_size, windows) <= num_blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class Allocation(NamedTuple):
     """What one `allocate` call did. A NamedTuple, not a frozen dataclass: one is made per
     running request per step, and a frozen dataclass's __init__ costs several times more."""
@@ -132,13 +158,9 @@ class BlockManager:
 
     def blocks_to_hold(self, num_tokens: int, chunk: int) -> int:
         """The most blocks a sequence of `num_tokens` tokens computed `chunk` tokens a step
-        ever holds at once: every position in full-attention groups, in windowed groups the
-        positions of one chunk and the window behind it (plus the rollback margin)."""
-        positions = self.blocks_for(num_tokens)
-        total = positions * len(self._full_groups)
-        for _, w in self._windowed:
-            total += min(positions, self.blocks_for(w + chunk + self.window_margin) + 1)
-        return total
+        ever holds at once (`blocks_to_hold` below)."""
+        return blocks_to_hold(num_tokens, chunk, self.block_size, self.windows,
+                              self.window_margin)
 
     def block_table(self, seq_id: str) -> list[int]:
         return list(self.block_tables.get(seq_id, ()))

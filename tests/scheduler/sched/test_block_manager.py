@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from scheduler_svc.sched.block_manager import FREED, Allocation, BlockManager
+from scheduler_svc.sched.block_manager import FREED, Allocation, BlockManager, longest_context
 from scheduler_svc.sched.prefix_cache import block_key, extend_block_keys
 
 
@@ -322,3 +322,14 @@ def test_fork_shares_and_copies_per_group():
     assert alloc.new_block_ids == [] and alloc.copies == ((2, 4), (3, 5))
     assert bm.block_table("c") == [0, 1, 4, 5]
     bm.check_invariants()
+
+
+def test_longest_context_follows_the_windows():
+    # Full attention: the pool's tokens. All windows: unbounded (up to the limit). Mixed: the
+    # full groups' share of the pool, once the windows' blocks are set aside.
+    assert longest_context(10, 4, (0,), chunk=8, limit=1000) == 40
+    assert longest_context(10, 4, (8,), chunk=8, limit=1000) == 1000
+    assert longest_context(4, 4, (8,), chunk=8, limit=1000) == 16  # a window and chunk need 5
+    # windows (0, 8), chunk 8: a window holds ceil(16 / 4) + 1 = 5 blocks; 20 - 5 = 15 left.
+    assert longest_context(20, 4, (0, 8), chunk=8, limit=1000) == 60
+    assert longest_context(1, 4, (0, 8), chunk=1, limit=1000) == 0  # one block, two groups
