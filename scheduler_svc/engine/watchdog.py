@@ -100,7 +100,7 @@ class StallWatchdog:
         waiting_ids = [r.req_id for r in queues.waiting]
         sequences = [dict(seq_id=r.req_id, status=r.status.value,
                           num_computed_tokens=r.num_computed_tokens, num_tokens=r.num_tokens,
-                          num_blocks=len(bm.block_tables.get(r.req_id, ())),
+                          num_blocks=bm.num_blocks_held(r.req_id),
                           queue_position=(waiting_ids.index(r.req_id)
                                           if r.status is RequestStatus.WAITING else None))
                      for r in reqs]
