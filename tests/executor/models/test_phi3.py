@@ -101,3 +101,19 @@ def test_sliding_window_is_read_as_mistral_reads_it():
     assert cfg.sliding_window == 100
     assert effective_max_model_len(cfg, None) == 100
     assert ModelConfig.from_dict(_phi3_config(sliding_window=None)).sliding_window is None
+
+
+def test_fused_tensor_of_the_wrong_shape_is_refused_naming_it(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from checkpoints.files import CheckpointError
+
+    model_dir = save_checkpoint(make_hf_model("phi3"), tmp_path / "phi3")
+    weights = load_file(str(model_dir / "model.safetensors"))
+    name = "model.layers.1.self_attn.qkv_proj.weight"
+    weights[name] = weights[name][:-16]  # one KV head's rows short
+    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"checkpoint tensor {name} has shape "
+                                              r"\(112, 64\), the model built from config.json "
+                                              r"expects \(128, 64\)"):
+        make_runner(model_dir)
