@@ -132,3 +132,46 @@ def test_phi3_without_longrope_and_partial_rotary(tmp_path):
                                               r"size \(16\): partial rotary"):
         gguf_checkpoint_dir(write_gguf(hf_dir, tmp_path / "partial.gguf", "F32"),
                             tmp_path / "cache")
+
+
+@pytest.mark.parametrize("pattern, expected", [
+    (None, ["sliding_attention"] * 5 + ["full_attention"]),  # Gemma 3's fixed period, 6
+    (3, ["sliding_attention", "sliding_attention", "full_attention"] * 2),
+    ([True, False, True, True, False, False],
+     ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+      "full_attention", "full_attention"]),
+])
+def test_gemma3_layer_pattern_and_local_base_from_the_metadata(pattern, expected, converted,
+                                                                tmp_path):
+    hf_dir, _, _ = converted("gemma3")
+
+    def extra(writer):
+        if pattern is not None:
+            writer.add_sliding_window_pattern(pattern)
+        writer.add_rope_freq_base_swa(20000.0)
+
+    out = gguf_checkpoint_dir(write_gguf(hf_dir, tmp_path / "g3.gguf", "F32",
+                                         extra_metadata=extra), tmp_path / "cache")
+    config = json.loads((out / "config.json").read_text())
+    assert config["layer_types"] == expected
+    assert config["rope_parameters"]["sliding_attention"] == {"rope_type": "default",
+                                                              "rope_theta": 20000.0}
+    assert config["rope_parameters"]["full_attention"] == {
+        "rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}
+
+
+def test_gemma2_27b_query_scale_and_stated_softcaps(tmp_path):
+    """llama.cpp scales a 27B Gemma's queries by 1/sqrt(hidden / heads) (46 layers for Gemma
+    2), every other size's by 1/sqrt(head_dim); soft-capping values come from the file."""
+    from tests.fixtures.checkpoints import make_checkpoint
+
+    hf_dir = make_checkpoint("gemma2", tmp_path / "hf", num_hidden_layers=46, hidden_size=32,
+                             intermediate_size=32,
+                             attn_logit_softcapping=40.0, final_logit_softcapping=20.0)
+    out = gguf_checkpoint_dir(write_gguf(hf_dir, tmp_path / "g2.gguf", "F16"),
+                              tmp_path / "cache")
+    config = json.loads((out / "config.json").read_text())
+    assert config["query_pre_attn_scalar"] == 32 // 4  # hidden / heads, not head_dim (16)
+    assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (40.0, 20.0)
+    assert config["layer_types"][:3] == ["sliding_attention", "full_attention",
+                                         "sliding_attention"]
