@@ -57,6 +57,15 @@ def rope_spec(d: dict[str, Any]) -> RopeSpec:
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     if not isinstance(rope_type, str):
         raise ValueError(f"rope_type must be a string, got {rope_type!r}")
+    # Phi-3's older names for LongRoPE, as HF's Phi3Config reads them ("yarn" only with
+    # LongRoPE's factor lists, which a real YaRN config never carries).
+    if rope_type == "su" or (rope_type == "yarn" and "short_factor" in params
+                             and "long_factor" in params):
+        rope_type = "longrope"
+    partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial!r} is not supported: Folio's rotary "
+                         "kernels rotate the whole head")
     if rope_type in ("yarn", "longrope", "dynamic"):
         _resolve_original_context(d, rope_type, params)
     # The numbers the scaled variants divide by (see models/rope.py).

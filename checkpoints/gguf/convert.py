@@ -39,7 +39,7 @@ def convert(gguf_file: Path, out_dir: Path, sha256: str, progress: bool) -> None
     from checkpoints.gguf.hf_config import (
         build_config,
         build_generation_config,
-        read_rope_freqs,
+        read_config_tensors,
         tensor_names,
     )
     from checkpoints.gguf.hf_tokenizer import write_tokenizer
@@ -56,7 +56,7 @@ def convert(gguf_file: Path, out_dir: Path, sha256: str, progress: bool) -> None
         raise CheckpointError(gguf_file, f"is part {meta.get('split.no', 0) + 1} of a GGUF split "
                                          f"into {meta.get('split.count')} files; merge them "
                                          "into one file first (llama.cpp's gguf-split --merge)")
-    config = build_config(meta, tensor_names(reader), read_rope_freqs(gguf_file, reader))
+    config = build_config(meta, tensor_names(reader), read_config_tensors(gguf_file, reader))
     num_tokens = len(meta.get("tokenizer.ggml.tokens") or ())
     if num_tokens > config["vocab_size"]:  # fewer is fine: embeddings are often padded
         raise CheckpointError(gguf_file, f"its tokenizer lists {num_tokens} tokens, more than "

@@ -13,11 +13,19 @@ states instead:
   HF's yarn rope parameters; llama.cpp's attention-factor keys, which multiply the scale where
   HF's attention_factor replaces it, are refused by name;
 - a llama-architecture file whose name says "mistral" stays a Llama model (transformers makes it
-  a Mistral one with a 4096-token sliding window the file does not state).
+  a Mistral one with a 4096-token sliding window the file does not state);
+- Phi-3: LongRoPE's factors are the `rope_factors_long` / `rope_factors_short` tensors (read into
+  rope_parameters, with `phi3.rope.scaling.original_context_length` as the top-level
+  original_max_position_embeddings HF's Phi3Config reads); its attention factor must be the one
+  HF derives from the two context lengths (a different one becomes attention_factor);
+- Gemma 2 and 3: the soft-capping values, the sliding window, the layer pattern and the RoPE
+  bases of the two kinds of layer; what the file does not state takes the default llama.cpp
+  and HF share for the family (each named where it is used).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +39,13 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),  # the text model of a Gemma 3 file
 }
+GEMMA = ("gemma2", "gemma3")
+# Tensors read into config.json, not weights: llama3 scaling's divisors, Phi-3's LongRoPE.
+CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 # Metadata that changes the model's math in ways Folio's Llama/Qwen code does not implement.
 # Each is refused rather than silently ignored.
@@ -44,6 +58,8 @@ _UNSUPPORTED_KEYS = {
     "attn_logit_softcapping": "attention logit soft-capping",
     "final_logit_softcapping": "final logit soft-capping",
 }
+# ... except where the family's HF config has the field (read in _gemma_fields).
+_FAMILY_KEYS = {arch: ("attn_logit_softcapping", "final_logit_softcapping") for arch in GEMMA}
 
 
 def architecture(meta: Metadata) -> str:
@@ -56,11 +72,14 @@ def architecture(meta: Metadata) -> str:
 
 
 def build_config(meta: Metadata, tensor_names: set[str],
-                 rope_freqs: np.ndarray | None) -> dict[str, Any]:
-    """The HF config.json dict for this file. `rope_freqs` is the file's `rope_freqs.weight`
-    tensor (llama.cpp's per-frequency RoPE divisors), if it has one."""
+                 config_tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The HF config.json dict for this file. `config_tensors`: the file's CONFIG_TENSORS
+    (`read_config_tensors`): llama.cpp's per-frequency RoPE divisors, Phi-3's LongRoPE
+    factors."""
     arch = architecture(meta)
     for key, what in _UNSUPPORTED_KEYS.items():
+        if key in _FAMILY_KEYS.get(arch, ()):
+            continue
         value = meta.get(f"{arch}.{key}")
         if value not in (None, 0, 0.0, 1.0):
             raise CheckpointError(meta.path, f"metadata {arch}.{key} = {value!r}: {what} "
@@ -69,6 +88,7 @@ def build_config(meta: Metadata, tensor_names: set[str],
     hidden_size = meta.positive_int(f"{arch}.embedding_length")
     num_heads = meta.positive_int(f"{arch}.attention.head_count")
     head_dim = _head_dim(meta, arch, hidden_size, num_heads)
+    rope_freqs = config_tensors.get("rope_freqs.weight")
     config: dict[str, Any] = {
         "architectures": [hf_class],
         "model_type": model_type,
@@ -92,13 +112,114 @@ def build_config(meta: Metadata, tensor_names: set[str],
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     if arch in ("qwen2", "qwen3"):
         config["use_sliding_window"] = False
-    if f"{arch}.attention.sliding_window" in meta:
+    if arch == "phi3":
+        _phi3_fields(meta, config, config_tensors)
+    elif arch in GEMMA:
+        _gemma_fields(meta, arch, config)
+    elif f"{arch}.attention.sliding_window" in meta:
         config["sliding_window"] = meta.positive_int(f"{arch}.attention.sliding_window")
     for name in ("bos", "eos", "pad"):
         key = "padding" if name == "pad" else name
         if (token_id := meta.token_id(f"tokenizer.ggml.{key}_token_id")) is not None:
             config[f"{name}_token_id"] = token_id
     return config
+
+
+def _phi3_fields(meta: Metadata, config: dict[str, Any],
+                 config_tensors: dict[str, np.ndarray]) -> None:
+    """Phi3Config's own fields: no head_dim, mlp_bias or attention_bias (hidden / heads, and
+    never a bias), the original context at the top level, LongRoPE from the factor tensors,
+    a sliding window only when one is stated (llama.cpp writes 0 for none)."""
+    if config["head_dim"] * config["num_attention_heads"] != config["hidden_size"]:
+        raise CheckpointError(meta.path, f"phi3.attention.key_length ({config['head_dim']}) "
+                                         "is not embedding_length / head_count, which Phi-3 "
+                                         "assumes")
+    for key in ("head_dim", "mlp_bias", "attention_bias"):
+        del config[key]
+    if config["rope_parameters"]["rope_type"] != "default":
+        raise CheckpointError(meta.path, "Phi-3 files state LongRoPE as rope_factors_* tensors; "
+                                         "other RoPE scaling metadata is not supported")
+    # Absent: Phi3Config's default (4096), as HF would assume.
+    original = meta.positive_int("phi3.rope.scaling.original_context_length", 4096)
+    config["original_max_position_embeddings"] = original
+    window = meta.get("phi3.attention.sliding_window")
+    if window:
+        config["sliding_window"] = meta.positive_int("phi3.attention.sliding_window")
+    long, short = (config_tensors.get(f"rope_factors_{k}.weight") for k in ("long", "short"))
+    if long is None and short is None:
+        return
+    half = config["hidden_size"] // config["num_attention_heads"] // 2
+    factors = {}
+    for kind, values in (("long", long), ("short", short)):
+        values = None if values is None else np.asarray(values, dtype=np.float32).reshape(-1)
+        if values is None or values.shape != (half,) or not np.all(np.isfinite(values)
+                                                                   & (values > 0)):
+            raise CheckpointError(meta.path, f"tensor rope_factors_{kind}.weight must hold "
+                                             f"{half} positive factors (one per rotary "
+                                             "frequency) next to its long/short twin")
+        factors[f"{kind}_factor"] = [float(f) for f in values]
+    rope = {"rope_type": "longrope", "rope_theta": config["rope_parameters"]["rope_theta"],
+            **factors}
+    # llama.cpp's attn_factor multiplies cos and sin as HF's LongRoPE attention factor does;
+    # HF derives it from the two context lengths, so only a different value is written.
+    scale = config["max_position_embeddings"] / original
+    derived = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(original))
+    stated = meta.get("phi3.rope.scaling.attn_factor")
+    if stated is not None and not math.isclose(float(stated), derived, rel_tol=1e-6):
+        rope["attention_factor"] = meta.positive_float("phi3.rope.scaling.attn_factor")
+    config["rope_parameters"] = rope
+
+
+def _layer_types(meta: Metadata, arch: str, num_layers: int) -> list[str]:
+    """Which layers slide: `<arch>.attention.sliding_window_pattern` when stated (a period n:
+    every n-th layer is global; or one boolean per layer, true where it slides), else the
+    family's period, which llama.cpp and HF both fix: 2 for Gemma 2, 6 for Gemma 3."""
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers or not all(isinstance(p, bool) for p in pattern):
+            raise CheckpointError(meta.path, f"metadata {arch}.attention.sliding_window_pattern "
+                                             f"must hold {num_layers} booleans, one per layer")
+        slides = list(pattern)
+    else:
+        period = {"gemma2": 2, "gemma3": 6}[arch] if pattern is None else meta.positive_int(
+            f"{arch}.attention.sliding_window_pattern")
+        slides = [bool((i + 1) % period) for i in range(num_layers)]
+    return ["sliding_attention" if s else "full_attention" for s in slides]
+
+
+def _gemma_fields(meta: Metadata, arch: str, config: dict[str, Any]) -> None:
+    """Gemma2Config's / Gemma3TextConfig's fields. llama.cpp scales queries by
+    1/sqrt(head_dim), except for the 27B models (46 layers for Gemma 2, 62 for Gemma 3) by
+    1/sqrt(hidden / heads): that is query_pre_attn_scalar, which the file does not store."""
+    del config["mlp_bias"]
+    # GGUF names no activation: llama.cpp runs Gemma's MLP with tanh-approximated GELU.
+    del config["hidden_act"]
+    config["hidden_activation"] = "gelu_pytorch_tanh"
+    num_layers = config["num_hidden_layers"]
+    big = num_layers == {"gemma2": 46, "gemma3": 62}[arch]
+    config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"]
+                                       if big else config["head_dim"])
+    # Absent: the window llama.cpp and HF both default to (4096).
+    config["sliding_window"] = meta.positive_int(f"{arch}.attention.sliding_window", 4096)
+    config["layer_types"] = _layer_types(meta, arch, num_layers)
+    # Gemma 2 soft-caps; absent keys take the values llama.cpp and HF default to (50, 30).
+    # Gemma 3 does not (None) unless the file says so.
+    defaults = {"gemma2": (50.0, 30.0), "gemma3": (None, None)}[arch]
+    for key, default in zip(("attn_logit_softcapping", "final_logit_softcapping"), defaults,
+                            strict=True):
+        value = meta.get(f"{arch}.{key}")
+        config[key] = default if value is None else meta.positive_float(f"{arch}.{key}")
+    if arch == "gemma3":
+        # The global layers use the file's base and scaling; the sliding ones their own base
+        # (absent: 10000, HF's rope_local_base_freq default and llama.cpp's fixed value),
+        # never scaled.
+        local = meta.positive_float("gemma3.rope.freq_base_swa", 10000.0)
+        config["rope_parameters"] = {
+            "full_attention": config["rope_parameters"],
+            "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+    elif config["rope_parameters"]["rope_type"] != "default":
+        raise CheckpointError(meta.path, "Gemma 2 has no RoPE scaling; the file states "
+                                         f"{config['rope_parameters']['rope_type']!r}")
 
 
 def build_generation_config(meta: Metadata) -> dict[str, Any]:
@@ -130,6 +251,9 @@ def _head_dim(meta: Metadata, arch: str, hidden_size: int, num_heads: int) -> in
     key_length = meta.get(f"{arch}.attention.key_length")
     if key_length is not None:
         head_dim = meta.positive_int(f"{arch}.attention.key_length")
+    elif arch == "phi3" and hidden_size % num_heads == 0:
+        # Phi-3 has no head_dim; its rope.dimension_count is the rotary part only (Phi-4-mini).
+        head_dim = hidden_size // num_heads
     elif f"{arch}.rope.dimension_count" in meta:
         head_dim = meta.positive_int(f"{arch}.rope.dimension_count")
     elif hidden_size % num_heads == 0:
@@ -208,14 +332,15 @@ def tensor_names(reader) -> set[str]:
     return {t.name for t in reader.tensors}
 
 
-def read_rope_freqs(path: Path, reader) -> np.ndarray | None:
-    """The `rope_freqs.weight` tensor as float32, if the file has one."""
+def read_config_tensors(path: Path, reader) -> dict[str, np.ndarray]:
+    """The file's CONFIG_TENSORS (RoPE factors), float32, by name."""
     import gguf
 
+    found = {}
     for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":
+        if tensor.name in CONFIG_TENSORS:
             if tensor.tensor_type != gguf.GGMLQuantizationType.F32:
-                raise CheckpointError(path, f"tensor rope_freqs.weight has type "
+                raise CheckpointError(path, f"tensor {tensor.name} has type "
                                             f"{tensor.tensor_type.name}; expected F32")
-            return np.array(tensor.data, dtype=np.float32)
-    return None
+            found[tensor.name] = np.array(tensor.data, dtype=np.float32)
+    return found

@@ -16,7 +16,13 @@ Three things happen to each tensor:
    the head, then second half) to interleaved pairs; undoing it restores HF's rows exactly.
    Qwen2/Qwen3 files are written unpermuted (llama.cpp runs them with NeoX-style RoPE). The
    permutation moves whole rows, and a block never spans two rows, so raw rows are permuted
-   the same way.
+   the same way. Phi-3 and Gemma files are unpermuted too (NeoX-style);
+4. for Gemma 2 and 3, every RMSNorm weight (1-D, never kept raw) gets 1 subtracted: llama.cpp
+   adds 1 when converting (its norm multiplies by the weight, Gemma's by 1 + weight). HF's
+   1 + (w - 1) is then the file's w exactly.
+
+Phi-3's fused tensors keep their HF form: `attn_qkv` is ``self_attn.qkv_proj`` (q|k|v rows) and
+`ffn_up` holds gate|up, which is ``mlp.gate_up_proj``.
 
 Every tensor the model needs must be there with the shape the config implies, and nothing else
 may be: a mismatch is refused here, naming the GGUF file, before anything is written.
@@ -32,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from checkpoints.files import INDEX_FILE, CheckpointError
+from checkpoints.gguf.hf_config import CONFIG_TENSORS
 from checkpoints.quant_config import GGUF_TYPES
 
 SHARD_BYTES = 2 << 30  # bounds the memory a conversion holds to one shard of float32 tensors
@@ -54,32 +61,45 @@ _LAYER_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Per HF model_type: names that differ from (or add to) the ones above.
+_GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_FAMILY_NAMES = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma2": _GEMMA_NAMES,
+    "gemma3_text": _GEMMA_NAMES,
+}
+GEMMA_TYPES = ("gemma2", "gemma3_text")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-CONFIG_TENSORS = {"rope_freqs.weight"}  # read into config.json, not a weight
 
 KEPT_TYPES = GGUF_TYPES  # block types whose linear, embedding and LM head matrices stay raw
 _VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")  # rows: one per token
 # Projections the executor fuses into one matrix: kept raw only if all share one type (one
 # parameter of raw rows holds them, and rows of different types differ in length).
-_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+            "qkv_proj", "gate_up_proj")  # the last two: Phi-3's, already one tensor
 _FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           ("mlp.gate_proj", "mlp.up_proj"))
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF parameter name for a GGUF tensor name, None if it has no HF counterpart."""
+def hf_name(gguf_name: str, model_type: str = "llama") -> str | None:
+    """The HF parameter name for a GGUF tensor name in a `model_type` model, None if it has no
+    HF counterpart."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_TENSOR.fullmatch(gguf_name)
-    if m and m[2] in _LAYER_NAMES:
-        return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}.{m[3]}"
+    names = {**_LAYER_NAMES, **_FAMILY_NAMES.get(model_type, {})}
+    if m and m[2] in names:
+        return f"model.layers.{m[1]}.{names[m[2]]}.{m[3]}"
     return None
 
 
 def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Every HF tensor the model built from `config` needs, with its shape."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim, vocab = config["head_dim"], config["vocab_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]  # Phi-3: none
+    vocab = config["vocab_size"]
     q_rows = config["num_attention_heads"] * head_dim
     kv_rows = config["num_key_value_heads"] * head_dim
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
@@ -102,9 +122,17 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
                        p + "self_attn.v_proj.bias": (kv_rows,)}
         if config.get("attention_bias"):  # HF's attention_bias covers o_proj too
             shapes[p + "self_attn.o_proj.bias"] = (hidden,)
-        if config["model_type"] == "qwen3":
+        if config["model_type"] in ("qwen3", "gemma3_text"):
             shapes |= {p + "self_attn.q_norm.weight": (head_dim,),
                        p + "self_attn.k_norm.weight": (head_dim,)}
+        if config["model_type"] == "phi3":  # the parts stored as one tensor each
+            for part in ("q_proj", "k_proj", "v_proj"):
+                del shapes[p + f"self_attn.{part}.weight"]
+            del shapes[p + "mlp.gate_proj.weight"], shapes[p + "mlp.up_proj.weight"]
+            shapes |= {p + "self_attn.qkv_proj.weight": (q_rows + 2 * kv_rows, hidden),
+                       p + "mlp.gate_up_proj.weight": (2 * inter, hidden)}
+        if config["model_type"] in GEMMA_TYPES:  # a norm after attention and around the MLP
+            shapes |= {p + name + ".weight": (hidden,) for name in _GEMMA_NAMES.values()}
     return shapes
 
 
@@ -117,7 +145,7 @@ def plan_tensors(path: Path, reader, config: dict[str, Any]) -> list[tuple[Any, 
     for tensor in reader.tensors:
         if tensor.name in CONFIG_TENSORS:
             continue
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, config["model_type"])
         if name is None or name not in expected:
             raise CheckpointError(path, f"tensor {tensor.name} has no place in a "
                                         f"{config['architectures'][0]} built from this file's "
@@ -198,6 +226,8 @@ def dequantize(tensor, name: str, config: dict[str, Any], raw: bool = False) -> 
             values = unpermute_rotary(values, config["num_attention_heads"])
         elif ".self_attn.k_proj." in name:
             values = unpermute_rotary(values, config["num_key_value_heads"])
+    elif config["model_type"] in GEMMA_TYPES and name.endswith("norm.weight") and not raw:
+        values = values.astype(np.float32) - np.float32(1.0)  # llama.cpp stored 1 + w
     return np.ascontiguousarray(values)
 
 

@@ -11,6 +11,10 @@ own RoPE table). Damaged files themselves are caught by `checkpoints.files`.
 Tensor parallel: each parameter's layer says which slice of its checkpoint tensor this rank
 holds (`WeightShard`, models/parallel.py); the headers are checked against the whole tensor's
 shape, and each rank reads only its slices from the files, never a whole sharded tensor.
+
+Fused projections (qkv_proj, gate_up_proj) are filled part by part: from one checkpoint tensor
+per part (q_proj, k_proj, v_proj: the model's `packed_modules`), or from one tensor that
+already stacks the parts under the fused name (Phi-3), each part's slice read from its rows.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from checkpoints.quant_config import resolve_quant_config
 from executor_svc.loading.model_config import ModelConfig
 from executor_svc.models import model_class
 from executor_svc.models.linear import TiedHead, cpu_linear_method, use_linear_method
-from executor_svc.models.parallel import WeightShard, replicated
+from executor_svc.models.parallel import WeightShard, prefused_shard, replicated
 from executor_svc.quantization.gguf_loading import gguf_weight_shard, prepare_gguf_params
 from executor_svc.quantization.loading import (
     check_header_dtype,
@@ -68,6 +72,24 @@ def _fused_target(name: str, packed: dict[str, tuple[str, ...]]) -> tuple[str, i
                 i = parts.index(shard)
                 return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard_id
     return None
+
+
+def checkpoint_targets(model: nn.Module, name: str,
+                       packed: dict[str, tuple[str, ...]]) -> list[tuple[str, int | None]]:
+    """The (parameter, fused shard id) pairs checkpoint tensor `name` fills: itself (shard
+    None), one part of a fused projection ('a.k_proj.weight' -> ('a.qkv_proj.weight', 1)), or,
+    when it names a fused projection's parameter itself, every part of it."""
+    target = _fused_target(name, packed)
+    if target is not None:
+        return [target]
+    module_name = name.rpartition(".")[0]
+    try:
+        sizes = getattr(model.get_submodule(module_name), "output_sizes", None)
+    except AttributeError:
+        sizes = None  # no such module: reported as a tensor with no matching parameter
+    if sizes:
+        return [(name, shard_id) for shard_id in range(len(sizes))]
+    return [(name, None)]
 
 
 @dataclass(frozen=True)
@@ -107,19 +129,24 @@ def plan_weights(model: nn.Module, headers: list[TensorHeader],
             continue
         if tie_word_embeddings and header.name == "lm_head.weight":
             continue
-        target = _fused_target(header.name, packed)
-        pname, shard_id = target if target else (header.name, None)
-        if pname not in params:
-            unexpected.append(header)
-            continue
-        check_header_dtype(header, params[pname])
-        shard = weight_shard(model, pname, shard_id, params[pname])
-        if header.shape != shard.full_shape:
-            raise CheckpointError(header.file, f"checkpoint tensor {header.name} has shape "
-                                               f"{header.shape}, the model built from "
-                                               f"config.json expects {shard.full_shape}")
-        placements.append(_Placement(header.file, header.name, pname, shard_id, shard))
-        todo.discard((pname, shard_id))
+        for pname, shard_id in checkpoint_targets(model, header.name, packed):
+            if pname not in params:
+                unexpected.append(header)
+                break
+            check_header_dtype(header, params[pname])
+            shard = weight_shard(model, pname, shard_id, params[pname])
+            if shard_id is not None and pname == header.name:  # all the parts in one tensor
+                try:
+                    shard = prefused_shard(model.get_submodule(pname.rpartition(".")[0]),
+                                           shard, shard_id)
+                except ValueError as e:
+                    raise CheckpointError(header.file, f"{header.name}: {e}") from None
+            if header.shape != shard.full_shape:
+                raise CheckpointError(header.file, f"checkpoint tensor {header.name} has shape "
+                                                   f"{header.shape}, the model built from "
+                                                   f"config.json expects {shard.full_shape}")
+            placements.append(_Placement(header.file, header.name, pname, shard_id, shard))
+            todo.discard((pname, shard_id))
     files = sorted({h.file for h in headers})
     # A sharded checkpoint's index speaks for all its files.
     where = files[0] if len(files) == 1 else files[0].parent / INDEX_FILE
@@ -248,7 +275,8 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
             raise CheckpointError(model_dir / "config.json", str(e)) from None
     if qcfg is not None and qcfg.from_checkpoint:
         packed = getattr(model, "packed_modules", {})
-        targets = [(*(_fused_target(h.name, packed) or (h.name, None)), h) for h in headers]
+        targets = [(pname, shard_id, h) for h in headers
+                   for pname, shard_id in checkpoint_targets(model, h.name, packed)]
         try:
             if qcfg.scheme == "gguf":
                 types = qcfg.tensor_types or {}

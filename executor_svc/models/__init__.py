@@ -10,6 +10,7 @@ from torch import nn
 _REGISTRY: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("executor_svc.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("executor_svc.models.mistral", "MistralForCausalLM"),
+    "Phi3ForCausalLM": ("executor_svc.models.phi3", "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": ("executor_svc.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("executor_svc.models.qwen3", "Qwen3ForCausalLM"),
 }

@@ -21,10 +21,15 @@ loader (executor_svc/loading/loader.py) reads only that slice. Every layer stays
 ``Linear.method`` (CPU packing now, quantized methods later) applies to the rank's shard as
 is; a quantized layer's extra parameters (scales, packed ints) describe their own shards
 through the same method. With one rank every layer is the plain layer it replaces.
+
+A fused layer's parts may also come from one checkpoint tensor that already stacks them (Phi-3
+stores ``qkv_proj`` and ``gate_up_proj`` so): `prefused_shard` moves each part's shard down by
+the rows of the parts before it, so every rank still reads only its own rows of each part.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +105,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         local = self.local_sizes[shard_id]
         full = (self.output_sizes[shard_id], self.in_features)[:self._ndim(param_name)]
         return _split(full, 0, self.tp_rank * local, local, sum(self.local_sizes[:shard_id]))
+
+
+def prefused_shard(layer: nn.Module, shard: WeightShard, shard_id: int) -> WeightShard:
+    """Part `shard_id`'s `shard` (as read from a checkpoint tensor of that part alone) read
+    from a tensor holding all of the fused `layer`'s parts stacked along dim 0 instead:
+    ValueError for a shard that is not a slice of rows (a per-part scale has no rows to move)."""
+    sizes = layer.output_sizes
+    if shard.dim != 0 or shard.full_shape[0] != sizes[shard_id]:
+        raise ValueError("only row slices of a fused tensor can be read from one checkpoint "
+                         "tensor that stacks its parts")
+    offset = sum(sizes[:shard_id])
+    return dataclasses.replace(shard, full_shape=(sum(sizes), *shard.full_shape[1:]),
+                               start=shard.start + offset)
 
 
 def kv_head_start(num_kv_heads: int, tp_size: int, tp_rank: int) -> int:

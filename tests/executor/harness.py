@@ -37,6 +37,15 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
         rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0))),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=48,
                                                             tie_word_embeddings=False)),
+    # Fused qkv_proj / gate_up_proj checkpoint tensors; LongRoPE whose original context (64)
+    # the tests' sequences stay within: HF's Phi-3 generate re-encodes a sequence with the long
+    # factors once it passes it (tests/executor/models/test_phi3.py covers that case).
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        tie_word_embeddings=False, original_max_position_embeddings=64, pad_token_id=0,
+        eos_token_id=2,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                             short_factor=[1.0 + 0.05 * i for i in range(8)],
+                             long_factor=[1.0 + 0.6 * i for i in range(8)]))),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
 }

@@ -75,7 +75,8 @@ def bad_inputs(tmp_path_factory) -> dict[str, BadInput]:
     truncated.write_bytes(good.read_bytes()[:good.stat().st_size // 2])
     add("truncated", truncated, "truncated GGUF file")
     add("unknown-architecture", _write_metadata_only(root / "gpt2.gguf", "gpt2"),
-        "GGUF architecture 'gpt2' is not supported; supported: llama, qwen2, qwen3")
+        "GGUF architecture 'gpt2' is not supported; supported: gemma2, gemma3, llama, phi3, "
+        "qwen2, qwen3")
     add("missing-metadata", _write_metadata_only(root / "bare-llama.gguf", "llama"),
         "metadata llama.embedding_length is missing")
     add("unknown-tensor-type",

@@ -175,7 +175,9 @@ def _reads_rank(rank: int, checkpoints: dict[str, str], out_dir: str) -> None:
 
 def test_each_rank_reads_only_its_shard(tp_checkpoints, tmp_path):
     tp = 2
-    names = ["llama2", "qwen2", "qwen3", "gqa_kv1"]  # untied head; biases; q/k norms; kv < tp
+    # untied head; biases; q/k norms; kv < tp; q|k|v and gate|up stored fused (one slice per
+    # part and rank)
+    names = ["llama2", "qwen2", "qwen3", "gqa_kv1", "phi3"]
     checkpoints = {n: tp_checkpoints[n] for n in names}
     run_ranks(_reads_rank, tp, checkpoints, str(tmp_path))
     for name in names:
@@ -188,13 +190,18 @@ def test_each_rank_reads_only_its_shard(tp_checkpoints, tmp_path):
             if header.name.endswith("norm.weight"):  # replicated: read whole by every rank
                 assert all(r == [[None, None, None]] for r in per_rank), (name, header.name)
                 continue
-            # Sharded: one slice per rank, never the whole tensor; together the slices cover
-            # the tensor once, except KV heads replicated on tp / num_kv_heads ranks.
-            assert all(len(r) == 1 and r[0][0] is not None for r in per_rank), (name, header)
+            # Sharded: one slice per rank (per part of a tensor holding fused parts), never
+            # the whole tensor; together the slices cover the tensor once, except KV heads
+            # replicated on tp / num_kv_heads ranks.
+            parts = 3 if ".qkv_proj." in header.name else 2 if ".gate_up_proj." in header.name \
+                else 1
+            assert all(len(r) == parts and all(s[0] is not None for s in r)
+                       for r in per_rank), (name, header)
             dim = per_rank[0][0][0]
             counts = np.zeros(header.shape[dim], np.int64)
-            for (_, start, stop), in per_rank:
-                counts[start:stop] += 1
+            for rank_reads in per_rank:
+                for _, start, stop in rank_reads:
+                    counts[start:stop] += 1
             kv = (".k_proj." in header.name or ".v_proj." in header.name)
             copies = tp // cfg.num_kv_heads if kv and cfg.num_kv_heads < tp else 1
             assert (counts == copies).all(), (name, header.name, counts)
