@@ -15,10 +15,12 @@ the tile sees run without the mask; only the tiles at the edges pay for it.
 Variants (twins.paged_attention defines them; scores in natural-log units after `scale`):
 - Sliding window (`window` > 0, a runtime int, never specialized on: one compile serves every
   window, 0 = none): a query at position p sees keys p - window + 1..p. A tile's key range
-  starts at the key tile holding its first query's window start; the blocks below it are never
-  read (the block manager may have freed and reused them), and masked loads skip the keys of
-  that first tile below the start. Tiles that straddle some row's window start, like the
-  causal tail, run masked; the unmasked loop takes only tiles every row sees whole.
+  starts at the key tile (BLOCK_N keys, aligned) holding its first query's window start, so no
+  key below that start is ever read: the tiles below are never visited and the loads of that
+  first tile mask its keys below the start (a tile wider than a KV block may name blocks the
+  block manager freed and reused; their ids are read, their contents never). Tiles that
+  straddle some row's window start, like the causal tail, run in the masked loop; the
+  unmasked loop takes only tiles every row of the tile sees whole.
 - Logit soft-capping (`softcap` > 0, constexpr HAS_SOFTCAP): s -> softcap * tanh(s / softcap)
   before the softmax. The kernel works in log2 units (s * log2 e, for exp2); there the cap is
   softcap * log2 e and tanh's argument is the same natural ratio s / softcap. tanh is computed
@@ -37,9 +39,9 @@ with at most SHORT_Q query tokens (decodes) run in the launch of 16-row tiles; l
 Split-KV on the device: a launch has a fixed upper bound `max_splits` (from the grid's shape
 only); each tile cuts its key range (from its first key tile, the window's, to its last query)
 into min(max_splits, ceil(keys / min_split_len)) splits of whole key tiles, computed from the
-sequence's length in the kernel. Every split writes a
-normalized partial output and its log-sum-exp (base 2) to fp32 scratch, an unused split only
-lse = -inf; kernels/attention_reduce.py merges them. Nothing depends on host ints that change
+sequence's length in the kernel. Every split writes a normalized partial output and its
+log-sum-exp (base 2) to fp32 scratch, an unused split only lse = -inf;
+kernels/attention_reduce.py merges them (and adds the sinks). Nothing depends on host ints that change
 with the contents of the batch, so a captured launch stays exact when lengths change.
 """
 
