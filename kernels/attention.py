@@ -10,7 +10,25 @@ q head sharing the KV head reads each K/V tile once (GQA packing):
 
 Query token j of a sequence sits at position seq_len - q_len + j and sees keys 0..its position:
 full attention to the cached prefix, causal over the new tokens. Key tiles that every query of
-the tile sees run without the mask; only the tail tiles pay for it.
+the tile sees run without the mask; only the tiles at the edges pay for it.
+
+Variants (twins.paged_attention defines them; scores in natural-log units after `scale`):
+- Sliding window (`window` > 0, a runtime int, never specialized on: one compile serves every
+  window, 0 = none): a query at position p sees keys p - window + 1..p. A tile's key range
+  starts at the key tile (BLOCK_N keys, aligned) holding its first query's window start, so no
+  key below that start is ever read: the tiles below are never visited and the loads of that
+  first tile mask its keys below the start (a tile wider than a KV block may name blocks the
+  block manager freed and reused; their ids are read, their contents never). Tiles that
+  straddle some row's window start, like the causal tail, run in the masked loop; the
+  unmasked loop takes only tiles every row of the tile sees whole.
+- Logit soft-capping (`softcap` > 0, constexpr HAS_SOFTCAP): s -> softcap * tanh(s / softcap)
+  before the softmax. The kernel works in log2 units (s * log2 e, for exp2); there the cap is
+  softcap * log2 e and tanh's argument is the same natural ratio s / softcap. tanh is computed
+  by exp2 (the interpreter and some Triton versions have none).
+- Attention sinks (`sinks`, [num_heads], constexpr HAS_SINKS): one logit per q head joins the
+  softmax's denominator and its weight is dropped. Without splits the kernel adds exp(sink - m)
+  to the final denominator; with splits the merge does (the merged lse plus the sink). Rows with
+  no key get zeros.
 
 Query tiles: a launch is a flattened grid of query blocks of BLOCK_Q tokens over all sequences.
 Sequence i's blocks start at query_start_loc[i] // BLOCK_Q + i, so num_tokens // BLOCK_Q +
@@ -19,10 +37,11 @@ with at most SHORT_Q query tokens (decodes) run in the launch of 16-row tiles; l
 (prefill chunks) in a second launch of wide tiles, so a mixed step never demotes its decodes.
 
 Split-KV on the device: a launch has a fixed upper bound `max_splits` (from the grid's shape
-only); each tile cuts its key range into min(max_splits, ceil(keys / min_split_len)) splits of
-whole key tiles, computed from the sequence's length in the kernel. Every split writes a
-normalized partial output and its log-sum-exp (base 2) to fp32 scratch, an unused split only
-lse = -inf; kernels/attention_reduce.py merges them. Nothing depends on host ints that change
+only); each tile cuts its key range (from its first key tile, the window's, to its last query)
+into min(max_splits, ceil(keys / min_split_len)) splits of whole key tiles, computed from the
+sequence's length in the kernel. Every split writes a normalized partial output and its
+log-sum-exp (base 2) to fp32 scratch, an unused split only lse = -inf;
+kernels/attention_reduce.py merges them (and adds the sinks). Nothing depends on host ints that change
 with the contents of the batch, so a captured launch stays exact when lengths change.
 """
 
@@ -33,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_reduce import merge_splits
+from kernels.attention_reduce import LOG2E, merge_splits
 
 MIN_SPLIT_LEN = 256  # shorter splits cost more in the merge than they win in parallelism
 MAX_SPLITS = 64
@@ -59,26 +78,54 @@ def _block_ids(block_table_ptr, start, hi,
 
 
 @triton.jit
+def _softcap(s, softcap_log2e):
+    """softcap * tanh(s_nat / softcap) in log2 units, for scores s = s_nat * log2(e): the
+    ratio s / (softcap * log2 e) is the natural-log score over softcap, so capping in log2
+    units by softcap * log2(e) is the natural capping converted. tanh by exp2 (neither all
+    Triton versions nor the interpreter have one): (1 - e) / (1 + e), e = exp(-2|x|); its
+    absolute error (~1e-7) is what matters, the result is scaled by the cap."""
+    x = s / softcap_log2e
+    e = tl.math.exp2(tl.abs(x) * (-2.0 * LOG2E))
+    t = (1.0 - e) / (1.0 + e)
+    return softcap_log2e * tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
 def _attend(
-    acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, head_off,
-    stride_cache_b, stride_cache_s, lo, hi, scale_log2e,
-    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    KV_BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-    EVICTION: tl.constexpr,
+    acc, l_i, m_i, q, q_pos, row_lo, k_cache_ptr, v_cache_ptr, block_table_ptr, head_off,
+    stride_cache_b, stride_cache_s, lo, gap_lo, gap_hi, hi, key_lo, scale_log2e, softcap_log2e,
+    MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, EVICTION: tl.constexpr,
 ):  # fmt: skip
+    """Key tiles lo..hi less the gap gap_lo..gap_hi (multiples of BLOCK_N; the masked loop's
+    tiles below and above the unmasked ones), walked as one loop over a gapless index. Masked:
+    row r sees keys row_lo[r]..q_pos[r]; no key below key_lo (the first key any row sees) or
+    from hi on is read."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
+    gap = gap_hi - gap_lo
     # The next tile's block ids are loaded one iteration ahead (a loop-carried value), so the
     # K/V loads of an iteration depend on no load of the same iteration and the pipeliner can
     # keep NUM_STAGES - 1 tiles of K and V in flight.
-    block_ids = _block_ids(block_table_ptr, lo, hi, BLOCK_N, KV_BLOCK_SIZE)
-    for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+    first = lo
+    if MASKED:
+        first = tl.where(lo < gap_lo, lo, lo + gap)
+    block_ids = _block_ids(block_table_ptr, first, hi, BLOCK_N, KV_BLOCK_SIZE)
+    for index in tl.range(lo, hi - gap, BLOCK_N, num_stages=NUM_STAGES):
+        if MASKED:
+            start = tl.where(index < gap_lo, index, index + gap)
+            after = index + BLOCK_N
+            next_start = tl.where(after < gap_lo, after, after + gap)
+        else:
+            start = index
+            next_start = index + BLOCK_N
         kv_off = _kv_offsets(block_ids, start, stride_cache_b, stride_cache_s, head_off,
                              BLOCK_N, KV_BLOCK_SIZE)  # fmt: skip
-        block_ids = _block_ids(block_table_ptr, start + BLOCK_N, hi, BLOCK_N, KV_BLOCK_SIZE)
+        block_ids = _block_ids(block_table_ptr, next_start, hi, BLOCK_N, KV_BLOCK_SIZE)
         kv_pos = start + offs_n  # [BLOCK_N]
-        kv_valid = kv_pos < hi
+        kv_valid = (kv_pos < hi) & (kv_pos >= key_lo)
         k_ptrs = k_cache_ptr + kv_off[None, :] + offs_d[:, None]  # [HEAD_DIM_PAD, BLOCK_N]
         v_ptrs = v_cache_ptr + kv_off[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
         if MASKED or HEAD_DIM != HEAD_DIM_PAD:
@@ -90,8 +137,11 @@ def _attend(
             k = tl.load(k_ptrs, eviction_policy=EVICTION)
             v = tl.load(v_ptrs, eviction_policy=EVICTION)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
+        if HAS_SOFTCAP:
+            s = _softcap(s, softcap_log2e)
         if MASKED:
-            visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+            visible = ((kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] >= row_lo[:, None])
+                       & kv_valid[None, :])  # fmt: skip
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows that have seen no visible key yet keep m = -inf; shift them by 0, not by -inf.
@@ -118,23 +168,24 @@ def _find_sequence(query_start_loc_ptr, block, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-# Per-step values are never specialized on (==1, %16), so launches never recompile per step.
+# Per-step values are never specialized on (==1, %16), so launches never recompile per step;
+# nor is the window (one compile serves every window, 0 included).
 PER_STEP_ARGS = ["stride_bt", "stride_lse_t", "stride_lse_h", "stride_p_t", "stride_p_h",
-                 "stride_p_s", "num_seqs", "max_splits", "min_split_len"]  # fmt: skip
+                 "stride_p_s", "num_seqs", "max_splits", "min_split_len", "window"]  # fmt: skip
 
 
 @triton.jit(do_not_specialize=PER_STEP_ARGS)
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    out_ptr, partial_ptr, lse_ptr,
+    out_ptr, partial_ptr, lse_ptr, sinks_ptr,
     stride_q_t, stride_q_h, stride_cache_b, stride_cache_s, stride_cache_h, stride_bt,
     stride_out_t, stride_out_h, stride_p_t, stride_p_h, stride_p_s, stride_lse_t, stride_lse_h,
-    num_seqs, max_splits, min_split_len, scale_log2e,
+    num_seqs, max_splits, min_split_len, window, scale_log2e, softcap_log2e,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr, SHORT_Q: tl.constexpr, LONG: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-    EVICTION: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, EVICTION: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -167,14 +218,20 @@ def _paged_attention_kernel(
     token_ids = (q_start + tok).to(tl.int64)
     io_mask = row_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
 
-    # Keys this tile needs: up to its last query; this split's share of them, whole key tiles.
+    # Keys this tile needs: from the first one its first query sees (the window's start) to its
+    # last query; the last query sits at kv_end - 1. A window of 0 is none: a span past every
+    # position. Row r sees row_lo[r]..q_pos[r].
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
-    lo = 0
+    span = tl.where(window > 0, window, 1 << 30)
+    key_lo = tl.maximum(first_pos - span + 1, 0)
+    row_lo = q_pos - span + 1  # [BLOCK_M]
+    lo = (key_lo // BLOCK_N) * BLOCK_N  # never below: those blocks may have been freed
     hi = kv_end
-    if SPLIT:
-        num_splits = tl.minimum(tl.maximum(tl.cdiv(kv_end, min_split_len), 1), max_splits)
-        split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * split_len
+    if SPLIT:  # this split's share of lo..kv_end, whole key tiles
+        keys = kv_end - lo
+        num_splits = tl.minimum(tl.maximum(tl.cdiv(keys, min_split_len), 1), max_splits)
+        split_len = tl.cdiv(tl.cdiv(keys, num_splits), BLOCK_N) * BLOCK_N
+        lo = lo + split * split_len
         hi = tl.minimum(kv_end, lo + split_len)
         lse_off = token_ids * stride_lse_t + head * stride_lse_h + split
         if lo >= hi:  # an unused split weighs nothing in the merge
@@ -186,9 +243,13 @@ def _paged_attention_kernel(
         mask=io_mask,
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM_PAD]
-    # Whole key tiles below the first query's position are visible to every row: no mask.
-    mid = tl.minimum((hi // BLOCK_N) * BLOCK_N, ((first_pos + 1) // BLOCK_N) * BLOCK_N)
-    mid = tl.maximum(mid, lo)
+    # Whole key tiles that every row sees run without the mask: from the last query's window
+    # start (rounded up) to the first query's position (rounded down). The masked loop takes
+    # the tiles below them (straddling window starts) and above them (the causal tail).
+    mid_lo = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(kv_end - span, 0), BLOCK_N) * BLOCK_N,
+                                   lo), hi)  # fmt: skip
+    mid_hi = tl.minimum((hi // BLOCK_N) * BLOCK_N, ((first_pos + 1) // BLOCK_N) * BLOCK_N)
+    mid_hi = tl.maximum(mid_hi, mid_lo)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -196,26 +257,34 @@ def _paged_attention_kernel(
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_cache_h
     acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, head_off,
-        stride_cache_b, stride_cache_s, lo, mid, scale_log2e,
-        False, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, DOT_PRECISION, NUM_STAGES,
-        EVICTION,
+        acc, l_i, m_i, q, q_pos, row_lo, k_cache_ptr, v_cache_ptr, block_table_ptr, head_off,
+        stride_cache_b, stride_cache_s, mid_lo, mid_hi, mid_hi, mid_hi, key_lo, scale_log2e,
+        softcap_log2e, False, HAS_SOFTCAP, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE,
+        DOT_PRECISION, NUM_STAGES, EVICTION,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, head_off,
-        stride_cache_b, stride_cache_s, mid, hi, scale_log2e,
-        True, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE, DOT_PRECISION, NUM_STAGES,
-        EVICTION,
+        acc, l_i, m_i, q, q_pos, row_lo, k_cache_ptr, v_cache_ptr, block_table_ptr, head_off,
+        stride_cache_b, stride_cache_s, lo, mid_lo, mid_hi, hi, key_lo, scale_log2e,
+        softcap_log2e, True, HAS_SOFTCAP, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE,
+        DOT_PRECISION, NUM_STAGES, EVICTION,
     )  # fmt: skip
 
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if SPLIT:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         p_off = token_ids[:, None] * stride_p_t + head[:, None] * stride_p_h + offs_d[None, :]
         tl.store(partial_ptr + p_off + split * stride_p_s, o, mask=io_mask)
-        # Rows with no visible key in this split weigh nothing in the merge.
+        # Rows with no visible key in this split weigh nothing in the merge (which adds the
+        # sinks).
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(tl.maximum(l_i, 1e-30)))
         tl.store(lse_ptr + lse_off, lse, mask=row_valid)
     else:
+        denom = l_i
+        if HAS_SINKS:  # the sink's exp joins the denominator; its weight is dropped
+            sink = tl.load(sinks_ptr + head, mask=row_valid, other=float("-inf"))
+            m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+            denom += tl.math.exp2(sink.to(tl.float32) * LOG2E - m_safe)
+        # A row with no key (acc = 0) gets zeros.
+        o = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
         out_off = token_ids[:, None] * stride_out_t + head[:, None] * stride_out_h
         tl.store(out_ptr + out_off + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=io_mask)  # fmt: skip
@@ -311,12 +380,11 @@ def paged_attention(
     num_splits: int | None = None,  # split bound; None = from the grid's shape (tests force it)
     min_split_len: int = MIN_SPLIT_LEN,  # keys per split at least (tests shrink it)
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,  # from alloc_scratch, else allocated
-    window: int = 0,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
+    window: int = 0,  # > 0: a query at position p sees keys p - window + 1 .. p only
+    softcap: float = 0.0,  # > 0: scores become softcap * tanh(scores / softcap)
+    sinks: torch.Tensor | None = None,  # [num_heads] fp32: a logit per head in the softmax
 ) -> torch.Tensor:
-    if window or softcap or sinks is not None:
-        raise NotImplementedError("the Triton attention has no window, softcap or sinks yet")
+    """The variants as twins.paged_attention defines them; see the module docstring."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = block_tables.shape[0]
@@ -326,6 +394,10 @@ def paged_attention(
     assert block_size & (block_size - 1) == 0, "KV block size must be a power of two"
     assert q.stride(-1) == k_cache.stride(-1) == block_tables.stride(-1) == 1
     assert seq_lens.shape == (num_seqs,) and query_start_loc.shape == (num_seqs + 1,)
+    assert window >= 0 and softcap >= 0.0, "window and softcap are >= 0 (0: off)"
+    # fp32 only: the pointer's dtype is part of the compile the warm-up makes.
+    assert sinks is None or (sinks.shape == (num_heads,) and sinks.stride(0) == 1
+                             and sinks.dtype == torch.float32), "sinks: one fp32 logit per q head"
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(-1) == 1
@@ -352,13 +424,16 @@ def paged_attention(
         num_warps = config.pop("num_warps")
         _paged_attention_kernel[(num_blocks, num_kv_heads, num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial, lse,
+            q if sinks is None else sinks,  # never read without sinks
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1),
             *(partial.stride()[:3] if split else (0, 0, 0)), *(lse.stride()[:2] if split else (0, 0)),
-            num_seqs, num_splits, min_split_len, scale * math.log2(math.e),
-            KV_BLOCK_SIZE=block_size, SHORT_Q=short["BLOCK_Q"], LONG=i == 1,
-            SPLIT=split, num_warps=num_warps, num_stages=config["NUM_STAGES"], **config,
+            num_seqs, num_splits, min_split_len, int(window), scale * math.log2(math.e),
+            float(softcap) * math.log2(math.e) if softcap else 1.0,
+            KV_BLOCK_SIZE=block_size, SHORT_Q=short["BLOCK_Q"], LONG=i == 1, SPLIT=split,
+            HAS_SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None and not split,
+            num_warps=num_warps, num_stages=config["NUM_STAGES"], **config,
         )  # fmt: skip
     if split:
-        merge_splits(partial, lse, out)
+        merge_splits(partial, lse, out, sinks)
     return out

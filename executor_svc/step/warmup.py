@@ -1,9 +1,10 @@
 """Compile every attention kernel variant at start-up (CUDA), so no request pays for a JIT.
 
 Each variant of kernels/variants.py runs once on a one-sequence batch over the model's bound
-KV cache (block 0, one key), with the grid sized by the variant's max_query_len and the split
-forced on or off; a progress bar shows the compiles. The other kernels (store_kv, rms_norm,
-rotary, silu_and_mul) have one variant per model, compiled by the first forward.
+KV cache (block 0, one key), with the grid sized by the variant's max_query_len, the split
+forced on or off and the model's softcap/sinks flags; a progress bar shows the compiles. The
+other kernels (store_kv, rms_norm, rotary, silu_and_mul) have one variant per model, compiled by
+the first forward.
 """
 
 from __future__ import annotations
@@ -16,16 +17,22 @@ from kernels.variants import attention_variants
 
 
 def warm_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-                   max_num_batched_tokens: int, show_progress: bool = True) -> int:
-    """Launch every variant once; returns how many. k_cache, v_cache: one layer's cache."""
+                   max_num_batched_tokens: int, show_progress: bool = True, *,
+                   softcap: bool = False, sinks: bool = False) -> int:
+    """Launch every variant once; returns how many. k_cache, v_cache: one layer's cache;
+    softcap, sinks: whether the model caps its scores / has attention sinks (a sliding window
+    is a runtime value and needs no variant)."""
     _, _, num_kv_heads, head_dim = k_cache.shape
     device, dtype = k_cache.device, k_cache.dtype
-    variants = attention_variants(dtype, num_heads, num_kv_heads, head_dim, max_num_batched_tokens)
+    variants = attention_variants(dtype, num_heads, num_kv_heads, head_dim, max_num_batched_tokens,
+                                  softcap=softcap, sinks=sinks)  # fmt: skip
+    sink_logits = torch.zeros(num_heads, dtype=torch.float32, device=device)
     q = torch.zeros((1, num_heads, head_dim), dtype=dtype, device=device)
     block_tables = torch.zeros((1, 1), dtype=torch.int32, device=device)
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
     query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=device)
     for v in tqdm(variants, desc="compiling attention kernels", disable=not show_progress):
         paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                        v.max_query_len, 1, 1.0, num_splits=2 if v.split else 1)
+                        v.max_query_len, 1, 1.0, num_splits=2 if v.split else 1,
+                        softcap=1.0 if v.softcap else 0.0, sinks=sink_logits if v.sinks else None)
     return len(variants)

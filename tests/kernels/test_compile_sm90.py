@@ -75,7 +75,7 @@ def _check_pipelined(ttgir: str, config: tuple) -> None:
 
 
 def _attention(dtype: str, head_dim: int, group: int, long: bool, split: bool,
-               block_size: int = 16) -> int:
+               block_size: int = 16, softcap: bool = False, sinks: bool = False) -> int:
     import torch
 
     from kernels import attention
@@ -87,12 +87,12 @@ def _attention(dtype: str, head_dim: int, group: int, long: bool, split: bool,
     pointers = {name: "*" + dtype for name in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
     for name in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"):
         pointers[name] = "*i32"
-    pointers.update(partial_ptr="*fp32", lse_ptr="*fp32")
-    constexprs = dict(config, KV_BLOCK_SIZE=block_size, SHORT_Q=short_q, LONG=long, SPLIT=split)
-    kernel = _compile(
-        attention._paged_attention_kernel, pointers, constexprs, floats=["scale_log2e"], **options
-    )
-    case = (dtype, head_dim, group, long, split, block_size)
+    pointers.update(partial_ptr="*fp32", lse_ptr="*fp32", sinks_ptr="*fp32")
+    constexprs = dict(config, KV_BLOCK_SIZE=block_size, SHORT_Q=short_q, LONG=long, SPLIT=split,
+                      HAS_SOFTCAP=softcap, HAS_SINKS=sinks)
+    kernel = _compile(attention._paged_attention_kernel, pointers, constexprs,
+                      floats=["scale_log2e", "softcap_log2e"], **options)  # fmt: skip
+    case = (dtype, head_dim, group, long, split, block_size, softcap, sinks)
     _check_pipelined(kernel.asm["ttgir"], case)
     regs, spills = _registers_and_spills(kernel)
     # Decode tiles (one warp for 16-bit): <= 224 registers keeps 9 programs resident per SM.
@@ -107,11 +107,14 @@ def main() -> None:
     from kernels import activation, attention_reduce, kv_cache, norm, rope
 
     # The launcher's configurations: 8B decode (split and not), 8B prefill, GQA-7 head_dim 64
-    # (decode with 128-position blocks: one block id per tile), head_dim 80, fp32.
+    # (decode with 128-position blocks: one block id per tile), head_dim 80, fp32; the variants
+    # (the window is a runtime int, in every compile): softcap and sinks in each launch (sinks
+    # in the kernel only without splits; the merge adds them to split rows).
     for config in [("bf16", 128, 4, False, True), ("bf16", 128, 4, False, False),
                    ("bf16", 128, 4, True, False), ("fp16", 64, 7, False, True, 128),
                    ("fp16", 64, 7, True, False), ("bf16", 80, 1, False, True, 32),
-                   ("fp32", 128, 8, True, False)]:  # fmt: skip
+                   ("fp32", 128, 8, True, False), ("bf16", 128, 4, False, False, 16, True, True),
+                   ("bf16", 128, 4, True, False, 16, True, True)]:  # fmt: skip
         shared = _attention(*config)
         assert shared <= 227 * 1024, f"{config} needs {shared} bytes of shared memory"
     dt = "*bf16"
@@ -128,9 +131,10 @@ def main() -> None:
     from kernels import attention
 
     assert set(attention.PER_STEP_ARGS) <= set(attention._paged_attention_kernel.arg_names)
-    _compile(attention_reduce._merge_splits_kernel,
-             {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": dt},
-             dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_BLOCK=16))  # fmt: skip
+    for sinks in (False, True):
+        _compile(attention_reduce._merge_splits_kernel,
+                 {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": dt, "sinks_ptr": "*fp32"},
+                 dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_BLOCK=16, HAS_SINKS=sinks))  # fmt: skip
     _quant_linear()
     _group_quant_linear()
     _quant_gemv()

@@ -1,4 +1,5 @@
-"""The warm-up's variant list covers every launch the attention launcher can make."""
+"""The warm-up's variant list covers every launch the attention launcher can make, for every
+model (softcap and sinks flags included), and the merge of split-KV partials."""
 
 import pytest
 import torch
@@ -71,3 +72,64 @@ def test_merge_compiles_once_for_every_split_count(monkeypatch):
         attention_reduce.merge_splits(torch.zeros(1, 2, splits, 64), torch.zeros(1, 2, splits),
                                       torch.zeros(1, 2, 64))
     assert all(c == seen[0] for c in seen) and "SPLITS_BLOCK" in seen[0]
+
+
+@pytest.mark.parametrize("softcap, sinks", [(True, False), (False, True), (True, True)])
+def test_a_models_flags_are_in_every_variant(softcap, sinks):
+    plain = attention_variants(torch.bfloat16, 32, 8, 128, 2048)
+    flagged = attention_variants(torch.bfloat16, 32, 8, 128, 2048, softcap=softcap, sinks=sinks)
+    assert [(v.max_query_len, v.split, v.config) for v in flagged] == [
+        (v.max_query_len, v.split, v.config) for v in plain]
+    assert all(v.softcap == softcap and v.sinks == sinks for v in flagged)
+    assert not any(v.softcap or v.sinks for v in plain)
+
+
+def test_the_window_is_never_specialized_on():
+    """One compile serves every window (0 = none): no ==1 or %16 specialization of it."""
+    pytest.importorskip("triton")
+    from kernels import attention
+
+    assert "window" in attention.PER_STEP_ARGS  # the kernel's do_not_specialize list
+    kernel = attention._paged_attention_kernel
+    if hasattr(kernel, "params"):  # compiled, not interpreted
+        assert kernel.params[kernel.arg_names.index("window")].do_not_specialize
+
+
+@pytest.mark.parametrize("softcap, sinks", [(False, False), (True, True), (False, True)])
+def test_warm_up_compiles_every_launch_of_a_models_steps(monkeypatch, softcap, sinks):
+    """What steps of a model with these flags launch (any max_query_len, window, split count)
+    is what the warm-up launched: the same constexprs, launch options and pointer dtypes."""
+    pytest.importorskip("triton")
+    from executor_svc.step.warmup import warm_attention
+    from kernels import attention, attention_reduce
+
+    seen: set = set()
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **constexprs):
+                dtypes = tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
+                seen.add((self.name, dtypes, tuple(sorted(constexprs.items()))))
+            return launch
+
+    monkeypatch.setattr(attention, "_paged_attention_kernel", Recorder("attention"))
+    monkeypatch.setattr(attention_reduce, "_merge_splits_kernel", Recorder("merge"))
+    heads, kv_heads, dim, budget = 8, 2, 64, 40
+    k_cache = torch.zeros((4, 16, kv_heads, dim), dtype=torch.float16)
+    warm_attention(k_cache, k_cache.clone(), heads, budget, show_progress=False,
+                   softcap=softcap, sinks=sinks)  # fmt: skip
+    warmed, seen = seen, set()
+    variant = dict(softcap=30.0 if softcap else 0.0,
+                   sinks=torch.randn(heads) if sinks else None)  # fmt: skip
+    for n in range(1, budget + 1):
+        q = torch.zeros((n, heads, dim), dtype=torch.float16)
+        for splits in (1, 3):
+            for window in (0, 1, 7, 4096):
+                attention.paged_attention(
+                    q, k_cache, k_cache, torch.zeros((1, 4), dtype=torch.int32),
+                    torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32),
+                    n, n, 0.125, num_splits=splits, window=window, **variant)  # fmt: skip
+    assert seen == warmed
