@@ -135,6 +135,10 @@ def parse_random_models(text: str | None, mode: str) -> list[str]:
     return names
 
 
+def default_peers(mode: str) -> tuple[str, ...]:
+    return ("folio",) if mode == "context" else DEFAULT_PEERS
+
+
 def usable_cpus() -> str:
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
     return ",".join(map(str, cpus))
@@ -188,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     random_names = parse_random_models(args.random_model, args.mode)
-    default_peers = ("folio",) if args.mode == "context" else DEFAULT_PEERS
-    peer_names = parse_peers(args.peers or ",".join(default_peers))
+    peer_names = parse_peers(args.peers or ",".join(default_peers(args.mode)))
     if args.reps < 1:
         raise SystemExit("folio bench: --reps must be at least 1")
     if args.mode == "context":
