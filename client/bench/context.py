@@ -50,6 +50,15 @@ def parse_input_lens(text: str) -> list[int]:
     return sorted(set(lens))
 
 
+def error_text(e: Exception) -> str:
+    """One line for a failed run: a gRPC error's status and details, else the exception."""
+    code, details = getattr(e, "code", None), getattr(e, "details", None)
+    if callable(code) and callable(details):
+        with contextlib.suppress(Exception):
+            return f"{code().name}: {details()}"
+    return " ".join(str(e).split())[:1000] or type(e).__name__
+
+
 def column_name(model: str, peer: str, num_peers: int) -> str:
     return model if num_peers == 1 else f"{model} ({peer})"
 
@@ -145,6 +154,9 @@ def run(args, random_names: list[str], peer_names: list[str]) -> int:
                              c["max_model_len"], kv_tokens, log_dir / re.sub(r"\W+", "-", col))
             try:
                 peer_info[col] = peer.start()
+                served = (peer_info[col].get("model_info") or {}).get("max_model_len")
+                if c["peer"] == "folio" and served:
+                    model_facts[c["model"]]["folio_max_model_len"] = served
                 if args.warmup and c["specs"]:
                     progress.set_postfix_str(f"warming up {col}")
                     peer.run("latency", warmup_requests(c["specs"][min(c["specs"])]))
@@ -174,7 +186,7 @@ def run(args, random_names: list[str], peer_names: list[str]) -> int:
                         with competing_load(args.competing_load):
                             result: RunResult = peer.run("latency", requests)
                     except Exception as e:  # e.g. a prompt longer than the server's context
-                        failed.setdefault(col, {})[str(n)] = f"failed: {str(e)[:1000]}"
+                        failed.setdefault(col, {})[str(n)] = f"failed: {error_text(e)}"
                         progress.update(1)
                         continue
                     wanted = sum(r.output_len for r in requests)

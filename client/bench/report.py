@@ -241,7 +241,9 @@ def markdown_context(result: dict, cells: dict[str, dict[str, dict[str, Aggregat
     for label, f in result["models"].items():
         out.append(f"  - `{label}`: `{f['dir']}` ({f['architecture']}, {result['dtype']}"
                    f"{', random weights' if f['random_weights'] else ''}), sliding window "
-                   f"{_window(f)}, max_model_len {f['max_model_len']}")
+                   f"{_window(f)}, max_model_len {f['max_model_len']}"
+                   + (f" (Folio serves {f['folio_max_model_len']})"
+                      if f.get("folio_max_model_len") not in (None, f["max_model_len"]) else ""))
     out += ["", "## TPOT (ms) by context", "", *table("TPOT (ms)"), "",
             "## TTFT (ms) by context", "", *table("TTFT (ms)"), ""]
     for col in cols:

@@ -84,6 +84,23 @@ def _req(ttft_s: float, e2e_s: float, num_output: int = 5, prompt_len: int = 8) 
     return {"prompt_len": prompt_len, "num_output": num_output, "ttft_s": ttft_s, "e2e_s": e2e_s}
 
 
+def test_a_refused_run_is_reported_by_its_grpc_status_and_details():
+    import grpc
+
+    from client.bench.context import error_text
+
+    class Refused(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.INVALID_ARGUMENT
+
+        def details(self):
+            return "prompt has 512 tokens but max_model_len is 256; shorten the prompt"
+
+    assert error_text(Refused()) == ("INVALID_ARGUMENT: prompt has 512 tokens but max_model_len "
+                                     "is 256; shorten the prompt")
+    assert error_text(RuntimeError("no\ntoken")) == "no token"
+
+
 def test_tpot_is_pooled_over_requests_and_repetitions():
     runs = [{"requests": [_req(0.1, 0.5), _req(0.1, 0.9)]},  # TPOT 100 and 200 ms
             {"requests": [_req(0.2, 1.4)]}]  # 300 ms
@@ -122,6 +139,8 @@ def _fabricated(tmp_path: Path):
         "failed": {"smollm2-135m-swa256": {"4096": "failed: prompt longer than max_model_len"}},
         "short_outputs": {}, "runs": runs,
     }
+    result["models"]["smollm2-135m-swa256"]["folio_max_model_len"] = 256
+    result["models"]["smollm2-135m-mistral"]["folio_max_model_len"] = 4128
     return report.write_context(tmp_path, result["name"], result, cells)
 
 
@@ -145,6 +164,8 @@ def test_markdown_has_lengths_down_models_across_windows_and_the_tpot_ratio(tmp_
            "1.05x TPOT at 256" in table
     assert "smollm2-135m-swa256 at 4096 prompt tokens: failed: prompt longer" in table
     assert "Folio only" in table
+    assert "max_model_len 4128 (Folio serves 256)" in table  # the server capped it
+    assert "smollm2-135m-mistral-random" not in table and table.count("Folio serves") == 1
 
 
 def test_json_keeps_every_request_the_summary_and_the_ratios(tmp_path):
