@@ -207,7 +207,9 @@ def markdown_context(result: dict, cells: dict[str, dict[str, dict[str, Aggregat
     def why_empty(col: str, n: int) -> str:
         if col in result["skipped"]:
             return "skipped"
-        return "failed" if str(n) in result["failed"].get(col, {}) else "—"
+        if str(n) in result["failed"].get(col, {}):
+            return "failed"
+        return "short" if str(n) in result["short_outputs"].get(col, {}) else "—"
 
     def table(metric: str) -> list[str]:
         lines = ["| " + " | ".join(head) + " |", sep, "| " + " | ".join(window) + " |"]
@@ -215,7 +217,9 @@ def markdown_context(result: dict, cells: dict[str, dict[str, dict[str, Aggregat
             row = [str(n)]
             for col in cols:
                 agg = cells.get(col, {}).get(str(n), {}).get(metric)
-                row.append(_cell(agg) if agg else why_empty(col, n))
+                short = str(n) in result["short_outputs"].get(col, {})
+                row.append(_cell(agg) + (" (short)" if short else "") if agg
+                           else why_empty(col, n))
             lines.append("| " + " | ".join(row) + " |")
         if metric == "TPOT (ms)":
             lines.append("| " + " | ".join(["longest / shortest",
@@ -263,6 +267,10 @@ def markdown_context(result: dict, cells: dict[str, dict[str, dict[str, Aggregat
     for col, by_len in result["failed"].items():
         for n, why in by_len.items():
             out.append(f"- {col} at {n} prompt tokens: {why.splitlines()[0][:300] if why else ''}")
+    for col, by_len in result["short_outputs"].items():
+        for n, got in by_len.items():
+            out.append(f"- {col} at {n} prompt tokens: short, {got:.0f} output tokens of "
+                       f"{w['requested_output_tokens_per_run']} in a run (the context ran out?)")
     return "\n".join(out) + "\n"
 
 

@@ -137,7 +137,7 @@ def _fabricated(tmp_path: Path):
                      "seed": 0, "requested_output_tokens_per_run": 5},
         "settings": {}, "peers": {}, "skipped": {},
         "failed": {"smollm2-135m-swa256": {"4096": "failed: prompt longer than max_model_len"}},
-        "short_outputs": {}, "runs": runs,
+        "short_outputs": {"smollm2-135m-swa256": {"1024": 1.0}}, "runs": runs,
     }
     result["models"]["smollm2-135m-swa256"]["folio_max_model_len"] = 256
     result["models"]["smollm2-135m-mistral"]["folio_max_model_len"] = 4128
@@ -157,6 +157,8 @@ def test_markdown_has_lengths_down_models_across_windows_and_the_tpot_ratio(tmp_
     assert rows["4096"][0].startswith("30.") and rows["4096"][1] == "failed"
     assert all("–" in cell for cell in rows["256"])  # median (min–max) of two repetitions
     # The windowed model's longest context failed: its ratio is over the longest that ran.
+    assert rows["1024"][1].endswith(" (short)")
+    assert "smollm2-135m-swa256 at 1024 prompt tokens: short, 1 output tokens of 5" in table
     assert rows["longest / shortest"] == ["3.00 (4096 vs 256)", "1.05 (1024 vs 256)"]
     assert "## TTFT (ms) by context" in table
     assert f"({report.cpu_isa()})" in table  # every result names the ISA
