@@ -1,6 +1,7 @@
 """`folio bench`: Folio side by side with vLLM's CPU build and HF transformers, in one run.
 
     cli.py          the command: peers, interleaved repetitions, result files
+    context.py      `folio bench context`: the latency workload at several context lengths
     workload.py     seeded prompts (token ids), output lengths, arrival times
     folio_peer.py   a real `folio serve`, driven through the gRPC stream
     runner_peer.py  vLLM / HF as long-lived subprocesses (runners/, their own Python)

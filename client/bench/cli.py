@@ -1,7 +1,12 @@
-"""`folio bench throughput|latency|serve`: one seeded workload, Folio and its peers, one run.
+"""`folio bench throughput|latency|serve|context`: one seeded workload, Folio and its peers, one run.
 
     folio bench throughput --random-model qwen2.5-0.5b --num-prompts 16 --input-len 128 \\
         --output-len 32 --peers folio,vllm,hf,hf-batch --reps 3 --out bench/results
+    folio bench context --random-model smollm2-135m-mistral,smollm2-135m-swa256 \\
+        --input-lens 256,1024,2048,4096 --batch-size 1 --output-len 32 --reps 2
+
+`context` runs the latency workload at several prompt lengths for one or more models (Folio
+only by default) and reports decode time per token against the context (client/bench/context.py).
 
 Every peer loads the same checkpoint directory in the same dtype and gets the same prompt
 token ids (greedy, EOS ignored, so each request yields exactly its output length). Peers start
@@ -22,7 +27,7 @@ import re
 import sys
 from pathlib import Path
 
-from client.bench import models, report
+from client.bench import context, models, report
 from client.bench.folio_peer import ConstrainedFolioPeer, FolioPeer
 from client.bench.load import competing_load, settle
 from client.bench.metrics import MODES, aggregate, same_tokens, summarize
@@ -44,9 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model", default=os.environ.get("FOLIO_MODEL") or None,
                    help="what `folio serve --model` takes (a checkpoint dir, a .gguf file, "
                    "folio:tiny-random; default: Folio's default model)")
-    m.add_argument("--random-model", choices=sorted(models.RANDOM_MODELS), default=None,
+    m.add_argument("--random-model", default=None, metavar="NAME",
                    help="a random-weight checkpoint from this real config instead (seeded, "
-                   "cached under $FOLIO_CACHE_DIR/bench-models)")
+                   "cached under $FOLIO_CACHE_DIR/bench-models), one of "
+                   f"{', '.join(sorted(models.RANDOM_MODELS))}; context mode takes a "
+                   "comma-separated list (one column each)")
     m.add_argument("--model-seed", type=int, default=0, help="seed of --random-model weights")
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     m.add_argument("--max-model-len", type=int, default=None,
@@ -58,15 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests per repetition (default 16; latency: --batch-size)")
     w.add_argument("--input-len", type=int, default=128)
     w.add_argument("--output-len", type=int, default=32)
-    w.add_argument("--batch-size", type=int, default=1, help="latency mode: requests at once")
+    w.add_argument("--batch-size", type=int, default=1,
+                   help="latency and context modes: requests at once")
+    w.add_argument("--input-lens", default=context.DEFAULT_INPUT_LENS,
+                   help="context mode: comma-separated prompt lengths (default "
+                   f"{context.DEFAULT_INPUT_LENS})")
     w.add_argument("--request-rate", type=float, default=math.inf,
                    help="serve mode: Poisson arrivals per second (default inf: all at once)")
     w.add_argument("--seed", type=int, default=0)
     r = p.add_argument_group("peers and repetitions")
-    r.add_argument("--peers", default=",".join(DEFAULT_PEERS),
+    r.add_argument("--peers", default=None,
                    help=f"comma-separated, from {','.join(PEERS)} (default "
-                        f"{','.join(DEFAULT_PEERS)}; folio-constrained: Folio with every "
-                        "other request under structured output)")
+                        f"{','.join(DEFAULT_PEERS)}; context mode: folio; folio-constrained: "
+                        "Folio with every other request under structured output)")
     r.add_argument("--reps", type=int, default=3, help="interleaved repetitions (default 3)")
     r.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the untimed warm-up run of each peer")
@@ -96,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("output")
     o.add_argument("--out", default="bench/results", help="directory for the result files")
     o.add_argument("--name", default=None, help="file name after the date (default: "
-                   "MODE-MODEL-DTYPE)")
+                   "MODE-MODEL-DTYPE; context: context-MODEL-vs-MODEL-DTYPE)")
     return p
 
 
@@ -107,6 +118,25 @@ def parse_peers(text: str) -> list[str]:
         raise SystemExit(f"folio bench: --peers takes names from {', '.join(PEERS)}; "
                          f"got {text!r}")
     return list(dict.fromkeys(peers))
+
+
+def parse_random_models(text: str | None, mode: str) -> list[str]:
+    """`--random-model`: one name, or for context mode a comma-separated list."""
+    if text is None:
+        return []
+    names = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    unknown = [x for x in names if x not in models.RANDOM_MODELS]
+    if unknown or not names:
+        raise SystemExit(f"folio bench: --random-model is one of "
+                         f"{', '.join(sorted(models.RANDOM_MODELS))}; got {text!r}")
+    if len(names) > 1 and mode != "context":
+        raise SystemExit(f"folio bench: --random-model takes several names in context mode "
+                         f"only; {mode} runs one model")
+    return names
+
+
+def default_peers(mode: str) -> tuple[str, ...]:
+    return ("folio",) if mode == "context" else DEFAULT_PEERS
 
 
 def usable_cpus() -> str:
@@ -161,9 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     args = build_parser().parse_args(argv)
-    peer_names = parse_peers(args.peers)
+    random_names = parse_random_models(args.random_model, args.mode)
+    peer_names = parse_peers(args.peers or ",".join(default_peers(args.mode)))
     if args.reps < 1:
         raise SystemExit("folio bench: --reps must be at least 1")
+    if args.mode == "context":
+        return context.run(args, random_names, peer_names)
     facts = report.machine_facts()
     folio_model, model_dir = resolve_model(args)
     config = models.read_config(model_dir)

@@ -18,7 +18,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-MODES = ("throughput", "latency", "serve")
+MODES = ("throughput", "latency", "serve", "context")  # context: latency at several lengths
 
 
 @dataclass
@@ -104,3 +104,14 @@ def aggregate(per_rep: list[dict[str, float]]) -> dict[str, Aggregate]:
     names = [k for k in per_rep[0] if all(k in rep for rep in per_rep)]
     return {k: Aggregate(statistics.median(v), min(v), max(v), v)
             for k in names for v in [[rep[k] for rep in per_rep]]}
+
+
+def tpot_ratio(cells: dict[str, dict[str, Aggregate]]) -> dict | None:
+    """`folio bench context`: TPOT at the longest over the shortest context that ran, from one
+    column's cells (prompt length as a string -> metric -> Aggregate)."""
+    lens = sorted(int(n) for n, c in cells.items() if "TPOT (ms)" in c)
+    if len(lens) < 2:
+        return None
+    short, long = cells[str(lens[0])]["TPOT (ms)"], cells[str(lens[-1])]["TPOT (ms)"]
+    return {"shortest": lens[0], "longest": lens[-1],
+            "ratio": long.median / short.median if short.median else None}

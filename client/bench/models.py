@@ -44,6 +44,18 @@ RANDOM_MODELS: dict[str, dict] = {
         tie_word_embeddings=True,
     ),
 }
+# SmolLM2-135M's sizes as a Mistral (which Mistral-7B's config shapes: head_dim given, no
+# attention or MLP bias) with and without a sliding window: a pair that differs only in the
+# window, for `folio bench context` (decode time as the context grows past the window).
+_SMOLLM2_AS_MISTRAL = dict(
+    architectures=["MistralForCausalLM"], model_type="mistral", vocab_size=49152,
+    hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    tie_word_embeddings=True,
+)
+RANDOM_MODELS["smollm2-135m-mistral"] = dict(_SMOLLM2_AS_MISTRAL, sliding_window=None)
+RANDOM_MODELS["smollm2-135m-swa256"] = dict(_SMOLLM2_AS_MISTRAL, sliding_window=256)
 MARKER = "FOLIO_RANDOM_WEIGHTS"
 
 
@@ -103,6 +115,14 @@ def read_config(model_dir: Path) -> dict:
 
 def max_model_len(config: dict) -> int:
     return int(config.get("max_position_embeddings") or 2048)
+
+
+def sliding_window(config: dict) -> int | None:
+    """The sliding window every layer of `config` attends within, as Folio reads it (None:
+    full attention; Qwen2-style configs carry a window they use only with use_sliding_window)."""
+    if not config.get("sliding_window") or config.get("use_sliding_window") is False:
+        return None
+    return int(config["sliding_window"])
 
 
 def _write_random_model(name: str, seed: int, out_dir: Path) -> None:

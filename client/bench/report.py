@@ -11,7 +11,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from client.bench.metrics import Aggregate
+from client.bench.metrics import Aggregate, tpot_ratio
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Rows that are plotted, per mode (the table has every metric).
@@ -178,5 +178,150 @@ def write(out_dir: Path, stem: str, result: dict,
     else:
         result["plot_skipped"] = why_not
     paths["md"].write_text(markdown(result, aggregates))
+    paths["json"].write_text(json.dumps(result, indent=1) + "\n")
+    return paths
+
+
+# ---- `folio bench context` ------------------------------------------------------------------
+
+def _window(facts: dict) -> str:
+    w = facts.get("sliding_window")
+    return f"{w} tokens" if w else "none (full attention)"
+
+
+def _ratio_cell(ratio: dict | None) -> str:
+    if not ratio or ratio.get("ratio") is None:
+        return "—"
+    return f"{ratio['ratio']:.2f} ({ratio['longest']} vs {ratio['shortest']})"
+
+
+def markdown_context(result: dict, cells: dict[str, dict[str, dict[str, Aggregate]]]) -> str:
+    """Rows = prompt lengths, columns = models (and peers): TPOT, then TTFT."""
+    cols = list(result["columns"])
+    lens = result["workload"]["input_lens"]
+    ratios = result["tpot_ratio"]
+    head = ["prompt tokens", *cols]
+    sep = "|" + "---|" * len(head)
+    window = ["window", *(_window(result["models"][result["columns"][c]["model"]]) for c in cols)]
+
+    def why_empty(col: str, n: int) -> str:
+        if col in result["skipped"]:
+            return "skipped"
+        if str(n) in result["failed"].get(col, {}):
+            return "failed"
+        return "short" if str(n) in result["short_outputs"].get(col, {}) else "—"
+
+    def table(metric: str) -> list[str]:
+        lines = ["| " + " | ".join(head) + " |", sep, "| " + " | ".join(window) + " |"]
+        for n in lens:
+            row = [str(n)]
+            for col in cols:
+                agg = cells.get(col, {}).get(str(n), {}).get(metric)
+                short = str(n) in result["short_outputs"].get(col, {})
+                row.append(_cell(agg) + (" (short)" if short else "") if agg
+                           else why_empty(col, n))
+            lines.append("| " + " | ".join(row) + " |")
+        if metric == "TPOT (ms)":
+            lines.append("| " + " | ".join(["longest / shortest",
+                                            *(_ratio_cell(ratios.get(c)) for c in cols)]) + " |")
+        return lines
+
+    w, m = result["workload"], result["machine"]
+    out = [
+        f"# folio bench context: {result['name']}",
+        "",
+        f"- workload: random prompts of each length, {w['batch_size']} request(s) at once, "
+        f"greedy, {w['output_len']} output tokens each (EOS ignored), seed {w['seed']}",
+        "- TPOT = (e2e - TTFT) / (output tokens - 1) per request; cells are the median over "
+        "requests and repetitions (min–max), in ms",
+        f"- repetitions: {result['reps']} (interleaved over lengths and models)"
+        + (", with a competing busy process on one core" if result["competing_load"] else ""),
+        f"- machine: {m['cpu']} ({m.get('isa', 'ISA not recorded')}), {m['logical_cpus']} "
+        f"logical CPUs, load average "
+        f"{result['load_before'][0]:.2f} before / {result['load_after'][0]:.2f} after",
+        f"- commit: {m['git_commit']}; command: `{m['command']}`",
+        "- models:",
+    ]
+    for label, f in result["models"].items():
+        out.append(f"  - `{label}`: `{f['dir']}` ({f['architecture']}, {result['dtype']}"
+                   f"{', random weights' if f['random_weights'] else ''}), sliding window "
+                   f"{_window(f)}, max_model_len {f['max_model_len']}"
+                   + (f" (Folio serves {f['folio_max_model_len']})"
+                      if f.get("folio_max_model_len") not in (None, f["max_model_len"]) else ""))
+    out += ["", "## TPOT (ms) by context", "", *table("TPOT (ms)"), "",
+            "## TTFT (ms) by context", "", *table("TTFT (ms)"), ""]
+    for col in cols:
+        facts = result["models"][result["columns"][col]["model"]]
+        r = ratios.get(col)
+        if r and r.get("ratio") is not None:
+            out.append(f"- {col}, sliding window {_window(facts)}: TPOT at {r['longest']} "
+                       f"prompt tokens is {r['ratio']:.2f}x TPOT at {r['shortest']}")
+        else:
+            out.append(f"- {col}, sliding window {_window(facts)}: no TPOT ratio (fewer than "
+                       "two context lengths ran)")
+    peers = {c["peer"] for c in result["columns"].values()}
+    if peers == {"folio"}:
+        out.append("- peers: Folio only (vLLM and HF can be added with --peers)")
+    for col, why in result["skipped"].items():
+        out.append(f"- {col} skipped: {why}")
+    for col, by_len in result["failed"].items():
+        for n, why in by_len.items():
+            out.append(f"- {col} at {n} prompt tokens: {why.splitlines()[0][:300] if why else ''}")
+    for col, by_len in result["short_outputs"].items():
+        for n, got in by_len.items():
+            out.append(f"- {col} at {n} prompt tokens: short, {got:.0f} output tokens of "
+                       f"{w['requested_output_tokens_per_run']} in a run (the context ran out?)")
+    return "\n".join(out) + "\n"
+
+
+def plot_context(path: Path, result: dict,
+                 cells: dict[str, dict[str, dict[str, Aggregate]]]) -> str | None:
+    """TPOT and TTFT against the prompt length, one line per column."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "matplotlib is not installed (pip install -e '.[bench]'); no plot"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5), squeeze=False)
+    for ax, metric in zip(axes[0], ("TPOT (ms)", "TTFT (ms)"), strict=True):
+        for col, by_len in cells.items():
+            points = sorted((int(n), c[metric]) for n, c in by_len.items() if metric in c)
+            if not points:
+                continue
+            xs = [n for n, _ in points]
+            ax.errorbar(xs, [a.median for _, a in points],
+                        yerr=[[a.median - a.low for _, a in points],
+                              [a.high - a.median for _, a in points]],
+                        marker="o", capsize=3, label=col)
+        ax.set_xlabel("prompt tokens")
+        ax.set_title(metric)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return None
+
+
+def write_context(out_dir: Path, stem: str, result: dict,
+                  cells: dict[str, dict[str, dict[str, Aggregate]]]) -> dict[str, Path]:
+    """The context mode's JSON, Markdown and PNG; `cells` is column -> prompt length (a string,
+    as in JSON) -> metric -> Aggregate."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / f"{stem}.json", "md": out_dir / f"{stem}.md"}
+    result["summary"] = {col: {n: {k: {"median": a.median, "min": a.low, "max": a.high,
+                                       "count": len(a.values)} for k, a in c.items()}
+                               for n, c in by_len.items()} for col, by_len in cells.items()}
+    result["tpot_ratio"] = {col: tpot_ratio(by_len) for col, by_len in cells.items()}
+    png = out_dir / f"{stem}.png"
+    why_not = plot_context(png, result, cells) if any(cells.values()) else "no run succeeded"
+    result["plot"] = None if why_not else png.name
+    if why_not is None:
+        paths["png"] = png
+    else:
+        result["plot_skipped"] = why_not
+    paths["md"].write_text(markdown_context(result, cells))
     paths["json"].write_text(json.dumps(result, indent=1) + "\n")
     return paths
