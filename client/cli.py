@@ -5,7 +5,7 @@
     folio generate "Once upon a time" --max-tokens 32      streams text as it arrives
     folio info | folio stats | folio health
     folio keygen PATH                  a channel secret for --channel-secret-file
-    folio bench throughput|latency|serve ...   Folio side by side with vLLM and HF (client/bench)
+    folio bench throughput|latency|serve|context ...   Folio side by side with vLLM and HF (client/bench)
     ... --api-key KEY (or FOLIO_API_KEY) --tls-ca server.pem    a server with auth and TLS
 
 Service modules are imported inside their subcommands: `folio generate` never loads torch, and
