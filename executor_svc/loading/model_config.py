@@ -199,7 +199,9 @@ def _layer_windows(d: dict[str, Any], arch: str, num_layers: int) -> tuple[int, 
                              f"{num_layers}")
         sliding = [t == "sliding_attention" for t in types]
     elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        first = _int(d, "max_window_layers", 28)
+        first = d.get("max_window_layers", 28)  # 0: every layer slides
+        if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+            raise ValueError(f"max_window_layers must be a non-negative integer, got {first!r}")
         sliding = [i >= first for i in range(num_layers)]
     elif arch == "Gemma2ForCausalLM":
         sliding = [i % 2 == 0 for i in range(num_layers)]
