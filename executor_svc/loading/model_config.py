@@ -180,8 +180,11 @@ def _layer_windows(d: dict[str, Any], arch: str, num_layers: int) -> tuple[int, 
       layers from ``max_window_layers`` on slide.
     - Gemma 2: ``layer_types`` or alternation, even layers sliding (0, 2, ...).
     - Gemma 3: ``layer_types`` or ``sliding_window_pattern`` (every pattern-th layer full).
+    - Llama: none (HF's Llama reads neither field; a GGUF-converted Mistral is a Llama).
     - any other: ``layer_types`` if given (gpt-oss), else ``sliding_window`` on every layer.
     """
+    if arch == "LlamaForCausalLM":
+        return (0,) * num_layers
     window = d.get("sliding_window")
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not _bool(d, "use_sliding_window"):
         window = None  # HF drops the window when use_sliding_window is off

@@ -78,8 +78,9 @@ def test_gemma_fields_and_hf_defaults():
     assert (g3.attn_logit_softcapping, g3.final_logit_softcapping) == (0.0, 0.0)
     assert g3.attention_scale == 24 ** -0.5
     llama = ModelConfig.from_dict({**BASE, "architectures": ["LlamaForCausalLM"],
-                                   "num_hidden_layers": 2})
+                                   "num_hidden_layers": 2, "sliding_window": 8})
     assert llama.attention_scale == 16 ** -0.5 and llama.hidden_activation == "silu"
+    # HF's Llama ignores a sliding_window (GGUF-converted Mistral files carry one).
     assert llama.layer_windows == (0, 0) and llama.attn_logit_softcapping == 0.0
 
 
