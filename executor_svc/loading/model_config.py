@@ -117,6 +117,9 @@ class ModelConfig:
         if not isinstance(archs, list) or not isinstance(archs[0], str):
             raise ValueError(f"architectures must be a list of class names, got {archs!r}")
         d = {**_FAMILY_DEFAULTS.get(archs[0], {}), **d}  # a written null stays null
+        if _bool(d, "use_bidirectional_attention"):  # Gemma-based embedding models
+            raise ValueError("use_bidirectional_attention is set: Folio serves causal "
+                             "decoders only")
         num_layers = _int(d, "num_hidden_layers")
         num_heads = _int(d, "num_attention_heads")
         hidden_size = _int(d, "hidden_size")

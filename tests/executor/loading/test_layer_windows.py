@@ -139,6 +139,8 @@ def test_context_of_a_layer_keyed_rope_is_the_global_layers():
     ("Gemma2ForCausalLM", dict(final_logit_softcapping="30"), "final_logit_softcapping"),
     ("Gemma2ForCausalLM", dict(query_pre_attn_scalar=0), "query_pre_attn_scalar"),
     ("Gemma3ForCausalLM", dict(rope_local_base_freq=-1), "rope_local_base_freq"),
+    ("Gemma3ForCausalLM", dict(use_bidirectional_attention=True),
+     "use_bidirectional_attention"),
 ])
 def test_bad_configs_are_refused_naming_the_field(arch, overrides, field):
     d = {**BASE, "num_hidden_layers": 2, "architectures": [arch], **overrides}
