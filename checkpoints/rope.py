@@ -5,7 +5,7 @@ level, newer ones a single ``rope_parameters`` dict holding ``rope_theta`` and `
 Both end up in `RopeSpec`, checked field by field (a ValueError names the field). The executor
 builds its rotary tables from it (executor_svc/models/rope.py); both services take the model's
 context from `context_length`, so the scheduler's limit before an executor connects is the one
-the executor then reports (before the executor's own caps: the operator's and a sliding window).
+the executor then reports (before the operator's cap; sliding windows do not cap it).
 """
 
 from __future__ import annotations
@@ -45,11 +45,22 @@ class RopeSpec:
         return max(max_position_embeddings, int(scaled))
 
 
-def rope_spec(d: dict[str, Any]) -> RopeSpec:
-    """The RoPE a config (the whole config.json object) states, every field checked."""
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def rope_spec(d: dict[str, Any], layer_type: str = "full_attention") -> RopeSpec:
+    """The RoPE a config (the whole config.json object) states, every field checked.
+
+    Gemma 3's transformers 5 configs key ``rope_parameters`` by layer type (``full_attention``
+    and ``sliding_attention``, each a whole RoPE dict); `layer_type` picks one. Other configs
+    have one RoPE for every layer. The model's context is always the full-attention one's."""
     params = d.get("rope_parameters") or d.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise ValueError(f"rope_parameters / rope_scaling must be an object, got {params!r}")
+    if params and set(params) <= set(LAYER_TYPES):  # keyed by layer type
+        params = params.get(layer_type) or {}
+        if not isinstance(params, dict):
+            raise ValueError(f"rope_parameters.{layer_type} must be an object, got {params!r}")
     params = dict(params)
     theta = _float({"rope_theta": params.pop("rope_theta", d.get("rope_theta"))}, "rope_theta",
                    10000.0)

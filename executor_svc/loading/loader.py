@@ -19,7 +19,6 @@ already stacks the parts under the fused name (Phi-3), each part's slice read fr
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass
@@ -218,15 +217,11 @@ def _copy_shard(f: Any, p: _Placement, dest: torch.Tensor) -> None:
 
 def effective_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
     """The model's position limit (the scaled context for YaRN and dynamic NTK, see
-    `RopeSpec.max_position`), capped by the operator and by a sliding window."""
+    `RopeSpec.max_position`), capped by the operator. Sliding windows cap nothing: the
+    attention layers honour them (`ModelConfig.layer_windows`)."""
     max_len = cfg.rope.max_position(cfg.max_position_embeddings)
     if requested is not None:
         max_len = min(max_len, requested)
-    if cfg.sliding_window is not None and cfg.sliding_window < max_len:
-        log.warning("capping max_model_len at the sliding window: paged sliding-window "
-                    "attention is not implemented, and within the window full attention is "
-                    "exact", sliding_window=cfg.sliding_window, max_model_len=max_len)
-        max_len = cfg.sliding_window
     return max_len
 
 
@@ -253,7 +248,7 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
     skipped, every kept parameter is still filled."""
     cfg = cfg or ModelConfig.from_dir(model_dir)
     if num_layers is not None and num_layers < cfg.num_layers:
-        cfg = dataclasses.replace(cfg, num_layers=num_layers)
+        cfg = cfg.with_num_layers(num_layers)
     qcfg = resolve_quant_config(quantization, model_dir)
     try:
         cls = model_class(cfg.architecture)
@@ -292,6 +287,10 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
     placements = plan_weights(model, headers, cfg.tie_word_embeddings)
     model.to_empty(device=device)
     load_weights(model, placements)
+    finish = getattr(model, "finish_loading", None)
+    if finish is not None:  # a family's fix-up of the checkpoint's values (Gemma's norms)
+        with torch.no_grad():
+            finish()
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     if qcfg is not None:

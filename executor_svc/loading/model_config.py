@@ -2,6 +2,12 @@
 
 RoPE is read by `checkpoints.rope` (both services need the context length it implies).
 
+Sliding windows: `layer_windows` holds one window per decoder layer (0 = full attention). A
+query at position p in a layer with window w attends to keys p-w+1..p (HF's
+``kv_idx > q_idx - sliding_window``). Each family states its windows its own way (see
+`_layer_windows`); all end in this one tuple, and the attention layers honour it, so a window
+never caps max_model_len.
+
 Every value Folio uses is checked here (positive integer sizes, heads that divide, booleans that
 are booleans), so a damaged config.json ends in one `CheckpointError` naming the file and the
 field, never in a tensor of negative size deep inside the model.
@@ -9,6 +15,7 @@ field, never in a tensor of negative size deep inside the model.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +24,28 @@ from checkpoints.config_fields import boolean as _bool
 from checkpoints.config_fields import positive_float as _float
 from checkpoints.config_fields import positive_int as _int
 from checkpoints.files import CheckpointError, read_json_object
-from checkpoints.rope import DEFAULT_MAX_POSITION_EMBEDDINGS, RopeSpec, rope_spec
+from checkpoints.rope import (
+    DEFAULT_MAX_POSITION_EMBEDDINGS,
+    LAYER_TYPES,
+    RopeSpec,
+    context_length,
+    rope_spec,
+)
+
+# MLP activations: HF's names for SiLU (SwiGLU) and for GELU with the tanh approximation (GeGLU).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+# What HF's config classes assume when a config.json leaves a field out (a null that is
+# written stays null: "no softcap"). Only the Gemma families have defaults that matter.
+_GEMMA_DEFAULTS: dict[str, Any] = dict(query_pre_attn_scalar=256, sliding_window=4096,
+                                       hidden_activation="gelu_pytorch_tanh",
+                                       tie_word_embeddings=True)
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "attn_logit_softcapping": 50.0,
+                          "final_logit_softcapping": 30.0},
+    "Gemma3ForCausalLM": {**_GEMMA_DEFAULTS, "rope_theta": 1_000_000.0,
+                          "rope_local_base_freq": 10_000.0, "sliding_window_pattern": 6},
+}
 
 
 @dataclass(frozen=True)
@@ -36,7 +64,16 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v/o (Llama, Qwen3 style)
     mlp_bias: bool = False
-    sliding_window: int | None = None  # only set when the model really uses one
+    hidden_activation: str = "silu"  # one of ACTIVATIONS
+    # One attention window per decoder layer, 0 = full attention; () = all full.
+    layer_windows: tuple[int, ...] = ()
+    # RoPE of the sliding-window layers when it is not `rope` (Gemma 3's local base).
+    local_rope: RopeSpec | None = None
+    # tanh capping: scores -> cap * tanh(scores / cap); 0 = none (Gemma 2).
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
+    # The attention scale is query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
 
     def __post_init__(self) -> None:
         # Relations between sizes; each size alone was checked where it was read.
@@ -50,14 +87,32 @@ class ModelConfig:
                 if len(self.rope.params[key]) != self.head_dim // 2:
                     raise ValueError(f"rope {key} has {len(self.rope.params[key])} entries; "
                                      f"head_dim {self.head_dim} needs {self.head_dim // 2}")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding_window must be a positive integer, got "
-                             f"{self.sliding_window}")
+        if not self.layer_windows:  # frozen: the one place the default is filled in
+            object.__setattr__(self, "layer_windows", (0,) * self.num_layers)
+        if len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for "
+                             f"{self.num_layers} layers")
+        context = self.rope.max_position(self.max_position_embeddings)
+        for window in self.layer_windows:
+            if window < 0:
+                raise ValueError(f"sliding_window must be a positive integer, got {window}")
+            if window > context:
+                raise ValueError(f"sliding_window ({window}) is larger than the model's "
+                                 f"context ({context}, from max_position_embeddings and its "
+                                 "RoPE scaling)")
+        if self.hidden_activation not in ACTIVATIONS:
+            raise ValueError(f"hidden_activation {self.hidden_activation!r} is not supported "
+                             f"(supported: {', '.join(ACTIVATIONS)})")
 
     @property
-    def layer_windows(self) -> tuple[int, ...]:
-        """Each layer's sliding window, 0 = full attention."""
-        return (self.sliding_window or 0,) * self.num_layers
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def with_num_layers(self, num_layers: int) -> ModelConfig:
+        """The first `num_layers` decoder layers (a draft model cut from this one)."""
+        return dataclasses.replace(self, num_layers=num_layers,
+                                   layer_windows=self.layer_windows[:num_layers])
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
@@ -67,6 +122,11 @@ class ModelConfig:
             raise ValueError("has no 'architectures' entry; cannot pick a model class")
         if not isinstance(archs, list) or not isinstance(archs[0], str):
             raise ValueError(f"architectures must be a list of class names, got {archs!r}")
+        d = {**_FAMILY_DEFAULTS.get(archs[0], {}), **d}  # a written null stays null
+        if _bool(d, "use_bidirectional_attention"):  # Gemma-based embedding models
+            raise ValueError("use_bidirectional_attention is set: Folio serves causal "
+                             "decoders only")
+        num_layers = _int(d, "num_hidden_layers")
         num_heads = _int(d, "num_attention_heads")
         hidden_size = _int(d, "hidden_size")
         if d.get("head_dim") is None and hidden_size % num_heads:
@@ -77,7 +137,7 @@ class ModelConfig:
             vocab_size=_int(d, "vocab_size"),
             hidden_size=hidden_size,
             intermediate_size=_int(d, "intermediate_size"),
-            num_layers=_int(d, "num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=_int(d, "num_key_value_heads", num_heads),
             head_dim=_int(d, "head_dim", hidden_size // num_heads),
@@ -88,7 +148,13 @@ class ModelConfig:
             tie_word_embeddings=_bool(d, "tie_word_embeddings"),
             attention_bias=_bool(d, "attention_bias"),
             mlp_bias=_bool(d, "mlp_bias"),
-            sliding_window=_sliding_window(d),
+            hidden_activation=_activation(d),
+            layer_windows=_layer_windows(d, archs[0], num_layers),
+            local_rope=_local_rope(d, archs[0]),
+            attn_logit_softcapping=_softcap(d, "attn_logit_softcapping"),
+            final_logit_softcapping=_softcap(d, "final_logit_softcapping"),
+            query_pre_attn_scalar=(None if d.get("query_pre_attn_scalar") is None
+                                   else _float(d, "query_pre_attn_scalar", 0.0)),
         )
 
     @classmethod
@@ -105,13 +171,82 @@ class ModelConfig:
             raise CheckpointError(path, str(e)) from None
 
 
-def _sliding_window(d: dict[str, Any]) -> int | None:
-    if not d.get("sliding_window"):
+def _activation(d: dict[str, Any]) -> str:
+    # Gemma 2/3 name it hidden_activation; Llama-style configs hidden_act.
+    key = "hidden_activation" if d.get("hidden_activation") is not None else "hidden_act"
+    value = d.get(key) or "silu"
+    if value not in ACTIVATIONS:
+        raise ValueError(f"{key} {value!r} is not supported (supported: "
+                         f"{', '.join(ACTIVATIONS)})")
+    return value
+
+
+def _layer_windows(d: dict[str, Any], arch: str, num_layers: int) -> tuple[int, ...]:
+    """One window per layer (0 = full attention), as transformers 5.24 reads each family:
+
+    - Mistral: ``sliding_window`` on every layer (layer_types, if any, is ignored as HF does).
+    - Qwen2/Qwen3: only with ``use_sliding_window``; then ``layer_types`` or, without it, the
+      layers from ``max_window_layers`` on slide.
+    - Gemma 2: ``layer_types`` or alternation, even layers sliding (0, 2, ...).
+    - Gemma 3: ``layer_types`` or ``sliding_window_pattern`` (every pattern-th layer full).
+    - Llama: none (HF's Llama reads neither field; a GGUF-converted Mistral is a Llama).
+    - Phi-3: ``sliding_window`` on every layer, except that a window past the context (the
+      128k configs state 262144 over 131072 positions) is full attention, as HF's mask makes it.
+    - any other: ``layer_types`` if given (gpt-oss), else ``sliding_window`` on every layer.
+    """
+    if arch == "LlamaForCausalLM":
+        return (0,) * num_layers
+    window = d.get("sliding_window")
+    if arch == "Phi3ForCausalLM" and isinstance(window, int) and window >= context_length(d):
+        window = None
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not _bool(d, "use_sliding_window"):
+        window = None  # HF drops the window when use_sliding_window is off
+    types = d.get("layer_types")
+    if arch == "MistralForCausalLM":
+        types = None
+    if types is not None:
+        if not isinstance(types, list) or any(t not in LAYER_TYPES for t in types):
+            bad = types if not isinstance(types, list) else next(
+                t for t in types if t not in LAYER_TYPES)
+            raise ValueError(f"layer_types has an unknown entry {bad!r} (known: "
+                             f"{', '.join(LAYER_TYPES)})")
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries; num_hidden_layers is "
+                             f"{num_layers}")
+        sliding = [t == "sliding_attention" for t in types]
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        first = d.get("max_window_layers", 28)  # 0: every layer slides
+        if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+            raise ValueError(f"max_window_layers must be a non-negative integer, got {first!r}")
+        sliding = [i >= first for i in range(num_layers)]
+    elif arch == "Gemma2ForCausalLM":
+        sliding = [i % 2 == 0 for i in range(num_layers)]
+    elif arch == "Gemma3ForCausalLM":
+        pattern = _int(d, "sliding_window_pattern", 6)
+        sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
+    else:
+        sliding = [True] * num_layers
+    if window is None or not any(sliding):
+        return (0,) * num_layers
+    size = _int(d, "sliding_window")  # names the field when not a positive integer
+    return tuple(size if s else 0 for s in sliding)
+
+
+def _softcap(d: dict[str, Any], key: str) -> float:
+    """A tanh cap: a positive number, or 0.0 for none (absent or null)."""
+    return 0.0 if d.get(key) is None else _float(d, key, 0.0)
+
+
+def _local_rope(d: dict[str, Any], arch: str) -> RopeSpec | None:
+    """Gemma 3's sliding layers rotate with their own unscaled base: ``rope_local_base_freq``
+    in older configs, ``rope_parameters.sliding_attention`` in transformers 5 ones."""
+    if arch != "Gemma3ForCausalLM":
         return None
-    # Qwen2/Qwen3 configs carry a window they only use when use_sliding_window is set.
-    if "use_sliding_window" in d and not d["use_sliding_window"]:
-        return None
-    return _int(d, "sliding_window")
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and "sliding_attention" in params:
+        return rope_spec(d, "sliding_attention")
+    theta = _float(d, "rope_local_base_freq", 10_000.0)
+    return RopeSpec(theta=theta)
 
 
 def local_kv_heads(cfg: ModelConfig, tp_size: int) -> int:

@@ -8,6 +8,8 @@ from torch import nn
 
 # architecture name -> (module, class name); modules are imported lazily.
 _REGISTRY: dict[str, tuple[str, str]] = {
+    "Gemma2ForCausalLM": ("executor_svc.models.gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("executor_svc.models.gemma3", "Gemma3ForCausalLM"),
     "LlamaForCausalLM": ("executor_svc.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("executor_svc.models.mistral", "MistralForCausalLM"),
     "Phi3ForCausalLM": ("executor_svc.models.phi3", "Phi3ForCausalLM"),

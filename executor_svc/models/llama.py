@@ -38,8 +38,12 @@ from kernels import rotary
 
 
 class LlamaAttention(nn.Module):
+    """One layer's attention. Its window is the config's for `layer_idx` (0: full causal
+    attention; w > 0: a query at p sees keys p-w+1..p) and its softcap the config's
+    attn_logit_softcapping (0: none); both go to the backend on every call."""
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
-                 qkv_bias: bool, o_bias: bool):
+                 qkv_bias: bool, o_bias: bool, layer_idx: int):
         super().__init__()
         tp = distributed.tp_size()
         # This rank's heads (all of them with one rank).
@@ -51,7 +55,9 @@ class LlamaAttention(nn.Module):
         self.split_sizes = self.qkv_proj.local_sizes  # [q, k, v] rows of this rank
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, o_bias,
                                         dtype)
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attention_scale
+        self.window = cfg.layer_windows[layer_idx]
+        self.softcap = cfg.attn_logit_softcapping
         self.backend = backend
         # This layer's slice of the paged KV cache and its KV group (executor_svc/kv/groups.py:
         # whose block tables it reads), bound once by `bind_kv_cache`.
@@ -75,7 +81,8 @@ class LlamaAttention(nn.Module):
         rotary(positions, q, k, cos_sin_cache)  # in place
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache,
-                                   batch.for_group(self.kv_group), self.scale)
+                                   batch.for_group(self.kv_group), self.scale,
+                                   window=self.window, softcap=self.softcap)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
@@ -83,7 +90,8 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, self_attn: LlamaAttention, dtype: torch.dtype):
         super().__init__()
         self.self_attn = self_attn
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype,
+                            cfg.hidden_activation)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -118,7 +126,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder + LM head. Subclasses change the attention through the class attributes."""
+    """Decoder + LM head. Subclasses change the attention through the class attributes and
+    `make_attention`, or the whole decoder through `make_model` (Gemma)."""
 
     packed_modules: dict[str, tuple[str, ...]] = {
         "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -131,9 +140,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         check_tensor_parallel(cfg, distributed.tp_size())
         self.cfg = cfg
-        layers = [LlamaDecoderLayer(cfg, self.make_attention(cfg, backend, dtype), dtype)
-                  for _ in range(cfg.num_layers)]
-        self.model = LlamaModel(cfg, layers, dtype)
+        self.model = self.make_model(cfg, backend, dtype)
         self.lm_head: ParallelLMHead | TiedParallelLMHead
         if cfg.tie_word_embeddings:
             # Not a module: no second parameter (the embedding's shard is the head's).
@@ -145,10 +152,17 @@ class LlamaForCausalLM(nn.Module):
         self.cos_sin_cache = build_cos_sin_cache(cfg.rope, cfg.head_dim, max_model_len, device)
 
     @classmethod
-    def make_attention(cls, cfg: ModelConfig, backend: AttentionBackend,
-                       dtype: torch.dtype) -> LlamaAttention:
+    def make_model(cls, cfg: ModelConfig, backend: AttentionBackend,
+                   dtype: torch.dtype) -> nn.Module:
+        layers = [LlamaDecoderLayer(cfg, cls.make_attention(cfg, backend, dtype, i), dtype)
+                  for i in range(cfg.num_layers)]
+        return LlamaModel(cfg, layers, dtype)
+
+    @classmethod
+    def make_attention(cls, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
+                       layer_idx: int) -> LlamaAttention:
         return cls.attention_cls(cfg, backend, dtype, qkv_bias=cfg.attention_bias,
-                                 o_bias=cfg.attention_bias)
+                                 o_bias=cfg.attention_bias, layer_idx=layer_idx)
 
     def lm_head_weight(self) -> torch.Tensor:
         """This rank's rows of the LM head ([ceil(vocab / tp), hidden]; [vocab, hidden] alone;

@@ -1,7 +1,8 @@
 """Mistral: the Llama architecture with grouped-query attention and a sliding window.
 
-Paged sliding-window attention is not implemented; the loader instead caps max_model_len at the
-window, within which full causal attention and sliding-window attention agree exactly.
+``sliding_window`` applies to every layer (`ModelConfig.layer_windows`; HF's Mistral ignores
+layer_types), and the attention layers honour it through the paged-attention kernels, so
+max_model_len is not capped at the window.
 """
 
 from __future__ import annotations

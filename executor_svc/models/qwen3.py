@@ -15,11 +15,13 @@ from executor_svc.step.attention import AttentionBackend
 
 
 class Qwen3Attention(LlamaAttention):
+    norm_cls: type[RMSNorm] = RMSNorm  # Gemma 3 swaps in its own norm
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
-                 qkv_bias: bool, o_bias: bool):
-        super().__init__(cfg, backend, dtype, qkv_bias, o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+                 qkv_bias: bool, o_bias: bool, layer_idx: int):
+        super().__init__(cfg, backend, dtype, qkv_bias, o_bias, layer_idx)
+        self.q_norm = self.norm_cls(cfg.head_dim, cfg.rms_norm_eps, dtype)
+        self.k_norm = self.norm_cls(cfg.head_dim, cfg.rms_norm_eps, dtype)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q [num_tokens, num_heads, head_dim], k [num_tokens, num_kv_heads, head_dim]:

@@ -22,7 +22,6 @@ Invariants:
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -110,7 +109,7 @@ def load_draft(model_dir: Path, target: ModelConfig, num_layers: int | None, *,
         if num_layers > cfg.num_layers:
             raise ValueError(f"--draft-layers {num_layers}: the draft model has only "
                              f"{cfg.num_layers} decoder layers")
-        cfg = dataclasses.replace(cfg, num_layers=num_layers)
+        cfg = cfg.with_num_layers(num_layers)
     if cfg.vocab_size != target.vocab_size:
         raise ValueError(f"the draft model's vocabulary ({cfg.vocab_size} tokens) is not the "
                          f"served model's ({target.vocab_size}): it must share the tokenizer")

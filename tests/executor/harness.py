@@ -35,7 +35,8 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
     "llama_linear": ("LlamaConfig", "LlamaForCausalLM", dict(
         num_key_value_heads=4,
         rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0))),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=48,
+    # A window of 8 on every layer: the test prompts and their continuations cross it.
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8,
                                                             tie_word_embeddings=False)),
     # Fused qkv_proj / gate_up_proj checkpoint tensors; LongRoPE whose original context (64)
     # the tests' sequences stay within: HF's Phi-3 generate re-encodes a sequence with the long
@@ -47,7 +48,25 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
                              short_factor=[1.0 + 0.05 * i for i in range(8)],
                              long_factor=[1.0 + 0.6 * i for i in range(8)]))),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    # Layers 1 and 2 (from max_window_layers on) slide over 12 tokens, layer 0 is full.
+    "qwen2_window": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        num_hidden_layers=3, use_sliding_window=True, sliding_window=12, max_window_layers=1,
+        tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
+    # Sliding (window 10) and full layers alternate; both softcaps small enough to bite;
+    # query_pre_attn_scalar != head_dim.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=10,
+        attn_logit_softcapping=3.0, final_logit_softcapping=4.0)),
+    # Two sliding layers (window 12) per full one; the local layers' base (100) is not the
+    # global one's, which is scaled (linear, factor 2).
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=16, sliding_window=12,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 10000.0}},
+        final_logit_softcapping=6.0)),
 }
 
 
@@ -70,7 +89,18 @@ def make_hf_model(arch: str, **overrides):
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    if arch.startswith("gemma"):
+        randomize_gemma_norms(model)
     return model
+
+
+def randomize_gemma_norms(model) -> None:
+    """HF inits Gemma's (1 + w) norms at w = 0; give them values so a lost 1 (or a 1 added
+    twice) would show."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(-0.5, 0.5)
 
 
 def save_checkpoint(model, path: Path, **save_kwargs) -> Path:

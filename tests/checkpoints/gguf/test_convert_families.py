@@ -24,7 +24,7 @@ from tests.checkpoints.gguf.test_convert import folio_greedy
 from tests.executor.harness import hf_greedy
 from tests.fixtures.gguf_files import make_gguf, write_gguf
 
-ARCHS = ["phi3", "gemma2", "gemma3"]
+ARCHS = ["phi3", "gemma2_gguf", "gemma3_gguf"]
 # Config fields the converted directory need not share: bookkeeping, and training-only values
 # a GGUF file never holds (HF's defaults come back for them).
 IGNORED = {"transformers_version", "_name_or_path", "initializer_range"}
@@ -143,7 +143,7 @@ def test_phi3_without_longrope_and_partial_rotary(tmp_path):
 ])
 def test_gemma3_layer_pattern_and_local_base_from_the_metadata(pattern, expected, converted,
                                                                 tmp_path):
-    hf_dir, _, _ = converted("gemma3")
+    hf_dir, _, _ = converted("gemma3_gguf")
 
     def extra(writer):
         if pattern is not None:
@@ -165,7 +165,7 @@ def test_gemma2_27b_query_scale_and_stated_softcaps(tmp_path):
     2), every other size's by 1/sqrt(head_dim); soft-capping values come from the file."""
     from tests.fixtures.checkpoints import make_checkpoint
 
-    hf_dir = make_checkpoint("gemma2", tmp_path / "hf", num_hidden_layers=46, hidden_size=32,
+    hf_dir = make_checkpoint("gemma2_gguf", tmp_path / "hf", num_hidden_layers=46, hidden_size=32,
                              intermediate_size=32,
                              attn_logit_softcapping=40.0, final_logit_softcapping=20.0)
     out = gguf_checkpoint_dir(write_gguf(hf_dir, tmp_path / "g2.gguf", "F16"),

@@ -35,16 +35,20 @@ CASES = {
     "llama2-gptq-act-order": ("llama2", None, ("gptq", True)),
     "qwen2-gptq": ("qwen2", "gptq", ("gptq", False)),
     "qwen2-awq": ("qwen2", None, ("awq",)),
+    # Gemma: GeGLU, four (1 + w) norms per layer, sliding windows and softcaps.
+    "gemma2-int8": ("gemma2", "int8", None),
+    "gemma3-fp8-ckpt-channel": ("gemma3", None, ("fp8", True, False)),
 }
 # Measured on these checkpoints and prompts (mean common-prefix share of 32 tokens):
 # llama2-int8 0.646, llama2-fp8 0.047, qwen2-int8 1.000, qwen2 fp8 checkpoint 0.359, llama3
 # fp8 checkpoint 0.557, 4-bit RTN group 16: llama2 GPTQ act order 0.036, qwen2 GPTQ 0.188,
-# qwen2 AWQ 0.151. Random tiny models have nearly tied logits, so fp8's 3-bit mantissa
-# flips an early argmax often; the floors sit below the measurements (other CPUs round
+# qwen2 AWQ 0.151, gemma2 int8 0.870, gemma3 fp8 checkpoint (per channel) 0.203. Random
+# tiny models have nearly tied logits, so fp8's 3-bit mantissa flips an early argmax often; the floors sit below the measurements (other CPUs round
 # differently) and catch a model that has lost its weights (agreement ~0).
 AGREEMENT_FLOOR = {"llama2-int8": 0.5, "llama2-fp8": 0.02, "qwen2-int8": 0.8,
                    "qwen2-fp8-ckpt-tensor": 0.25, "llama3-fp8-ckpt-channel": 0.4,
-                   "llama2-gptq-act-order": 0.02, "qwen2-gptq": 0.1, "qwen2-awq": 0.08}
+                   "llama2-gptq-act-order": 0.02, "qwen2-gptq": 0.1, "qwen2-awq": 0.08,
+                   "gemma2-int8": 0.6, "gemma3-fp8-ckpt-channel": 0.1}
 
 
 @pytest.fixture(scope="module", params=list(CASES))

@@ -1,9 +1,9 @@
 """Tensor parallelism through the real server: `folio serve --tensor-parallel-size N` starts
 N executor ranks (gloo on 127.0.0.1) behind one scheduler.
 
-1. Every architecture at TP = 2, with a KV pool small enough to preempt and prompts that share
-   a prefix (prefix caching is on): greedy tokens equal HF transformers', the server reports
-   its ranks, and the prefix cache was hit.
+1. Every architecture at TP = 2 (Gemma 2 and 3 with sliding windows too), with a KV pool
+   small enough to preempt and prompts that share a prefix (prefix caching is on): greedy
+   tokens equal HF transformers', the server reports its ranks, and the prefix cache was hit.
 2. TP = 4 on llama3 (4 q heads, 2 KV heads: each KV head replicated on two ranks).
 3. The real default model (SmolLM2-135M's GGUF: 9 q heads, 3 KV heads) at TP = 3 with a KV
    pool that forces preemption: greedy tokens equal transformers' on the same file, chats
@@ -98,6 +98,13 @@ async def check_tp_server(folio_server, arch: str, tp: int, tmp_path) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 async def test_tp2_greedy_matches_hf_with_preemption_and_prefix_caching(
         folio_server, arch, tmp_path):
+    await check_tp_server(folio_server, arch, 2, tmp_path)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+async def test_tp2_gemma_with_sliding_windows(folio_server, arch, tmp_path):
+    """Gemma's four norms, softcaps and local/global RoPE split over two ranks; the prompts
+    (up to 128 tokens) cross the windows (16 and 24)."""
     await check_tp_server(folio_server, arch, 2, tmp_path)
 
 
