@@ -111,10 +111,14 @@ async def test_n2_greedy_and_beam_search_match_hf(arch, server, models):
 
 
 @pytest.mark.parametrize("arch, mode, args", [
+    # Both models' three layers are three KV groups of one layer (executor_svc/kv/groups.py):
+    # 48 one-layer blocks are the memory SMALL_POOL's 16 blocks of every layer would be.
     pytest.param("gemma3", "swap", ["--preemption-mode", "swap", "--swap-space", "0.002",
-                                    "--max-num-batched-tokens", "64"], id="gemma3-swap"),
+                                    "--max-num-batched-tokens", "64", "--num-kv-blocks", "48"],
+                 id="gemma3-swap"),
     pytest.param("qwen2_window", "recompute", ["--preemption-mode", "recompute",
-                                               "--max-num-batched-tokens", "16"],
+                                               "--max-num-batched-tokens", "16",
+                                               "--num-kv-blocks", "48"],
                  id="qwen2_window-recompute"),
 ])
 async def test_preemption_keeps_greedy_exact(folio_server, models, arch, mode, args):
