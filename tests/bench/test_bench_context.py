@@ -72,8 +72,10 @@ def test_the_mistral_pair_differs_from_each_other_only_in_the_window():
     from executor_svc.loading.model_config import ModelConfig
 
     hf_fields = {k: v for k, v in windowed.items() if k != "model_type"}
-    assert ModelConfig.from_dict(hf_fields).sliding_window == 256
-    assert ModelConfig.from_dict({**hf_fields, "sliding_window": None}).sliding_window is None
+    num_layers = windowed["num_hidden_layers"]
+    assert ModelConfig.from_dict(hf_fields).layer_windows == (256,) * num_layers
+    assert ModelConfig.from_dict({**hf_fields, "sliding_window": None}).layer_windows == \
+        (0,) * num_layers
     assert models.sliding_window(models.RANDOM_MODELS["qwen2.5-0.5b"]) is None
     assert models.sliding_window({"sliding_window": 4096, "use_sliding_window": False}) is None
 

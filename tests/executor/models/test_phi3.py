@@ -95,12 +95,13 @@ def test_partial_rotary_factor_is_refused_naming_the_field(where):
     ModelConfig.from_dict(_phi3_config(partial_rotary_factor=1.0))
 
 
-def test_sliding_window_is_read_as_mistral_reads_it():
-    # Phi-3-mini-4k: sliding_window 2047 below its 4096 positions: max_model_len is capped.
+def test_sliding_window_is_every_layer_and_does_not_cap_the_context():
+    # Phi-3-mini-4k: sliding_window 2047 below its 4096 positions, on every layer; the window
+    # is honoured by attention, so max_model_len keeps the model's context.
     cfg = ModelConfig.from_dict(_phi3_config(sliding_window=100))
-    assert cfg.sliding_window == 100
-    assert effective_max_model_len(cfg, None) == 100
-    assert ModelConfig.from_dict(_phi3_config(sliding_window=None)).sliding_window is None
+    assert set(cfg.layer_windows) == {100}
+    assert effective_max_model_len(cfg, None) == cfg.max_position_embeddings
+    assert set(ModelConfig.from_dict(_phi3_config(sliding_window=None)).layer_windows) == {0}
 
 
 def test_fused_tensor_of_the_wrong_shape_is_refused_naming_it(tmp_path):
