@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import math
 import os
 import re
@@ -28,16 +27,15 @@ import sys
 from pathlib import Path
 
 from client.bench import context, models, report
-from client.bench.folio_peer import ConstrainedFolioPeer, FolioPeer
 from client.bench.load import competing_load, settle
 from client.bench.metrics import MODES, aggregate, same_tokens, summarize
-from client.bench.runner_peer import PeerUnavailable, RunnerPeer
+from client.bench.peers import VLLM_VENV, make_peer, resolve_model
+from client.bench.runner_peer import PeerUnavailable
 from client.bench.workload import DATASETS, WorkloadSpec, make_requests, warmup_requests
 
 PEERS = ("folio", "folio-constrained", "vllm", "hf", "hf-batch")
 DEFAULT_PEERS = ("folio", "vllm", "hf", "hf-batch")
 OFFLINE_PEERS = ("vllm", "hf", "hf-batch")  # no streaming server: not in serve mode
-VLLM_VENV = report.REPO_ROOT / ".venv-vllm"
 DEFAULT_MAX_MODEL_LEN = 4096  # caps the context (and so the KV sizing) of long-context configs
 
 
@@ -137,49 +135,6 @@ def parse_random_models(text: str | None, mode: str) -> list[str]:
 
 def default_peers(mode: str) -> tuple[str, ...]:
     return ("folio",) if mode == "context" else DEFAULT_PEERS
-
-
-def usable_cpus() -> str:
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
-    return ",".join(map(str, cpus))
-
-
-def make_peer(name: str, args, folio_model: str, model_dir: Path, max_model_len: int,
-              kv_tokens: int, log_dir: Path):
-    threads_env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
-    if name in ("folio", "folio-constrained"):
-        serve_args = ["--dtype", args.dtype, "--max-model-len", str(max_model_len),
-                      "--max-num-seqs", str(args.max_num_seqs),
-                      "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                      "--kv-cache-memory", f"{args.kv_cache_gib}GiB", *args.serve_arg]
-        cls = FolioPeer if name == "folio" else ConstrainedFolioPeer
-        return cls(folio_model, serve_args, threads_env, log_dir)
-    if name == "vllm":
-        spec = {"model_dir": str(model_dir), "dtype": args.dtype, "seed": args.seed,
-                "max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
-                "max_num_batched_tokens": args.max_num_batched_tokens}
-        if args.vllm_speculative_config:
-            spec["speculative_config"] = json.loads(args.vllm_speculative_config)
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib),
-               "VLLM_CPU_OMP_THREADS_BIND": args.vllm_threads_bind or usable_cpus(),
-               # The bench's Folio-side PYTHONPATH must not leak into the vLLM venv.
-               "PYTHONPATH": ""}
-        return RunnerPeer(name, args.vllm_python, "vllm_runner.py", spec, env, log_dir)
-    spec = {"kind": name, "model_dir": str(model_dir), "dtype": args.dtype,
-            "batch_size": args.hf_batch_size, "threads": args.threads, "kv_tokens": kv_tokens,
-            "max_model_len": max_model_len,
-            "max_num_batched_tokens": args.max_num_batched_tokens}
-    return RunnerPeer(name, sys.executable, "hf_runner.py", spec, threads_env, log_dir)
-
-
-def resolve_model(args) -> tuple[str, Path]:
-    """(what `folio serve --model` gets, the HF checkpoint dir the other peers load)."""
-    if args.random_model:
-        model_dir = models.random_model_dir(args.random_model, args.model_seed)
-        return str(model_dir), model_dir
-    model_dir = models.resolve_model_dir(args.model)
-    return (args.model if args.model is not None else str(model_dir)), \
-        models.peer_model_dir(model_dir)
 
 
 def default_name(args, model_dir: Path) -> str:

@@ -30,6 +30,7 @@ from pathlib import Path
 from client.bench import models, report
 from client.bench.load import competing_load, settle
 from client.bench.metrics import Aggregate, RunResult, summarize
+from client.bench.peers import make_peer, resolve_model
 from client.bench.runner_peer import PeerUnavailable
 from client.bench.workload import WorkloadSpec, make_requests, warmup_requests
 
@@ -84,8 +85,6 @@ def default_name(labels: list[str], dtype: str) -> str:
 
 def resolve_models(args, random_names: list[str]) -> list[tuple[str, str, Path]]:
     """(label, what `folio serve --model` gets, the HF checkpoint dir) per model."""
-    from client.bench.cli import resolve_model
-
     if random_names:
         return [(n, str(d), d) for n in random_names
                 for d in [models.random_model_dir(n, args.model_seed)]]
@@ -95,8 +94,6 @@ def resolve_models(args, random_names: list[str]) -> list[tuple[str, str, Path]]
 
 def run(args, random_names: list[str], peer_names: list[str]) -> int:
     from tqdm import tqdm
-
-    from client.bench.cli import make_peer
 
     unknown = [p for p in peer_names if p not in CONTEXT_PEERS]
     if unknown:

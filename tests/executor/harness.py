@@ -123,9 +123,12 @@ def make_runner(model_dir: Path, num_blocks: int = NUM_BLOCKS, num_swap_blocks: 
 
 
 class PlanDriver:
-    """Plays a minimal scheduler: hands out shuffled block ids, chunks prompts, decodes."""
+    """Plays a minimal scheduler: hands out shuffled block ids, chunks prompts, decodes.
+    With KV groups (`num_kv_groups`, the runner's `kv_cache.layout.num_groups`) a position
+    takes one block per group, interleaved; nothing is released."""
 
-    def __init__(self, num_blocks: int = NUM_BLOCKS, seed: int = 0):
+    def __init__(self, num_blocks: int = NUM_BLOCKS, seed: int = 0, num_kv_groups: int = 1):
+        self.num_kv_groups = num_kv_groups
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
         self.block_ids: dict[str, list[int]] = {}
@@ -134,7 +137,7 @@ class PlanDriver:
         self.step_id = 0
 
     def _grow(self, req_id: str, upto: int) -> list[int]:
-        need = -(-upto // BLOCK_SIZE) - len(self.block_ids[req_id])
+        need = self.num_kv_groups * -(-upto // BLOCK_SIZE) - len(self.block_ids[req_id])
         new = [self.free.pop() for _ in range(max(need, 0))]
         self.block_ids[req_id].extend(new)
         return new

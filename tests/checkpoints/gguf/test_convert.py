@@ -62,8 +62,8 @@ def load_transformers_gguf(gguf_file, hf_dir=None):
 
 def folio_greedy(model_dir, prompts: list[list[int]], num_new: int) -> list[list[int]]:
     """Greedy tokens from Folio's executor model: all prompts in one batch, then decodes."""
-    runner = make_runner(model_dir)
-    driver = PlanDriver(seed=3)
+    runner = make_runner(model_dir, num_blocks=400)  # KV groups take a block each a position
+    driver = PlanDriver(400, seed=3, num_kv_groups=runner.kv_cache.layout.num_groups)
     generated = {f"r{i}": [] for i in range(len(prompts))}
     plan = driver.plan(new_reqs=[driver.new(r, p, len(p))
                                  for r, p in zip(generated, prompts, strict=True)])

@@ -95,6 +95,18 @@ def test_transformers_generates_the_same_from_the_converted_directory(arch, conv
     assert back == original
 
 
+@pytest.mark.parametrize("arch", ["gemma2_gguf", "gemma3_gguf"])
+def test_gemma_files_served_by_folio_equal_hf_past_the_window(arch, converted):
+    """The converted Gemma (norms back at w, Folio adding its 1 once) through Folio's model,
+    prompts and generations past the 32-token window, against HF on the original."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, _, model_dir = converted(arch)
+    prompts = [[5, 17, 42, 99, 7], [(11 * i + 3) % 2000 for i in range(40)]]
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    assert folio_greedy(model_dir, prompts, 12) == [hf_greedy(hf_model, p, 12) for p in prompts]
+
+
 def test_phi3_q8_0_file_served_by_folio_keeps_fused_raw_blocks(converted, tmp_path):
     """Q8_0: qkv_proj and gate_up_proj stay raw blocks, each part's rows read from the one
     tensor; the oracle is HF on the dequantized copy (what the blocks hold)."""

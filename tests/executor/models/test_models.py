@@ -22,7 +22,7 @@ PROMPTS = [
 def test_prefill_logits_match_hf(arch, checkpoint_cache):
     hf_model, model_dir = checkpoint_cache(arch)
     runner = make_runner(model_dir)
-    driver = PlanDriver(seed=1)
+    driver = PlanDriver(seed=1, num_kv_groups=runner.kv_cache.layout.num_groups)
     # One batch of prompts of different lengths, on shuffled blocks.
     new_reqs = [driver.new(f"r{i}", prompt, len(prompt)) for i, prompt in enumerate(PROMPTS)]
     inputs = runner.prepare(runner.apply(driver.plan(new_reqs=new_reqs)))
@@ -47,7 +47,7 @@ def test_greedy_generation_matches_hf(arch, checkpoint_cache):
     runner = make_runner(model_dir)
     # Windows are honoured, never a cap on the context (mistral's is 8).
     assert runner.max_model_len == 256
-    driver = PlanDriver(seed=2)
+    driver = PlanDriver(seed=2, num_kv_groups=runner.kv_cache.layout.num_groups)
     req_ids = [f"r{i}" for i in range(len(PROMPTS))]
     generated: dict[str, list[int]] = {r: [] for r in req_ids}
 

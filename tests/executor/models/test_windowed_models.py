@@ -32,7 +32,8 @@ def _prefill_logits(runner, driver) -> torch.Tensor:
 def test_long_prompt_logits_match_hf(arch, checkpoint_cache):
     hf_model, model_dir = checkpoint_cache(arch)
     runner = make_runner(model_dir, num_blocks=NUM_BLOCKS)
-    logits = _prefill_logits(runner, PlanDriver(num_blocks=NUM_BLOCKS, seed=1))
+    logits = _prefill_logits(runner, PlanDriver(num_blocks=NUM_BLOCKS, seed=1,
+                                                   num_kv_groups=runner.kv_cache.layout.num_groups))
     expected = []
     with torch.no_grad():
         for prompt in PROMPTS:
@@ -44,7 +45,8 @@ def test_long_prompt_logits_match_hf(arch, checkpoint_cache):
     runner = make_runner(model_dir, num_blocks=NUM_BLOCKS)
     for attn in runner.model.attention_layers():
         attn.window = 0
-    unwindowed = _prefill_logits(runner, PlanDriver(num_blocks=NUM_BLOCKS, seed=1))
+    unwindowed = _prefill_logits(runner, PlanDriver(num_blocks=NUM_BLOCKS, seed=1,
+                                                   num_kv_groups=runner.kv_cache.layout.num_groups))
     assert (unwindowed - expected).abs().max() > 1e-2
 
 
@@ -55,7 +57,8 @@ def test_chunked_batched_greedy_matches_hf(arch, checkpoint_cache):
     hf_model, model_dir = checkpoint_cache(arch)
     num_new, chunk = 12, 24
     runner = make_runner(model_dir, num_blocks=NUM_BLOCKS)
-    driver = PlanDriver(num_blocks=NUM_BLOCKS, seed=2)
+    driver = PlanDriver(num_blocks=NUM_BLOCKS, seed=2,
+                         num_kv_groups=runner.kv_cache.layout.num_groups)
     req_ids = [f"r{i}" for i in range(len(PROMPTS))]
     generated: dict[str, list[int]] = {r: [] for r in req_ids}
     prefilled = {r: min(chunk, len(p)) for r, p in zip(req_ids, PROMPTS, strict=True)}

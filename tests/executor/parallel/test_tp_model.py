@@ -70,9 +70,9 @@ def greedy_run(model_dir: Path, quantization: str | None = None) -> dict | None:
                        quantization=quantization)
     kv_cache = KVCache.allocate(cfg, NUM_BLOCKS, BLOCK_SIZE, torch.float32, cpu)
     assert kv_cache.k_caches[0].shape[2] == local_kv_heads(cfg, distributed.tp_size())
-    model.bind_kv_cache(kv_cache.per_layer())
+    kv_cache.bind(model)
     runner = ModelRunner(model, kv_cache, BLOCK_SIZE, max_len, cfg.vocab_size, cpu)
-    driver = PlanDriver(seed=3)
+    driver = PlanDriver(seed=3, num_kv_groups=kv_cache.layout.num_groups)
     req_ids = [f"r{i}" for i in range(len(PROMPTS))]
     tokens: dict[str, list[int]] = {r: [] for r in req_ids}
     step_logits: list[torch.Tensor] = []
