@@ -1,7 +1,7 @@
 """Folio's kernels: Triton on CUDA, the CPU backend on the CPU, torch twins as the oracle.
 
 Public entry points (the one dispatch point): store_kv, paged_attention, rms_norm, rotary,
-silu_and_mul, w8a16_linear, group_quant_linear. Each picks the Triton launcher when its first tensor lives on a
+silu_and_mul, w8a16_linear, group_quant_linear, fused_moe. Each picks the Triton launcher when its first tensor lives on a
 CUDA device and the CPU implementation (kernels/cpu.py) otherwise, so CPU runs never touch Triton. The torch
 twins (kernels/twins.py) are the oracle both are tested against.
 
@@ -25,7 +25,7 @@ _BACKEND = os.environ.get("FOLIO_KERNELS", "auto")
 if _BACKEND not in ("auto", "torch", "triton"):
     raise ValueError(f"FOLIO_KERNELS must be auto, torch or triton, not {_BACKEND!r}")
 
-__all__ = ["cpu", "cpu_backend_active", "cpu_ext", "group_quant_linear", "paged_attention", "rms_norm", "rotary", "silu_and_mul",
+__all__ = ["cpu", "cpu_backend_active", "cpu_ext", "fused_moe", "group_quant_linear", "paged_attention", "rms_norm", "rotary", "silu_and_mul",
            "store_kv", "twins", "w8a16_linear"]
 
 
@@ -104,6 +104,15 @@ def rotary(positions, q, k, cos_sin_cache) -> None:
     """Neox-style rotary embedding applied in place to q and k."""
     impl = _impl(q)
     impl.rotary(positions, q, k, cos_sin_cache)
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids, **options) -> torch.Tensor:
+    """Mixture-of-experts MLP: x [num_tokens, hidden], w13 [E, 2I, hidden] (gate | up rows),
+    w2 [E, hidden, I], topk_weights [num_tokens, k] fp32, topk_ids [num_tokens, k] ->
+    sum_k weight * expert(x), [num_tokens, hidden] in x's dtype. Options (twins.fused_moe):
+    w13_bias, w2_bias, activation ("silu" | "swigluoai"), swiglu_limit, swiglu_alpha."""
+    impl = _impl(x)
+    return impl.fused_moe(x, w13, w2, topk_weights, topk_ids, **options)
 
 
 def silu_and_mul(x) -> torch.Tensor:

@@ -535,3 +535,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * intermedi
 # 8-bit weights: the twin is the CPU backend (slices of rows dequantized into fp32 products).
 w8a16_linear = twins.w8a16_linear
 group_quant_linear = twins.group_quant_linear
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, **options) -> torch.Tensor:
+    """The twin's expert loop: each expert a step touches runs once on its tokens."""
+    return twins.fused_moe(x, w13, w2, topk_weights, topk_ids, **options)

@@ -179,6 +179,55 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * intermedi
     return F.silu(x[..., :intermediate]) * x[..., intermediate:]  # [num_tokens, intermediate]
 
 
+MOE_ACTIVATIONS = ("silu", "swigluoai")
+
+
+def moe_activation(gate_up: torch.Tensor, activation: str, limit: float,
+                   alpha: float) -> torch.Tensor:  # [n, 2 * I] -> [n, I]
+    """The experts' gated activation on [gate | up] halves: "silu" (SwiGLU: silu(gate) * up,
+    Mixtral, Qwen-MoE) or "swigluoai" (gpt-oss: both clamped at `limit` (gate from above, up
+    on both sides), then (up + 1) * gate * sigmoid(alpha * gate))."""
+    intermediate = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :intermediate], gate_up[..., intermediate:]
+    if activation == "silu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def fused_moe(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]: gate rows, then up rows
+    w2: torch.Tensor,  # [num_experts, hidden, intermediate]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32: each chosen expert's weight
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int: the chosen experts
+    *,
+    w13_bias: torch.Tensor | None = None,  # [num_experts, 2 * intermediate]
+    w2_bias: torch.Tensor | None = None,  # [num_experts, hidden]
+    activation: str = "silu",
+    swiglu_limit: float = 7.0,  # swigluoai only
+    swiglu_alpha: float = 1.702,  # swigluoai only
+) -> torch.Tensor:  # [num_tokens, hidden] in x's dtype
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), an expert being
+    w2 @ act(w13 @ x + b13) + b2. Each expert runs once, on the tokens routed to it, in fp32."""
+    assert activation in MOE_ACTIVATIONS, f"activation is one of {MOE_ACTIVATIONS}"
+    num_tokens, hidden = x.shape
+    out = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
+    xf = x.float()
+    flat_ids = topk_ids.reshape(-1).long()
+    for expert in flat_ids.unique().tolist():
+        rows, slots = (topk_ids.long() == expert).nonzero(as_tuple=True)  # [n] each
+        h = xf[rows] @ w13[expert].float().t()  # [n, 2 * intermediate]
+        if w13_bias is not None:
+            h = h + w13_bias[expert].float()
+        h = moe_activation(h, activation, swiglu_limit, swiglu_alpha) @ w2[expert].float().t()
+        if w2_bias is not None:
+            h = h + w2_bias[expert].float()
+        out.index_add_(0, rows, h * topk_weights[rows, slots].float()[:, None])
+    return out.to(x.dtype)
+
+
 # Weight elements dequantized at a time by w8a16_linear: 2 MiB of fp32, cache-sized, so no
 # full dequantized copy of a weight ever exists.
 DEQUANT_CHUNK_ELEMS = 1 << 19
