@@ -29,6 +29,10 @@ class RopeSpec:
     # default | linear | llama3 | yarn | longrope | dynamic | freq_factors (from GGUF)
     rope_type: str = "default"
     params: dict[str, Any] = field(default_factory=dict)  # factor, low_freq_factor, ...
+    # The share of each head's dimensions rotated (Phi-4-mini: 0.75); the rest pass through.
+    # HF rotates int(head_dim * factor) of them and builds every RoPE type's frequencies for
+    # that width; the model config turns it into `rotary_dim` (it knows head_dim).
+    partial_rotary_factor: float = 1.0
 
     def max_position(self, max_position_embeddings: int) -> int:
         """The longest context the scaling is meant for, as vLLM derives it: YaRN and dynamic
@@ -73,10 +77,13 @@ def rope_spec(d: dict[str, Any], layer_type: str = "full_attention") -> RopeSpec
     if rope_type == "su" or (rope_type == "yarn" and "short_factor" in params
                              and "long_factor" in params):
         rope_type = "longrope"
-    partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ValueError(f"partial_rotary_factor {partial!r} is not supported: Folio's rotary "
-                         "kernels rotate the whole head")
+    # HF's configs carry it in rope_parameters (transformers 5 moves a top-level one there).
+    partial = params.pop("partial_rotary_factor", None)
+    partial = _float({"partial_rotary_factor": d.get("partial_rotary_factor")
+                      if partial is None else partial}, "partial_rotary_factor", 1.0)
+    if partial > 1.0:
+        raise ValueError(f"partial_rotary_factor must be at most 1 (the whole head), got "
+                         f"{partial!r}")
     if rope_type in ("yarn", "longrope", "dynamic"):
         _resolve_original_context(d, rope_type, params)
     # The numbers the scaled variants divide by (see models/rope.py).
@@ -114,7 +121,8 @@ def rope_spec(d: dict[str, Any], layer_type: str = "full_attention") -> RopeSpec
     if rope_type == "llama3" and params["high_freq_factor"] <= params["low_freq_factor"]:
         raise ValueError("rope high_freq_factor must be larger than low_freq_factor, got "
                          f"{params['high_freq_factor']} <= {params['low_freq_factor']}")
-    return RopeSpec(theta=theta, rope_type=rope_type, params=params)
+    return RopeSpec(theta=theta, rope_type=rope_type, params=params,
+                    partial_rotary_factor=partial)
 
 
 def _resolve_original_context(d: dict[str, Any], rope_type: str, params: dict[str, Any]) -> None:

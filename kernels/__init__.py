@@ -101,7 +101,8 @@ def rms_norm(x, weight, eps: float, residual=None):
 
 
 def rotary(positions, q, k, cos_sin_cache) -> None:
-    """Neox-style rotary embedding applied in place to q and k."""
+    """Neox-style rotary embedding applied in place to q and k, whose last dimension is the
+    cache's width: whole heads, or (partial RoPE) strided views of each head's first columns."""
     impl = _impl(q)
     impl.rotary(positions, q, k, cos_sin_cache)
 

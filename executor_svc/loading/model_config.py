@@ -74,6 +74,9 @@ class ModelConfig:
     final_logit_softcapping: float = 0.0
     # The attention scale is query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim ** -0.5.
     query_pre_attn_scalar: float | None = None
+    # The leading dimensions of each q/k head that RoPE rotates (neox pairs within them), the
+    # rest passing through: int(head_dim * rope.partial_rotary_factor). 0: the whole head.
+    rotary_dim: int = 0
 
     def __post_init__(self) -> None:
         # Relations between sizes; each size alone was checked where it was read.
@@ -82,11 +85,22 @@ class ModelConfig:
                              f"num_key_value_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even: RoPE rotates pairs")
+        if not self.rotary_dim:  # frozen: the one place the default is filled in
+            object.__setattr__(self, "rotary_dim",
+                               int(self.head_dim * self.rope.partial_rotary_factor))
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"partial_rotary_factor {self.rope.partial_rotary_factor!r} "
+                             f"rotates {self.rotary_dim} of head_dim {self.head_dim}'s "
+                             "dimensions: RoPE needs an even, non-zero number of them")
         if self.rope.rope_type == "longrope":
             for key in ("short_factor", "long_factor"):
-                if len(self.rope.params[key]) != self.head_dim // 2:
+                if len(self.rope.params[key]) != self.rotary_dim // 2:
+                    partial = ("" if self.rotary_dim == self.head_dim else
+                               f" (partial_rotary_factor {self.rope.partial_rotary_factor!r}"
+                               f" rotates {self.rotary_dim} of its dimensions)")
                     raise ValueError(f"rope {key} has {len(self.rope.params[key])} entries; "
-                                     f"head_dim {self.head_dim} needs {self.head_dim // 2}")
+                                     f"head_dim {self.head_dim}{partial} needs "
+                                     f"{self.rotary_dim // 2}")
         if not self.layer_windows:  # frozen: the one place the default is filled in
             object.__setattr__(self, "layer_windows", (0,) * self.num_layers)
         if len(self.layer_windows) != self.num_layers:

@@ -36,7 +36,7 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
                          device=device)
         # A plain attribute like cos_sin_cache; None: every layer uses cos_sin_cache.
         self.local_cos_sin_cache = (None if cfg.local_rope is None else build_cos_sin_cache(
-            cfg.local_rope, cfg.head_dim, max_model_len, device))
+            cfg.local_rope, cfg.rotary_dim, max_model_len, device))
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       batch: BatchMetadata) -> torch.Tensor:

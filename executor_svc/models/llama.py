@@ -50,6 +50,7 @@ class LlamaAttention(nn.Module):
         self.num_heads = cfg.num_heads // tp
         self.num_kv_heads = local_kv_heads(cfg, tp)
         self.head_dim = cfg.head_dim
+        self.rotary_dim = cfg.rotary_dim  # RoPE's leading dimensions of each head
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
                                           cfg.num_kv_heads, qkv_bias, dtype)
         self.split_sizes = self.qkv_proj.local_sizes  # [q, k, v] rows of this rank
@@ -78,7 +79,10 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.norm_qk(q, k)
-        rotary(positions, q, k, cos_sin_cache)  # in place
+        if self.rotary_dim == self.head_dim:
+            rotary(positions, q, k, cos_sin_cache)  # in place
+        else:  # partial RoPE: the table's rotary_dim columns rotate, the rest pass through
+            rotary(positions, q[..., :self.rotary_dim], k[..., :self.rotary_dim], cos_sin_cache)
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache,
                                    batch.for_group(self.kv_group), self.scale,
@@ -149,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
         # A plain attribute, not a buffer: the loader builds parameters on the meta device and
         # materialises them empty, which would wipe a buffer. fp32 for accurate angles.
-        self.cos_sin_cache = build_cos_sin_cache(cfg.rope, cfg.head_dim, max_model_len, device)
+        self.cos_sin_cache = build_cos_sin_cache(cfg.rope, cfg.rotary_dim, max_model_len, device)
 
     @classmethod
     def make_model(cls, cfg: ModelConfig, backend: AttentionBackend,

@@ -6,7 +6,8 @@ each part of them from its rows (models/parallel.py `prefused_shard`), so a tens
 still reads only its own heads and MLP columns. LongRoPE (``rope_scaling`` type longrope, or
 its old names su / yarn in Phi-3 configs) comes from checkpoints/rope.py; ``sliding_window`` is
 read as Mistral's is (the loader caps max_model_len at it). ``partial_rotary_factor`` below 1
-(Phi-4-mini's 0.75) is refused by checkpoints/rope.py: kernels.rotary rotates whole heads.
+(Phi-4-mini's 0.75) is the config's rotary_dim: LlamaAttention rotates each head's first
+rotary_dim dimensions and passes the rest through, as HF's Phi-3 does.
 """
 
 from __future__ import annotations

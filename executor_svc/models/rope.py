@@ -1,9 +1,10 @@
 """Rotary position embedding tables.
 
 Every RoPE variant we support differs only in its inverse frequencies and a constant attention
-factor on cos and sin, so the model builds one `cos_sin_cache` `[max_position, head_dim]` (cos in
-the first half of the columns, sin in the second) and the `kernels.rotary` op applies it, neox
-style. A row depends on the position alone, never on the batch or on the sequence's length, so
+factor on cos and sin, so the model builds one `cos_sin_cache` `[max_position, rotary_dim]` (cos
+in the first half of the columns, sin in the second) and the `kernels.rotary` op applies it, neox
+style, to the first rotary_dim dimensions of each head (all of them unless the config has
+a ``partial_rotary_factor``; HF computes every type's frequencies for that width, as here). A row depends on the position alone, never on the batch or on the sequence's length, so
 the table serves paged, chunked, batched and prefix-cached steps alike.
 
 Two HF types choose their frequencies by the length of the sequence in the forward call
@@ -63,7 +64,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _yarn_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
+def _yarn_inv_freq(rope: RopeSpec, rotary_dim: int) -> torch.Tensor:
     """YaRN: interpolate (divide by `factor`) the frequencies that turn fewer than `beta_slow`
     times over the original context, keep those that turn more than `beta_fast` times, and ramp
     linearly between them (by dimension index)."""
@@ -74,39 +75,39 @@ def _yarn_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
     beta_slow = params.get("beta_slow") or 1
 
     def dim_for(num_rotations: float) -> float:  # the dimension that turns that many times
-        return (head_dim * math.log(original / (num_rotations * 2 * math.pi))
+        return (rotary_dim * math.log(original / (num_rotations * 2 * math.pi))
                 / (2 * math.log(rope.theta)))
 
     low, high = dim_for(beta_fast), dim_for(beta_slow)
     if params.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001  # avoid dividing by zero
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low)
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu") - low)
             / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
-    steps = torch.arange(0, head_dim, 2, device="cpu").to(torch.float32)
-    pos_freqs = rope.theta ** (steps / head_dim)
+    steps = torch.arange(0, rotary_dim, 2, device="cpu").to(torch.float32)
+    pos_freqs = rope.theta ** (steps / rotary_dim)
     return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
 
 
-def _longrope_inv_freq(rope: RopeSpec, head_dim: int, key: str) -> torch.Tensor:
+def _longrope_inv_freq(rope: RopeSpec, rotary_dim: int, key: str) -> torch.Tensor:
     factors = torch.tensor(rope.params[key], dtype=torch.float32, device="cpu")
-    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
-    return 1.0 / (factors * rope.theta ** (steps / head_dim))  # [head_dim // 2]
+    steps = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float()
+    return 1.0 / (factors * rope.theta ** (steps / rotary_dim))  # [rotary_dim // 2]
 
 
-def _dynamic_inv_freq(rope: RopeSpec, head_dim: int, positions: torch.Tensor) -> torch.Tensor:
+def _dynamic_inv_freq(rope: RopeSpec, rotary_dim: int, positions: torch.Tensor) -> torch.Tensor:
     """Dynamic NTK for each position p: the base HF computes for a sequence of p + 1 tokens,
-    in float32 as HF does. positions [n] int64 -> [n, head_dim // 2]."""
+    in float32 as HF does. positions [n] int64 -> [n, rotary_dim // 2]."""
     factor = rope.params["factor"]
     original = rope.params["original_max_position_embeddings"]
     seq_len = torch.clamp(positions + 1, min=original)  # [n]
-    base = rope.theta * ((factor * seq_len / original) - (factor - 1)) ** (head_dim
-                                                                            / (head_dim - 2))
-    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
-    return 1.0 / (base[:, None] ** (steps / head_dim)[None, :])
+    base = rope.theta * ((factor * seq_len / original) - (factor - 1)) ** (rotary_dim
+                                                                            / (rotary_dim - 2))
+    steps = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float()
+    return 1.0 / (base[:, None] ** (steps / rotary_dim)[None, :])
 
 
 def attention_factor(rope: RopeSpec) -> float:
@@ -132,12 +133,10 @@ def attention_factor(rope: RopeSpec) -> float:
             return 1.0
 
 
-def inv_freq_for(rope: RopeSpec, head_dim: int) -> torch.Tensor:
-    """[head_dim // 2]: the inverse frequencies within the original context (longrope: the
+def inv_freq_for(rope: RopeSpec, rotary_dim: int) -> torch.Tensor:
+    """[rotary_dim // 2]: the inverse frequencies within the original context (longrope: the
     short factors; dynamic: unscaled). `build_cos_sin_cache` applies the rest per position."""
-    if rope.params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial rotary embeddings are not supported")
-    inv_freq = _default_inv_freq(rope.theta, head_dim)
+    inv_freq = _default_inv_freq(rope.theta, rotary_dim)
     match rope.rope_type:
         case "default":
             return inv_freq
@@ -149,13 +148,14 @@ def inv_freq_for(rope: RopeSpec, head_dim: int) -> torch.Tensor:
             factors = torch.tensor(rope.params["freq_factors"], dtype=torch.float32,
                                    device="cpu")
             if factors.shape != inv_freq.shape:
-                raise ValueError(f"rope freq_factors has {factors.numel()} entries; head_dim "
-                                 f"{head_dim} needs {inv_freq.numel()}")
+                raise ValueError(f"rope freq_factors has {factors.numel()} entries; rotary_dim "
+                                 f"{rotary_dim} (the rotated part of each head) needs "
+                                 f"{inv_freq.numel()}")
             return inv_freq / factors
         case "yarn":
-            return _yarn_inv_freq(rope, head_dim)
+            return _yarn_inv_freq(rope, rotary_dim)
         case "longrope":
-            return _longrope_inv_freq(rope, head_dim, "short_factor")
+            return _longrope_inv_freq(rope, rotary_dim, "short_factor")
         case "dynamic":
             return inv_freq
         case other:
@@ -163,21 +163,21 @@ def inv_freq_for(rope: RopeSpec, head_dim: int) -> torch.Tensor:
                              "default, linear, llama3, yarn, longrope, dynamic, freq_factors)")
 
 
-def build_cos_sin_cache(rope: RopeSpec, head_dim: int, max_position: int,
+def build_cos_sin_cache(rope: RopeSpec, rotary_dim: int, max_position: int,
                         device: torch.device | str | None = None) -> torch.Tensor:
-    """[max_position, head_dim] float32: a * cos(pos * inv_freq) | a * sin(pos * inv_freq), with
+    """[max_position, rotary_dim] float32: a * cos(pos * inv_freq) | a * sin(pos * inv_freq), with
     a = `attention_factor(rope)` and inv_freq chosen per position (see the module docstring)."""
     positions = torch.arange(max_position, dtype=torch.int64, device="cpu")
-    inv_freq = inv_freq_for(rope, head_dim)[None, :].expand(max_position, -1)
+    inv_freq = inv_freq_for(rope, rotary_dim)[None, :].expand(max_position, -1)
     if rope.rope_type in ("longrope", "dynamic"):
         original = rope.params["original_max_position_embeddings"]
         past = positions >= original  # HF's switch: sequence length p + 1 > original
         if rope.rope_type == "longrope":
-            long = _longrope_inv_freq(rope, head_dim, "long_factor")
+            long = _longrope_inv_freq(rope, rotary_dim, "long_factor")
             inv_freq = torch.where(past[:, None], long[None, :], inv_freq)
         elif past.any():
             inv_freq = inv_freq.clone()
-            inv_freq[past] = _dynamic_inv_freq(rope, head_dim, positions[past])
-    freqs = positions.to(torch.float32)[:, None] * inv_freq  # [max_position, head_dim // 2]
+            inv_freq[past] = _dynamic_inv_freq(rope, rotary_dim, positions[past])
+    freqs = positions.to(torch.float32)[:, None] * inv_freq  # [max_position, rotary_dim // 2]
     scale = attention_factor(rope)
     return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1).to(device)

@@ -63,16 +63,20 @@ def test_silu_and_mul(dtype, rows, inter):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128, 40])
-def test_rotary_in_place_on_fused_qkv_views(dtype, head_dim):
+@pytest.mark.parametrize("head_dim, rotary_dim", [
+    (64, 64), (128, 128), (40, 40),
+    # Partial RoPE: views of each head's first rotary_dim columns, the rest passing through.
+    # Halves 48 (whole vectors), 15 and 6 (a tail, or nothing but the tail).
+    (128, 96), (40, 30), (16, 12)])
+def test_rotary_in_place_on_fused_qkv_views(dtype, head_dim, rotary_dim):
     num_tokens, num_heads, num_kv_heads = 9, 6, 2
-    cache = torch.randn(500, head_dim)
+    cache = torch.randn(500, rotary_dim)
     positions = torch.randint(0, 500, (num_tokens,))
     _, q, k, v = fused_qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype)
     q_t, k_t, v_before = q.clone(), k.clone(), v.clone()
-    ops.rotary(positions, q, k, cache)
-    twins.rotary(positions, q_t, k_t, cache)
-    assert torch.equal(q, q_t) and torch.equal(k, k_t)
+    ops.rotary(positions, q[..., :rotary_dim], k[..., :rotary_dim], cache)
+    twins.rotary(positions, q_t[..., :rotary_dim], k_t[..., :rotary_dim], cache)
+    assert torch.equal(q, q_t) and torch.equal(k, k_t)  # the pass-through columns too
     assert torch.equal(v, v_before), "v must not be touched"
 
 

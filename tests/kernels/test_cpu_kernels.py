@@ -127,24 +127,29 @@ def test_rms_norm_is_the_twin_bitwise(with_residual, shape):
 @pytest.mark.parametrize("kernel", ["extension", "torch"])
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_is_the_twin_bitwise(fused, dtype, kernel, monkeypatch):
+@pytest.mark.parametrize("rotary_dim", [64, 48, 20])  # the whole head, or partial RoPE
+def test_rotary_is_the_twin_bitwise(fused, dtype, kernel, rotary_dim, monkeypatch):
     if kernel == "torch":  # the fallback, whether or not the extension built here
         monkeypatch.setattr(cpu, "fused_kernels", lambda: None)
     elif cpu.fused_kernels() is None:
         pytest.skip("the fused CPU kernels did not build here")
     num_tokens, num_heads, num_kv_heads, head_dim = 11, 14, 2, 64
-    cache = torch.randn(300, head_dim)
+    cache = torch.randn(300, rotary_dim)
     positions = torch.randint(0, 300, (num_tokens,))
-    # As the model hands them over: strided views of one fused qkv row (fused), or unrelated.
+    # As the model hands them over: strided views of one fused qkv row (fused), or unrelated;
+    # with partial RoPE, views of each head's first rotary_dim columns.
     qkv, q, k, _ = fused_qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype)
     if not fused:
         k = k.clone()
-    assert len(cpu._rotary_operands(q, k)) == (1 if fused else 2)
-    q_t, k_t = q.clone(), k.clone()
+    q_full, k_full = q, k
+    q, k = q[..., :rotary_dim], k[..., :rotary_dim]
+    # One pass over q and k together only when they are whole adjacent heads.
+    assert len(cpu._rotary_operands(q, k)) == (1 if fused and rotary_dim == head_dim else 2)
+    q_t, k_t = q_full.clone(), k_full.clone()
     qkv_before = qkv.clone()
     cpu.rotary(positions, q, k, cache)
-    twins.rotary(positions, q_t, k_t, cache)
-    assert torch.equal(q, q_t) and torch.equal(k, k_t)
+    twins.rotary(positions, q_t[..., :rotary_dim], k_t[..., :rotary_dim], cache)
+    assert torch.equal(q_full, q_t) and torch.equal(k_full, k_t)  # pass-through columns too
     v_cols = slice((num_heads + num_kv_heads) * head_dim, None)
     assert torch.equal(qkv[:, v_cols], qkv_before[:, v_cols]), "v must not be touched"
 

@@ -5,11 +5,15 @@ elementwise twins are held to bitwise equality.
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Phi3Config
 from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
+)
+from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+from transformers.models.phi3.modeling_phi3 import (
+    apply_rotary_pos_emb as phi3_apply_rotary_pos_emb,
 )
 
 from kernels import twins
@@ -62,6 +66,35 @@ def test_rotary_is_transformers_llama3(head_dim):
     twins.rotary(positions, q, k, cos_sin_cache)
     assert torch.equal(q, q_ref[0].transpose(0, 1))
     assert torch.equal(k, k_ref[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("head_dim, factor", [(128, 0.75), (32, 0.75), (64, 0.5)])
+def test_partial_rotary_on_views_is_transformers_phi3(head_dim, factor):
+    """Phi-4-mini's partial RoPE: the model hands the twin the first rotary_dim columns of each
+    head as strided views, with a rotary_dim-wide table; transformers' Phi-3 rotates the same
+    columns of whole heads and passes the rest through."""
+    rotary_dim = int(head_dim * factor)
+    config = Phi3Config(hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=4096,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                         "partial_rotary_factor": factor})
+    rotary_emb = Phi3RotaryEmbedding(config)
+    max_position, num_tokens, half = 4096, 13, rotary_dim // 2
+    cos, sin = rotary_emb(torch.zeros(1), torch.arange(max_position)[None])
+    assert cos.shape[-1] == rotary_dim
+    cos_sin_cache = torch.cat((cos[0, :, :half], sin[0, :, :half]), dim=-1)
+    positions = torch.randint(0, max_position, (num_tokens,))
+    qkv = torch.randn(num_tokens, 8 * head_dim)  # q | k | v of one fused projection
+    q = qkv[:, :4 * head_dim].view(num_tokens, 4, head_dim)
+    k = qkv[:, 4 * head_dim:6 * head_dim].view(num_tokens, 2, head_dim)
+    cos_p, sin_p = rotary_emb(torch.zeros(1), positions[None])
+    q_ref, k_ref = phi3_apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos_p, sin_p)
+    v_before = qkv[:, 6 * head_dim:].clone()
+    twins.rotary(positions, q[..., :rotary_dim], k[..., :rotary_dim], cos_sin_cache)
+    assert torch.equal(q, q_ref[0].transpose(0, 1))
+    assert torch.equal(k, k_ref[0].transpose(0, 1))
+    assert torch.equal(qkv[:, 6 * head_dim:], v_before)
 
 
 def test_silu_and_mul_is_gate_times_up():

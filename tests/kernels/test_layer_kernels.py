@@ -65,10 +65,15 @@ def test_rms_norm(triton_ops, device, tolerance, dtype, hidden, with_residual):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(8, 2, 64), (4, 4, 128), (6, 2, 80)])
-def test_rotary(triton_ops, device, tolerance, dtype, num_heads, num_kv_heads, head_dim):
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, rotary_dim", [
+    (8, 2, 64, 64), (4, 4, 128, 128), (6, 2, 80, 80),
+    # Partial RoPE (Phi-4-mini: 96 of 128): q and k are views of each head's first rotary_dim
+    # columns; 60 of 80 leaves a half (30) below its power-of-two block.
+    (4, 2, 128, 96), (6, 2, 80, 60)])
+def test_rotary(triton_ops, device, tolerance, dtype, num_heads, num_kv_heads, head_dim,
+                rotary_dim):
     num_tokens, max_position = 9, 4096
-    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
     angles = torch.arange(max_position).float()[:, None] * inv_freq[None, :]
     cos_sin_cache = torch.cat((angles.cos(), angles.sin()), dim=-1).to(device)  # fp32 cache
     positions = torch.randperm(max_position, generator=torch.Generator().manual_seed(3))[
@@ -82,9 +87,12 @@ def test_rotary(triton_ops, device, tolerance, dtype, num_heads, num_kv_heads, h
     )
     q, k = q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim)
     q_expected, k_expected = q.clone(), k.clone()
-    twins.rotary(positions, q_expected, k_expected, cos_sin_cache)
+    twins.rotary(positions, q_expected[..., :rotary_dim], k_expected[..., :rotary_dim],
+                 cos_sin_cache)
     v_before = qkv[:, (num_heads + num_kv_heads) * head_dim :].clone()
-    triton_ops.rotary(positions, q, k, cos_sin_cache)
+    q_pass, k_pass = q[..., rotary_dim:].clone(), k[..., rotary_dim:].clone()
+    triton_ops.rotary(positions, q[..., :rotary_dim], k[..., :rotary_dim], cos_sin_cache)
+    assert torch.equal(q[..., rotary_dim:], q_pass) and torch.equal(k[..., rotary_dim:], k_pass)
     tol = tolerance[dtype]
     torch.testing.assert_close(q, q_expected, atol=tol, rtol=tol)
     torch.testing.assert_close(k, k_expected, atol=tol, rtol=tol)

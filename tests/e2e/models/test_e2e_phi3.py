@@ -6,7 +6,9 @@
    rank reads its rows of each fused part);
 3. --quantization int8, against HF serving the dequantized weights;
 4. the model as a Q8_0 GGUF file (llama.cpp's names, attn_qkv and ffn_up holding gate|up, the
-   LongRoPE factors as tensors), against HF serving the dequantized conversion.
+   LongRoPE factors as tensors), against HF serving the dequantized conversion;
+5. Phi-4-mini's shape: RoPE on the first 3/4 of each head (partial_rotary_factor 0.75, 24 of
+   32 dimensions, LongRoPE factors for those), concurrent prompts, two sharing a prefix.
 
 The checkpoint's original context (256) holds every prompt plus its generation: HF's Phi-3
 generate re-encodes a sequence with the long factors once it passes it, which a paged engine
@@ -75,3 +77,21 @@ async def test_phi3_q8_0_gguf_matches_hf_on_its_dequantized_conversion(folio_ser
     with folio_server(model=gguf_file, args=["--block-size", str(BLOCK_SIZE)]) as server:
         got = await generate_all(server.address, prompts)
     assert_same_tokens(reference, prompts, hf_greedy(reference, prompts, MAX_TOKENS), got)
+
+
+async def test_phi4_mini_partial_rotary_concurrent_greedy_matches_hf(folio_server, tmp_path):
+    half = 12  # rotary_dim 24 of head_dim 32
+    checkpoint = make_checkpoint("phi3", tmp_path / "phi4-mini", hidden_size=128,
+                                 rope_parameters={
+                                     "rope_type": "longrope", "rope_theta": 10000.0,
+                                     "partial_rotary_factor": 0.75,
+                                     "short_factor": [1.0 + 0.05 * i for i in range(half)],
+                                     "long_factor": [1.0 + 0.6 * i for i in range(half)]})
+    hf_model = load_hf_model(checkpoint)
+    assert hf_model.model.rotary_emb.inv_freq.numel() == half
+    prompts = random_prompts(hf_model.config.vocab_size, (1, 7, 17, 64, 131), seed=6)
+    prompts.append(prompts[-1][:100] + prompts[2])  # the 131-token prompt's first 100 tokens
+    assert max(map(len, prompts)) + MAX_TOKENS <= hf_model.config.original_max_position_embeddings
+    with folio_server(model=checkpoint, args=["--block-size", str(BLOCK_SIZE)]) as server:
+        got = await generate_all(server.address, prompts)
+    assert_same_tokens(hf_model, prompts, hf_greedy(hf_model, prompts, MAX_TOKENS), got)

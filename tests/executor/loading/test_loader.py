@@ -132,7 +132,8 @@ def test_freq_factors_rope_divides_each_frequency():
         "rope_type": "freq_factors", "rope_theta": 5e5, "freq_factors": [1.0, 2.0, 4.0, 8.0]}})
     torch.testing.assert_close(inv_freq_for(scaled.rope, 8),
                                inv_freq_for(plain.rope, 8) / torch.tensor([1.0, 2.0, 4.0, 8.0]))
-    with pytest.raises(ValueError, match="4 entries; head_dim 16 needs 8"):
+    with pytest.raises(ValueError, match=r"4 entries; rotary_dim 16 \(the rotated part of "
+                                         r"each head\) needs 8"):
         inv_freq_for(scaled.rope, 16)
     for bad in ([], [1.0, -2.0], "8", [True]):
         with pytest.raises(ValueError, match="freq_factors"):

@@ -44,9 +44,24 @@ def phi3_long(tmp_path_factory):
     return hf_model, save_checkpoint(hf_model, tmp_path_factory.mktemp("phi3_long"))
 
 
+@pytest.fixture(scope="module")
+def phi4_mini(tmp_path_factory):
+    """Phi-4-mini's shape: RoPE on the first 3/4 of each head (here 24 of 32 dimensions,
+    half = 12 frequencies, one AVX2 vector and a tail), LongRoPE factors for those 12."""
+    rotary_half = 12
+    hf_model = make_hf_model(
+        "phi3", hidden_size=128, original_max_position_embeddings=ORIGINAL,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.75,
+                         "short_factor": [1.0 + 0.05 * i for i in range(rotary_half)],
+                         "long_factor": [1.0 + 0.6 * i for i in range(rotary_half)]})
+    return hf_model, save_checkpoint(hf_model, tmp_path_factory.mktemp("phi4_mini"))
+
+
 @pytest.mark.parametrize("prompt_len", [20, 45])  # crosses ORIGINAL while decoding / prompt past
-def test_longrope_past_the_original_context_matches_hf_step_by_step(phi3_long, prompt_len):
-    hf_model, model_dir = phi3_long
+@pytest.mark.parametrize("model", ["phi3_long", "phi4_mini"])
+def test_longrope_past_the_original_context_matches_hf_step_by_step(model, prompt_len, request):
+    hf_model, model_dir = request.getfixturevalue(model)
     prompt = [(7 * i + 3) % 300 for i in range(prompt_len)]
     num_new = max(ORIGINAL - prompt_len, 0) + 12
     runner = make_runner(model_dir)
@@ -83,16 +98,52 @@ def test_phi3_rope_scaling_names_read_as_longrope(old_name):
 
 
 @pytest.mark.parametrize("where", ["top", "rope"])
-def test_partial_rotary_factor_is_refused_naming_the_field(where):
-    # Phi-4-mini rotates 3/4 of each head; kernels.rotary rotates whole heads only.
+def test_partial_rotary_factor_becomes_rotary_dim(where):
+    # Phi-4-mini rotates 3/4 of each head (here 12 of 16); LongRoPE has a factor per rotated
+    # pair. transformers 5 writes the field into rope_parameters, older configs at the top.
     rope = {"rope_type": "longrope", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6}
     fields = {"partial_rotary_factor": 0.75}
     if where == "rope":
         rope, fields = {**rope, **fields}, {}
-    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported"):
-        ModelConfig.from_dict(_phi3_config(rope_parameters=rope, **fields))
+    cfg = ModelConfig.from_dict(_phi3_config(rope_parameters=rope, **fields))
+    assert (cfg.head_dim, cfg.rotary_dim, cfg.rope.partial_rotary_factor) == (16, 12, 0.75)
+    assert "partial_rotary_factor" not in cfg.rope.params
     # 1.0 (what HF writes into every Phi-3 config's rope_parameters) is the whole head.
-    ModelConfig.from_dict(_phi3_config(partial_rotary_factor=1.0))
+    assert ModelConfig.from_dict(_phi3_config(partial_rotary_factor=1.0)).rotary_dim == 16
+    assert ModelConfig.from_dict(_phi3_config()).rotary_dim == 16
+    # Both given: rope_parameters' wins, as HF's standardisation keeps it.
+    cfg = ModelConfig.from_dict(_phi3_config(rope_parameters={
+        "rope_type": "default", "partial_rotary_factor": 0.5}, partial_rotary_factor=0.25))
+    assert cfg.rotary_dim == 8
+
+
+def test_longrope_factors_are_counted_against_rotary_dim():
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    with pytest.raises(ValueError, match=r"rope short_factor has 8 entries; head_dim 16 "
+                                         r"\(partial_rotary_factor 0.75 rotates 12 of its "
+                                         r"dimensions\) needs 6"):
+        ModelConfig.from_dict(_phi3_config(rope_parameters=rope, partial_rotary_factor=0.75))
+
+
+@pytest.mark.parametrize("factor, rotary_dim", [(0.6875, 11), (0.05, 0)])  # odd / zero
+@pytest.mark.parametrize("where", ["top", "rope"])
+def test_partial_rotary_factor_giving_an_odd_or_no_rotary_dim_is_refused(factor, rotary_dim,
+                                                                          where):
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    fields = {"partial_rotary_factor": factor}
+    if where == "rope":
+        rope, fields = {**rope, **fields}, {}
+    with pytest.raises(ValueError, match=rf"partial_rotary_factor {factor} rotates {rotary_dim} "
+                                         r"of head_dim 16's dimensions: RoPE needs an even, "
+                                         "non-zero number of them"):
+        ModelConfig.from_dict(_phi3_config(rope_parameters=rope, **fields))
+
+
+@pytest.mark.parametrize("factor", [0, -0.5, 1.5, "0.75", True])
+def test_partial_rotary_factor_out_of_range_is_refused_naming_the_field(factor):
+    with pytest.raises(ValueError, match="partial_rotary_factor must be"):
+        ModelConfig.from_dict(_phi3_config(rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": factor}))
 
 
 def test_sliding_window_is_every_layer_and_does_not_cap_the_context():

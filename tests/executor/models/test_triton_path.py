@@ -22,10 +22,16 @@ from pathlib import Path
 import kernels
 from tests.executor.harness import PlanDriver, hf_greedy, make_hf_model, make_runner, save_checkpoint
 
+# Phi-4-mini's shape: RoPE on the first 24 of each head's 32 dimensions (views into qkv).
+PHI4_MINI = dict(hidden_size=128, rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+    "short_factor": [1.0 + 0.05 * i for i in range(12)],
+    "long_factor": [1.0 + 0.6 * i for i in range(12)]})
 result = {}
-for arch in ("qwen3", "llama3"):
-    hf = make_hf_model(arch)
-    runner = make_runner(save_checkpoint(hf, Path(sys.argv[1]) / arch))
+for name, arch, overrides in (("qwen3", "qwen3", {}), ("llama3", "llama3", {}),
+                              ("phi4_mini", "phi3", PHI4_MINI)):
+    hf = make_hf_model(arch, **overrides)
+    runner = make_runner(save_checkpoint(hf, Path(sys.argv[1]) / name))
     driver = PlanDriver(seed=4)
     prompts = {"a": [5, 6, 7, 8, 9, 10, 11, 12, 13], "b": [1, 2, 3]}
     got = {r: [] for r in prompts}
@@ -38,7 +44,7 @@ for arch in ("qwen3", "llama3"):
         driver.record(out.sampled)
         for r, ids in out.sampled:
             got[r].extend(ids)
-    result[arch] = {r: [got[r][:3], hf_greedy(hf, p, 3)] for r, p in prompts.items()}
+    result[name] = {r: [got[r][:3], hf_greedy(hf, p, 3)] for r, p in prompts.items()}
 print(json.dumps(result))
 """
 
@@ -51,6 +57,7 @@ def test_models_through_triton_launchers_match_hf(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(result) == {"qwen3", "llama3", "phi4_mini"}
     for arch, reqs in result.items():
         for req_id, (ours, hf) in reqs.items():
             assert len(ours) == 3 and ours == hf, (arch, req_id)
