@@ -145,10 +145,18 @@ def _phi3_fields(meta: Metadata, config: dict[str, Any],
     window = meta.get("phi3.attention.sliding_window")
     if window:
         config["sliding_window"] = meta.positive_int("phi3.attention.sliding_window")
+    # Phi-4-mini rotates part of each head: rope.dimension_count of hidden / heads.
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    rotary_dim = meta.positive_int("phi3.rope.dimension_count", head_dim)
+    if rotary_dim > head_dim or rotary_dim % 2:
+        raise CheckpointError(meta.path, f"phi3.rope.dimension_count ({rotary_dim}) must be an "
+                                         f"even number of a head's {head_dim} dimensions")
+    partial = {} if rotary_dim == head_dim else {"partial_rotary_factor": rotary_dim / head_dim}
+    config["rope_parameters"].update(partial)
     long, short = (config_tensors.get(f"rope_factors_{k}.weight") for k in ("long", "short"))
     if long is None and short is None:
         return
-    half = config["hidden_size"] // config["num_attention_heads"] // 2
+    half = rotary_dim // 2
     factors = {}
     for kind, values in (("long", long), ("short", short)):
         values = None if values is None else np.asarray(values, dtype=np.float32).reshape(-1)
@@ -159,7 +167,7 @@ def _phi3_fields(meta: Metadata, config: dict[str, Any],
                                              "frequency) next to its long/short twin")
         factors[f"{kind}_factor"] = [float(f) for f in values]
     rope = {"rope_type": "longrope", "rope_theta": config["rope_parameters"]["rope_theta"],
-            **factors}
+            **factors, **partial}
     # llama.cpp's attn_factor multiplies cos and sin as HF's LongRoPE attention factor does;
     # HF derives it from the two context lengths, so only a different value is written.
     scale = config["max_position_embeddings"] / original
@@ -267,7 +275,7 @@ def _head_dim(meta: Metadata, arch: str, hidden_size: int, num_heads: int) -> in
         raise CheckpointError(meta.path, f"{arch}.attention.value_length ({value_length}) "
                                          f"differs from key_length ({head_dim}); not supported")
     rotary_dim = meta.positive_int(f"{arch}.rope.dimension_count", head_dim)
-    if rotary_dim != head_dim:
+    if rotary_dim != head_dim and arch != "phi3":  # Phi-4-mini: _phi3_fields states it
         raise CheckpointError(meta.path, f"{arch}.rope.dimension_count ({rotary_dim}) is not "
                                          f"the head size ({head_dim}): partial rotary "
                                          "embeddings are not supported")

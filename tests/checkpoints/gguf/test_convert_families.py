@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoints.files import CheckpointError
 from checkpoints.gguf import gguf_checkpoint_dir
 from checkpoints.gguf.dequantize import dequantized_copy
 from tests.checkpoints.gguf.test_convert import folio_greedy
@@ -124,7 +123,7 @@ def test_phi3_q8_0_file_served_by_folio_keeps_fused_raw_blocks(converted, tmp_pa
     assert folio_greedy(model_dir, prompts, 16) == expected
 
 
-def test_phi3_without_longrope_and_partial_rotary(tmp_path):
+def test_phi3_without_longrope_and_phi4_mini_partial_rotary(tmp_path):
     from tests.fixtures.checkpoints import make_checkpoint
 
     # Phi-3-mini-4k: no rope_scaling, so no factor tensors: plain RoPE, the window kept.
@@ -137,13 +136,22 @@ def test_phi3_without_longrope_and_partial_rotary(tmp_path):
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
     assert config["sliding_window"] == 48
     assert config["original_max_position_embeddings"] == 512
-    # Phi-4-mini rotates 3/4 of each head: rope.dimension_count 12 of head size 16.
-    hf_dir = make_checkpoint("phi3", tmp_path / "partial", rope_parameters={
-        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})
-    with pytest.raises(CheckpointError, match=r"rope.dimension_count \(12\) is not the head "
-                                              r"size \(16\): partial rotary"):
-        gguf_checkpoint_dir(write_gguf(hf_dir, tmp_path / "partial.gguf", "F32"),
-                            tmp_path / "cache")
+    # Phi-4-mini rotates 3/4 of each head: rope.dimension_count 12 of head size 16, and its
+    # LongRoPE factors cover those 12 dimensions (6 frequencies).
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.05 * i for i in range(6)],
+            "long_factor": [1.0 + 0.6 * i for i in range(6)]}
+    hf_dir = make_checkpoint("phi3", tmp_path / "partial", rope_parameters=rope)
+    out = gguf_checkpoint_dir(write_gguf(hf_dir, tmp_path / "partial.gguf", "F32"),
+                              tmp_path / "cache")
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_parameters"]["partial_rotary_factor"] == 0.75
+    assert len(config["rope_parameters"]["short_factor"]) == 6
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    prompts = [[5, 17, 42, 99, 7], [(11 * i + 3) % 2000 for i in range(30)]]
+    assert folio_greedy(out, prompts, 8) == [hf_greedy(hf_model, p, 8) for p in prompts]
 
 
 @pytest.mark.parametrize("pattern, expected", [
