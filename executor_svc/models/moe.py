@@ -205,6 +205,9 @@ class MoeModelMixin:
     """For a `LlamaForCausalLM` subclass: decoder layers built as `MoeDecoderLayer`s."""
 
     ffn_name = "mlp"
+    # No decode CUDA graphs (executor_svc/worker.py): kernels.fused_moe's twin picks the
+    # routed experts on the host.
+    cuda_graphs = False
     expert_part_names: tuple[str, str, str] = QWEN_EXPERT_PARTS
     round_router_weights = True
 
