@@ -15,6 +15,9 @@ shape, and each rank reads only its slices from the files, never a whole sharded
 Fused projections (qkv_proj, gate_up_proj) are filled part by part: from one checkpoint tensor
 per part (q_proj, k_proj, v_proj: the model's `packed_modules`), or from one tensor that
 already stacks the parts under the fused name (Phi-3), each part's slice read from its rows.
+A mixture-of-experts layer (`FusedMoE`, models/moe.py) places its own tensors
+(`checkpoint_placements`: one per expert and projection, or transformers 5's stacked 3-D ones);
+its shards are named by the per-expert tensors, so a missing expert is reported by its name.
 """
 
 from __future__ import annotations
