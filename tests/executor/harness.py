@@ -96,7 +96,8 @@ def make_hf_model(arch: str, **overrides):
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
                              layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.5)
+                    if proj.bias is not None:  # qwen2_moe with qkv_bias false
+                        proj.bias.normal_(0, 0.5)
     if arch in ("qwen3", "qwen3_moe"):
         with torch.no_grad():
             for layer in model.model.layers:

@@ -214,3 +214,24 @@ def test_quantized_experts_are_refused_naming_the_flag(checkpoint_cache):
                                               r"mixture-of-experts weights are not supported"):
         load_model(model_dir, dtype=torch.float32, device=CPU, max_model_len=64,
                    quantization="int8")
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    # Layers 1 and 3 of 4 are MoE (decoder_sparse_step 2), renormalised top-2.
+    ("qwen2_moe", dict(num_hidden_layers=4, decoder_sparse_step=2, norm_topk_prob=True)),
+    ("qwen2_moe", dict(qkv_bias=False)),
+    ("mixtral", dict(sliding_window=8)),  # the prompts cross the window
+    ("qwen3_moe", dict(num_experts_per_tok=1, mlp_only_layers=[])),
+], ids=["qwen2_moe-sparse-step", "qwen2_moe-no-qkv-bias", "mixtral-window", "qwen3_moe-top1"])
+def test_moe_variants_match_hf(arch, overrides, tmp_path):
+    from tests.executor.harness import make_hf_model, save_checkpoint
+
+    hf_model = make_hf_model(arch, **overrides)
+    got = _prefill_logits(save_checkpoint(hf_model, tmp_path / "ckpt"))
+    start = 0
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            expected = hf_model(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(got[start:start + len(prompt)], expected, atol=1e-4,
+                                   rtol=1e-4)
+        start += len(prompt)
