@@ -141,7 +141,9 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
     swap_pool = SwapPool.allocate(kv_cache, num_swap_blocks) if num_swap_blocks else None
     tokenizer_json = model_dir / "tokenizer.json"  # structured output's matchers read it
     graph_runner = None
-    if device.type == "cuda" and not cfg.enforce_eager:  # after the KV cache: graphs bind it
+    # After the KV cache: graphs bind it. A model may opt out (MoE: its expert routing reads
+    # the chosen experts back on the host, which a captured graph cannot).
+    if device.type == "cuda" and not cfg.enforce_eager and getattr(model, "cuda_graphs", True):
         graph_runner = DecodeGraphRunner(model, cfg.max_num_seqs,
                                          -(-max_model_len // cfg.block_size), max_model_len,
                                          model_cfg.hidden_size, dtype, device,

@@ -15,6 +15,9 @@ shape, and each rank reads only its slices from the files, never a whole sharded
 Fused projections (qkv_proj, gate_up_proj) are filled part by part: from one checkpoint tensor
 per part (q_proj, k_proj, v_proj: the model's `packed_modules`), or from one tensor that
 already stacks the parts under the fused name (Phi-3), each part's slice read from its rows.
+A mixture-of-experts layer (`FusedMoE`, models/moe.py) places its own tensors
+(`checkpoint_placements`: one per expert and projection, or transformers 5's stacked 3-D ones);
+its shards are named by the per-expert tensors, so a missing expert is reported by its name.
 """
 
 from __future__ import annotations
@@ -114,10 +117,16 @@ def plan_weights(model: nn.Module, headers: list[TensorHeader],
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, ...]] = getattr(model, "packed_modules", {})
     # Every (parameter, shard) that must be filled; unfused parameters have one shard, None.
-    todo: set[tuple[str, int | None]] = set()
+    # A FusedMoE's (models/moe.py) shards are named by the per-expert checkpoint tensors.
+    todo: set[tuple[str, int | str | None]] = set()
     for pname in params:
-        sizes = getattr(model.get_submodule(pname.rsplit(".", 1)[0]), "output_sizes", None)
-        if sizes:
+        module_name, _, param_name = pname.rpartition(".")
+        owner = model.get_submodule(module_name)
+        sizes = getattr(owner, "output_sizes", None)
+        if hasattr(owner, "checkpoint_parts"):
+            todo.update((pname, f"{module_name}.{label}")
+                        for label in owner.checkpoint_parts(param_name))
+        elif sizes:
             todo.update((pname, i) for i in range(len(sizes)))
         else:
             todo.add((pname, None))
@@ -127,6 +136,21 @@ def plan_weights(model: nn.Module, headers: list[TensorHeader],
         if header.name.endswith("rotary_emb.inv_freq"):
             continue
         if tie_word_embeddings and header.name == "lm_head.weight":
+            continue
+        experts = _expert_placements(model, header)
+        if experts is not None:
+            if not experts:
+                unexpected.append(header)
+            for pname, labels, shard in experts:
+                check_header_dtype(header, params[pname])
+                if header.shape != shard.full_shape:
+                    raise CheckpointError(header.file, f"checkpoint tensor {header.name} has "
+                                                       f"shape {header.shape}, the model built "
+                                                       f"from config.json expects "
+                                                       f"{shard.full_shape}")
+                # shard_id 0: a part of a fused parameter (no padding rows to zero).
+                placements.append(_Placement(header.file, header.name, pname, 0, shard))
+                todo.difference_update((pname, label) for label in labels)
             continue
         for pname, shard_id in checkpoint_targets(model, header.name, packed):
             if pname not in params:
@@ -159,11 +183,37 @@ def plan_weights(model: nn.Module, headers: list[TensorHeader],
                                         "needs the quantization_config they were written "
                                         "with" if packed else ""))
     if todo:
-        missing = sorted(p if s is None else f"{p} (shard {s})" for p, s in todo)
+        missing = sorted(p if s is None else s if isinstance(s, str) else f"{p} (shard {s})"
+                         for p, s in todo)
         raise CheckpointError(where, f"checkpoint lacks tensors for {len(missing)} parameter(s) "
                                      f"of {type(model).__name__}: {', '.join(missing[:10])}"
                                      + (" ..." if len(missing) > 10 else ""))
     return placements
+
+
+_EXPERTS = re.compile(r"(.+\.experts)\.(.+)")
+
+
+def _expert_placements(model: nn.Module, header: TensorHeader
+                       ) -> list[tuple[str, list[str], WeightShard]] | None:
+    """None when `header` is no tensor of a FusedMoE's (models/moe.py), else where it goes:
+    (parameter, the per-expert labels it fills, shard) entries, empty when the experts module
+    has no place for it. An expert past the configured count is a CheckpointError."""
+    match = _EXPERTS.fullmatch(header.name)
+    if match is None:
+        return None
+    try:
+        owner = model.get_submodule(match.group(1))
+    except AttributeError:
+        return None
+    if not hasattr(owner, "checkpoint_placements"):
+        return None
+    try:
+        entries = owner.checkpoint_placements(match.group(2))
+    except ValueError as e:
+        raise CheckpointError(header.file, f"checkpoint tensor {header.name}: {e}") from None
+    return [(f"{match.group(1)}.{param}", [f"{match.group(1)}.{label}" for label in labels],
+             shard) for param, labels, shard in entries or []]
 
 
 def weight_shard(model: nn.Module, pname: str, shard_id: int | None,
@@ -201,6 +251,8 @@ def load_weights(model: nn.Module, placements: list[_Placement],
 
 def _copy_shard(f: Any, p: _Placement, dest: torch.Tensor) -> None:
     shard = p.shard
+    if shard.expert is not None:  # one expert's tensor, into its slice of the stack
+        dest = dest[shard.expert]
     if shard.dest_index is not None:
         dest[shard.dest_index].copy_(f.get_tensor(p.name).reshape(()))
         return
@@ -268,6 +320,13 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
                         backend=backend or default_backend(), device=device)
         except ValueError as e:  # a value the model class refuses comes from config.json
             raise CheckpointError(model_dir / "config.json", str(e)) from None
+    if qcfg is not None and any(hasattr(m, "checkpoint_parts") for m in model.modules()):
+        source = ("the checkpoint's quantization_config" if qcfg.from_checkpoint
+                  else f"--quantization {qcfg.scheme}")
+        raise CheckpointError(model_dir / "config.json",
+                              f"{source}: quantized mixture-of-experts weights are not "
+                              f"supported yet ({cfg.architecture}'s experts are served in "
+                              "the model dtype only); serve it without --quantization")
     if qcfg is not None and qcfg.from_checkpoint:
         packed = getattr(model, "packed_modules", {})
         targets = [(pname, shard_id, h) for h in headers

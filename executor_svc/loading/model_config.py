@@ -77,6 +77,14 @@ class ModelConfig:
     # The leading dimensions of each q/k head that RoPE rotates (neox pairs within them), the
     # rest passing through: int(head_dim * rope.partial_rotary_factor). 0: the whole head.
     rotary_dim: int = 0
+    # Mixture of experts (`_moe_fields`); num_experts 0: every layer has a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k experts per token
+    moe_intermediate_size: int = 0  # each expert's intermediate size
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one)
+    norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not one of these (dense MLP)
 
     def __post_init__(self) -> None:
         # Relations between sizes; each size alone was checked where it was read.
@@ -117,6 +125,12 @@ class ModelConfig:
         if self.hidden_activation not in ACTIVATIONS:
             raise ValueError(f"hidden_activation {self.hidden_activation!r} is not supported "
                              f"(supported: {', '.join(ACTIVATIONS)})")
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer `layer_idx` has a sparse MoE block (else a dense MLP of
+        intermediate_size), as HF's Qwen2-MoE/Qwen3-MoE decide it (Mixtral: every layer)."""
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
     @property
     def attention_scale(self) -> float:
@@ -160,7 +174,7 @@ class ModelConfig:
                                          DEFAULT_MAX_POSITION_EMBEDDINGS),
             rope=rope_spec(d),
             tie_word_embeddings=_bool(d, "tie_word_embeddings"),
-            attention_bias=_bool(d, "attention_bias"),
+            attention_bias=_attention_bias(d, archs[0]),
             mlp_bias=_bool(d, "mlp_bias"),
             hidden_activation=_activation(d),
             layer_windows=_layer_windows(d, archs[0], num_layers),
@@ -169,6 +183,7 @@ class ModelConfig:
             final_logit_softcapping=_softcap(d, "final_logit_softcapping"),
             query_pre_attn_scalar=(None if d.get("query_pre_attn_scalar") is None
                                    else _float(d, "query_pre_attn_scalar", 0.0)),
+            **_moe_fields(d, archs[0], num_layers),
         )
 
     @classmethod
@@ -183,6 +198,14 @@ class ModelConfig:
             raise
         except ValueError as e:
             raise CheckpointError(path, str(e)) from None
+
+
+def _attention_bias(d: dict[str, Any], arch: str) -> bool:
+    """attention_bias; Qwen2-MoE states its q/k/v biases as qkv_bias (HF's default: true),
+    and never has one on o_proj (models/qwen2_moe.py)."""
+    if arch == "Qwen2MoeForCausalLM":
+        return True if d.get("qkv_bias") is None else _bool(d, "qkv_bias")
+    return _bool(d, "attention_bias")
 
 
 def _activation(d: dict[str, Any]) -> str:
@@ -213,7 +236,11 @@ def _layer_windows(d: dict[str, Any], arch: str, num_layers: int) -> tuple[int, 
     window = d.get("sliding_window")
     if arch == "Phi3ForCausalLM" and isinstance(window, int) and window >= context_length(d):
         window = None
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not _bool(d, "use_sliding_window"):
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM") and _bool(d, "use_sliding_window"):
+        raise ValueError("use_sliding_window is set: Folio serves the Qwen MoE families with "
+                         "full attention only")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
+                "Qwen3MoeForCausalLM") and not _bool(d, "use_sliding_window"):
         window = None  # HF drops the window when use_sliding_window is off
     types = d.get("layer_types")
     if arch == "MistralForCausalLM":
@@ -244,6 +271,60 @@ def _layer_windows(d: dict[str, Any], arch: str, num_layers: int) -> tuple[int, 
         return (0,) * num_layers
     size = _int(d, "sliding_window")  # names the field when not a positive integer
     return tuple(size if s else 0 for s in sliding)
+
+
+# Mixture-of-experts families: Mixtral names its expert count num_local_experts, the Qwen MoE
+# families num_experts (transformers 5 may write either for Qwen3-MoE).
+MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+# The routers Folio implements: softmax over every expert's logit, then greedy top-k. A config
+# that states another scoring or selection (DeepSeek's sigmoid, grouped top-k) is refused.
+_ROUTER_FIELDS = {"scoring_func": ("softmax",), "topk_method": ("greedy",),
+                  "router_type": ("softmax", "topk")}
+
+
+def _moe_fields(d: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
+    """The MoE fields of `ModelConfig` (none for a dense family), each checked.
+    router_aux_loss_coef, output_router_logits and router_jitter_noise only matter in
+    training and are ignored."""
+    if arch not in MOE_ARCHS:
+        return {}
+    for key, known in _ROUTER_FIELDS.items():
+        if d.get(key) is not None and d[key] not in known:
+            raise ValueError(f"{key} {d[key]!r} is not supported (supported: "
+                             f"{', '.join(known)}): Folio routes with a softmax over the "
+                             "experts and a greedy top-k")
+    counts = {key: _int(d, key) for key in ("num_experts", "num_local_experts")
+              if d.get(key) is not None}
+    if not counts:
+        raise ValueError("lacks the field 'num_local_experts'" if arch == "MixtralForCausalLM"
+                         else "lacks the field 'num_experts'")
+    if len(set(counts.values())) > 1:
+        raise ValueError(f"num_experts ({counts['num_experts']}) and num_local_experts "
+                         f"({counts['num_local_experts']}) disagree")
+    num_experts = next(iter(counts.values()))
+    top_k = _int(d, "num_experts_per_tok")
+    if top_k > num_experts:
+        raise ValueError(f"num_experts_per_tok ({top_k}) is larger than the number of experts "
+                         f"({num_experts})")
+    if arch == "MixtralForCausalLM":  # experts of intermediate_size; always renormalised
+        return dict(num_experts=num_experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=_int(d, "intermediate_size"), norm_topk_prob=True)
+    only = d.get("mlp_only_layers") or []
+    if not isinstance(only, list) or any(
+            not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers
+            for i in only):
+        raise ValueError(f"mlp_only_layers must be a list of layer indices in "
+                         f"[0, {num_layers}), got {only!r}")
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=_int(d, "moe_intermediate_size"),
+        shared_expert_intermediate_size=(_int(d, "shared_expert_intermediate_size")
+                                         if arch == "Qwen2MoeForCausalLM" else 0),
+        norm_topk_prob=_bool(d, "norm_topk_prob"),
+        decoder_sparse_step=_int(d, "decoder_sparse_step", 1),
+        mlp_only_layers=tuple(sorted(set(only))),
+    )
 
 
 def _softcap(d: dict[str, Any], key: str) -> float:
@@ -287,3 +368,8 @@ def check_tensor_parallel(cfg: ModelConfig, tp_size: int) -> None:
         raise ValueError(f"{flag} does not divide intermediate_size {cfg.intermediate_size} "
                          f"({cfg.intermediate_size} % {tp_size} = "
                          f"{cfg.intermediate_size % tp_size}); pick a size that divides it")
+    for key, size in (("moe_intermediate_size", cfg.moe_intermediate_size),
+                      ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)):
+        if size % tp_size:
+            raise ValueError(f"{flag} does not divide {key} {size} ({size} % {tp_size} = "
+                             f"{size % tp_size}); pick a size that divides it")

@@ -12,9 +12,12 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("executor_svc.models.gemma3", "Gemma3ForCausalLM"),
     "LlamaForCausalLM": ("executor_svc.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("executor_svc.models.mistral", "MistralForCausalLM"),
+    "MixtralForCausalLM": ("executor_svc.models.mixtral", "MixtralForCausalLM"),
     "Phi3ForCausalLM": ("executor_svc.models.phi3", "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": ("executor_svc.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("executor_svc.models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3ForCausalLM": ("executor_svc.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("executor_svc.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 

@@ -50,7 +50,9 @@ class WeightShard:
     rank reads ``[start, start + size)`` along `dim` into ``[dest_start, dest_start + size)``
     along the same dim of the parameter; rows of an unfused parameter past `size` (the padding
     of the last vocab range) are zeroed. `dest_index` (with `dim` None): the one-element
-    tensor goes to that element of the parameter (a fused layer's per-shard scale)."""
+    tensor goes to that element of the parameter (a fused layer's per-shard scale). `expert`:
+    the checkpoint tensor is one expert's, placed in ``param[expert]`` (models/moe.py's
+    stacked experts); `dim` and `dest_start` then refer to that expert's slice."""
 
     full_shape: tuple[int, ...]
     dim: int | None = None
@@ -58,6 +60,7 @@ class WeightShard:
     size: int = 0
     dest_start: int = 0
     dest_index: int | None = None
+    expert: int | None = None
 
 
 def replicated(param: torch.Tensor) -> WeightShard:

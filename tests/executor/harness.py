@@ -67,7 +67,20 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
                          "full_attention": {"rope_type": "linear", "factor": 2.0,
                                             "rope_theta": 10000.0}},
         final_logit_softcapping=6.0)),
+    # Mixture of experts: 8 experts of intermediate_size, top-2 renormalised, every layer.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)),
+    # 6 experts, top-2 not renormalised, a gated shared expert; q/k/v biases.
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=False)),
+    # 8 experts, top-2 renormalised, a dense MLP (intermediate_size) on layer 1 of 3.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_hidden_layers=3, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+        tie_word_embeddings=True)),
 }
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def make_hf_model(arch: str, **overrides):
@@ -77,14 +90,15 @@ def make_hf_model(arch: str, **overrides):
     config = getattr(transformers, config_cls)(**{**_COMMON, **arch_overrides, **overrides})
     torch.manual_seed(sum(map(ord, arch)))
     model = getattr(transformers, model_cls)(config).eval()
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen2_moe"):
         # HF inits biases at zero; give them values so a dropped bias would show.
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
                              layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.5)
-    if arch == "qwen3":
+                    if proj.bias is not None:  # qwen2_moe with qkv_bias false
+                        proj.bias.normal_(0, 0.5)
+    if arch in ("qwen3", "qwen3_moe"):
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)

@@ -1,7 +1,8 @@
 """Tensor parallelism through the real server: `folio serve --tensor-parallel-size N` starts
 N executor ranks (gloo on 127.0.0.1) behind one scheduler.
 
-1. Every architecture at TP = 2 (Gemma 2 and 3 with sliding windows too), with a KV pool
+1. Every architecture at TP = 2 (Gemma 2 and 3 with sliding windows too, the
+   mixture-of-experts families: Mixtral, Qwen2-MoE, Qwen3-MoE), with a KV pool
    small enough to preempt and prompts that share a prefix (prefix caching is on): greedy
    tokens equal HF transformers', the server reports its ranks, and the prefix cache was hit.
 2. TP = 4 on llama3 (4 q heads, 2 KV heads: each KV head replicated on two ranks).
@@ -41,7 +42,7 @@ from tests.e2e.models.test_e2e_greedy import (
     generate_all,
 )
 from tests.e2e.models.test_e2e_real_model import CHATS, RAW_PROMPTS, gguf_file, hf  # noqa: F401
-from tests.fixtures.checkpoints import ARCHS, make_checkpoint
+from tests.fixtures.checkpoints import ARCHS, MOE_ARCHS, make_checkpoint
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -105,6 +106,13 @@ async def test_tp2_greedy_matches_hf_with_preemption_and_prefix_caching(
 async def test_tp2_gemma_with_sliding_windows(folio_server, arch, tmp_path):
     """Gemma's four norms, softcaps and local/global RoPE split over two ranks; the prompts
     (up to 128 tokens) cross the windows (16 and 24)."""
+    await check_tp_server(folio_server, arch, 2, tmp_path)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+async def test_tp2_mixture_of_experts(folio_server, arch, tmp_path):
+    """Every expert's intermediate dimension split over two ranks (the routers and Qwen2-MoE's
+    shared-expert gate replicated, one all_reduce per MoE block)."""
     await check_tp_server(folio_server, arch, 2, tmp_path)
 
 

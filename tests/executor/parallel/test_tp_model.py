@@ -33,6 +33,7 @@ from executor_svc.parallel import distributed
 from executor_svc.step.runner import ModelRunner
 from tests.executor.harness import ARCHS, BLOCK_SIZE, NUM_BLOCKS, PlanDriver, make_hf_model
 from tests.executor.harness import save_checkpoint as save_hf
+from tests.executor.models.test_moe import _edit_tensors, _stack_experts
 from tests.executor.parallel.tp_procs import run_ranks
 
 PROMPTS = [[5, 17, 42, 99, 7, 250, 3], [42],
@@ -177,8 +178,14 @@ def test_each_rank_reads_only_its_shard(tp_checkpoints, tmp_path):
     tp = 2
     # untied head; biases; q/k norms; kv < tp; q|k|v and gate|up stored fused (one slice per
     # part and rank)
-    names = ["llama2", "qwen2", "qwen3", "gqa_kv1", "phi3"]
-    checkpoints = {n: tp_checkpoints[n] for n in names}
+    # part and rank); experts: one slice of every expert's tensor per rank, per-expert
+    # (Qwen and Mixtral names) or stacked 3-D (two parts, gate and up, in gate_up_proj)
+    names = ["llama2", "qwen2", "qwen3", "gqa_kv1", "phi3", "qwen2_moe", "mixtral",
+             "qwen3_moe_stacked"]
+    checkpoints = {n: tp_checkpoints[n] for n in names[:-1]}
+    stacked = shutil.copytree(tp_checkpoints["qwen3_moe"], tmp_path / "qwen3_moe_stacked")
+    _edit_tensors(stacked, _stack_experts)
+    checkpoints["qwen3_moe_stacked"] = str(stacked)
     run_ranks(_reads_rank, tp, checkpoints, str(tmp_path))
     for name in names:
         model_dir = Path(checkpoints[name])
@@ -187,13 +194,14 @@ def test_each_rank_reads_only_its_shard(tp_checkpoints, tmp_path):
         for header in read_weight_headers(safetensors_files(model_dir)):
             per_rank = [[r[1:] for r in rank_reads if r[0] == header.name]
                         for rank_reads in reads]
-            if header.name.endswith("norm.weight"):  # replicated: read whole by every rank
+            if header.name.endswith(("norm.weight", ".gate.weight", "shared_expert_gate.weight")):
+                # replicated (norms, routers): read whole by every rank
                 assert all(r == [[None, None, None]] for r in per_rank), (name, header.name)
                 continue
             # Sharded: one slice per rank (per part of a tensor holding fused parts), never
             # the whole tensor; together the slices cover the tensor once, except KV heads
             # replicated on tp / num_kv_heads ranks.
-            parts = 3 if ".qkv_proj." in header.name else 2 if ".gate_up_proj." in header.name \
+            parts = 3 if ".qkv_proj." in header.name else 2 if ".gate_up_proj" in header.name \
                 else 1
             assert all(len(r) == parts and all(s[0] is not None for s in r)
                        for r in per_rank), (name, header)

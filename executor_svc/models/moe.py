@@ -1,0 +1,220 @@
+"""Mixture-of-experts blocks: a softmax top-k router, the experts as one `FusedMoE` layer, and
+(Qwen2-MoE) a gated shared expert.
+
+Router (`TopKRouter`), as transformers 5.24 computes it: logits = x W_r^T in the model dtype,
+softmax over all experts in fp32, ``torch.topk`` (so ties go to the lower expert index, as HF's),
+then the k probabilities renormalised to sum to one when the family does (Mixtral always, the
+Qwen families when norm_topk_prob). The Qwen routers round the weights to the model dtype, as
+HF's do; Mixtral's stay fp32. The router is replicated on every tensor-parallel rank.
+
+`FusedMoE` holds every expert's SwiGLU weights stacked, in the layout `kernels.fused_moe` takes:
+w13 [E, 2 * I / tp, hidden] (this rank's gate rows, then its up rows) and w2 [E, hidden, I / tp].
+Tensor parallel: each rank holds the same slice of every expert's intermediate dimension (gate
+and up sliced alike, down's matching columns), so no token moves between ranks; every rank
+computes its partial sum of every routed expert and one all_reduce per MoE block (after the
+shared expert's partial sum is added) completes it, like RowParallelLinear's.
+
+Checkpoint layouts (the loader asks the layer, `checkpoint_placements`): one tensor per expert
+and projection (``experts.N.gate_proj/up_proj/down_proj.weight``, Mixtral's ``experts.N.w1/w3/
+w2.weight``; what transformers 5.24's save_pretrained writes for all three families), or the
+stacked 3-D tensors of transformers 5's own modules (``experts.gate_up_proj`` [E, 2I, hidden],
+gate rows first, and ``experts.down_proj`` [E, hidden, I]). Each rank reads only its slices.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from executor_svc.loading.model_config import ModelConfig
+from executor_svc.models.layers import GatedMLP, RMSNorm
+from executor_svc.models.llama import LlamaModel
+from executor_svc.models.parallel import WeightShard
+from executor_svc.parallel import distributed
+from kernels import fused_moe, silu_and_mul
+
+# Checkpoint names of an expert's gate, up and down projections.
+QWEN_EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
+MIXTRAL_EXPERT_PARTS = ("w1", "w3", "w2")
+
+_PER_EXPERT = re.compile(r"(\d+)\.(\w+)\.weight")
+
+
+class ReplicatedLinear(nn.Module):
+    """A small projection every rank holds whole and computes with plain ``F.linear`` (the
+    router, the shared expert's gate): not a `Linear`, so never packed or quantized, and its
+    product is HF's bit for bit."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class TopKRouter(ReplicatedLinear):
+    """x [T, hidden] -> (weights [T, k] fp32, expert ids [T, k] int64)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, round_weights: bool):
+        super().__init__(cfg.hidden_size, cfg.num_experts, dtype)
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob
+        self.round_weights = round_weights
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self(x)  # [T, num_experts] in the model dtype
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.round_weights:
+            weights = weights.to(logits.dtype).float()
+        return weights, ids
+
+
+class FusedMoE(nn.Module):
+    """Every expert's SwiGLU MLP in two stacked parameters (module docstring); `forward`
+    returns this rank's partial sum, which the caller all-reduces."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 dtype: torch.dtype, part_names: tuple[str, str, str] = QWEN_EXPERT_PARTS):
+        super().__init__()
+        self.tp_size, self.tp_rank = distributed.tp_size(), distributed.tp_rank()
+        assert intermediate_size % self.tp_size == 0, "checked by check_tensor_parallel"
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.local_intermediate = intermediate_size // self.tp_size
+        self.part_names = part_names
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local_intermediate,
+                                            hidden_size, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_intermediate,
+                                           dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)  # [T, hidden]
+
+    # Loading (executor_svc/loading/loader.py). Labels are checkpoint tensor names relative to
+    # this module, in the per-expert layout: what a checkpoint that lacks them is told.
+
+    def checkpoint_parts(self, param_name: str) -> list[str]:
+        """The per-expert tensors that fill parameter `param_name`."""
+        gate, up, down = self.part_names
+        if param_name == "w13":
+            return [f"{e}.{part}.weight" for e in range(self.num_experts) for part in (gate, up)]
+        return [f"{e}.{down}.weight" for e in range(self.num_experts)]
+
+    def checkpoint_placements(self, key: str) -> list[tuple[str, list[str], WeightShard]] | None:
+        """Where checkpoint tensor `key` (relative to this module) goes on this rank:
+        (parameter, the labels it fills, shard) entries; None when it is no tensor of an
+        expert. ValueError for an expert index past the configured count."""
+        n, il = self.intermediate_size, self.local_intermediate
+        start = self.tp_rank * il
+        e_count, hidden = self.num_experts, self.hidden_size
+        if key == "gate_up_proj":  # [E, 2I, hidden]: gate rows, then up rows
+            full = (e_count, 2 * n, hidden)
+            return [("w13", self.checkpoint_parts("w13"),
+                     WeightShard(full, 1, part * n + start, il, part * il)) for part in (0, 1)]
+        if key == "down_proj":  # [E, hidden, I]
+            return [("w2", self.checkpoint_parts("w2"),
+                     WeightShard((e_count, hidden, n), 2, start, il))]
+        match = _PER_EXPERT.fullmatch(key)
+        if match is None or match.group(2) not in self.part_names:
+            return None
+        expert, part = int(match.group(1)), self.part_names.index(match.group(2))
+        if expert >= e_count:
+            raise ValueError(f"expert {expert} is past the {e_count} experts config.json "
+                             "states (num_experts / num_local_experts)")
+        if part == 2:  # down [hidden, I]: this rank's columns
+            return [("w2", [key], WeightShard((hidden, n), 1, start, il, 0, expert=expert))]
+        return [("w13", [key], WeightShard((n, hidden), 0, start, il, part * il,
+                                           expert=expert))]
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of a MoE decoder layer: router, experts and, with a
+    shared_expert_intermediate_size, Qwen2-MoE's shared expert scaled by
+    sigmoid(shared_expert_gate(x)). One all_reduce in all under tensor parallelism."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, part_names: tuple[str, str, str],
+                 round_router_weights: bool):
+        super().__init__()
+        self.tp_size = distributed.tp_size()
+        self.gate = TopKRouter(cfg, dtype, round_router_weights)
+        self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                dtype, part_names)
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: ReplicatedLinear | None = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size,
+                                          False, dtype)
+            self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate.route(x)
+        out = self.experts(x, topk_weights, topk_ids)  # this rank's partial sum
+        if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None
+            down = self.shared_expert.down_proj
+            # Its own partial sum (no bias), reduced together with the experts'.
+            shared = down.method.apply(down, silu_and_mul(self.shared_expert.gate_up_proj(x)),
+                                       None)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out if self.tp_size == 1 else distributed.all_reduce(out)
+
+
+class MoeDecoderLayer(nn.Module):
+    """A Llama-style decoder layer whose MLP is a `SparseMoeBlock` where
+    `ModelConfig.is_moe_layer` says so, else a dense SwiGLU MLP of intermediate_size. The MLP
+    lives under the checkpoint's name for it (`ffn_name`: Mixtral's block_sparse_moe, mlp)."""
+
+    def __init__(self, cfg: ModelConfig, self_attn: nn.Module, dtype: torch.dtype,
+                 layer_idx: int, ffn_name: str, part_names: tuple[str, str, str],
+                 round_router_weights: bool):
+        super().__init__()
+        self.self_attn = self_attn
+        ffn: nn.Module
+        if cfg.is_moe_layer(layer_idx):
+            ffn = SparseMoeBlock(cfg, dtype, part_names, round_router_weights)
+        else:
+            ffn = GatedMLP(cfg.hidden_size, cfg.intermediate_size, False, dtype)
+        self.ffn_name = ffn_name
+        self.add_module(ffn_name, ffn)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                batch, cos_sin_cache: torch.Tensor):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, batch, cos_sin_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return getattr(self, self.ffn_name)(x), residual
+
+
+class MoeModelMixin:
+    """For a `LlamaForCausalLM` subclass: decoder layers built as `MoeDecoderLayer`s."""
+
+    ffn_name = "mlp"
+    # No decode CUDA graphs (executor_svc/worker.py): kernels.fused_moe's twin picks the
+    # routed experts on the host.
+    cuda_graphs = False
+    expert_part_names: tuple[str, str, str] = QWEN_EXPERT_PARTS
+    round_router_weights = True
+
+    @classmethod
+    def make_model(cls, cfg: ModelConfig, backend, dtype: torch.dtype) -> nn.Module:
+        layers = [MoeDecoderLayer(cfg, cls.make_attention(cfg, backend, dtype, i),  # type: ignore[attr-defined]
+                                  dtype, i, cls.ffn_name, cls.expert_part_names,
+                                  cls.round_router_weights)
+                  for i in range(cfg.num_layers)]
+        return LlamaModel(cfg, layers, dtype)  # type: ignore[arg-type]
