@@ -143,7 +143,7 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
     graph_runner = None
     # After the KV cache: graphs bind it. A model may opt out (MoE: its expert routing reads
     # the chosen experts back on the host, which a captured graph cannot).
-    if device.type == "cuda" and not cfg.enforce_eager and getattr(model, "cuda_graphs", True):
+    if device.type == "cuda" and not cfg.enforce_eager and model.cuda_graphs:
         graph_runner = DecodeGraphRunner(model, cfg.max_num_seqs,
                                          -(-max_model_len // cfg.block_size), max_model_len,
                                          model_cfg.hidden_size, dtype, device,

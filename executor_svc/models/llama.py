@@ -138,6 +138,7 @@ class LlamaForCausalLM(nn.Module):
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
     attention_cls: type[LlamaAttention] = LlamaAttention
+    cuda_graphs = True  # decode steps may replay captured graphs (executor_svc/worker.py)
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, max_model_len: int,
                  backend: AttentionBackend, device: torch.device | str = "cpu"):

@@ -5,11 +5,10 @@ intermediate_size (models/moe.py). Checkpoint keys: ``block_sparse_moe.gate`` an
 
 from __future__ import annotations
 
-from executor_svc.models.llama import LlamaForCausalLM
-from executor_svc.models.moe import MIXTRAL_EXPERT_PARTS, MoeModelMixin
+from executor_svc.models.moe import MIXTRAL_EXPERT_PARTS, MoeForCausalLM
 
 
-class MixtralForCausalLM(MoeModelMixin, LlamaForCausalLM):
+class MixtralForCausalLM(MoeForCausalLM):
     ffn_name = "block_sparse_moe"
     expert_part_names = MIXTRAL_EXPERT_PARTS
     round_router_weights = False  # HF's Mixtral router keeps its weights in fp32

@@ -2,7 +2,7 @@
 (Qwen2-MoE) a gated shared expert.
 
 Router (`TopKRouter`), as transformers 5.24 computes it: logits = x W_r^T in the model dtype,
-softmax over all experts in fp32, ``torch.topk`` (so ties go to the lower expert index, as HF's),
+softmax over all experts in fp32, ``torch.topk`` (the op HF's router calls, so ties go as HF's),
 then the k probabilities renormalised to sum to one when the family does (Mixtral always, the
 Qwen families when norm_topk_prob). The Qwen routers round the weights to the model dtype, as
 HF's do; Mixtral's stay fp32. The router is replicated on every tensor-parallel rank.
@@ -31,7 +31,7 @@ from torch import nn
 
 from executor_svc.loading.model_config import ModelConfig
 from executor_svc.models.layers import GatedMLP, RMSNorm
-from executor_svc.models.llama import LlamaModel
+from executor_svc.models.llama import LlamaForCausalLM, LlamaModel
 from executor_svc.models.parallel import WeightShard
 from executor_svc.parallel import distributed
 from kernels import fused_moe, silu_and_mul
@@ -201,8 +201,9 @@ class MoeDecoderLayer(nn.Module):
         return getattr(self, self.ffn_name)(x), residual
 
 
-class MoeModelMixin:
-    """For a `LlamaForCausalLM` subclass: decoder layers built as `MoeDecoderLayer`s."""
+class MoeForCausalLM(LlamaForCausalLM):
+    """A Llama-shaped model whose decoder layers are `MoeDecoderLayer`s; the families set the
+    MoE block's name, their experts' checkpoint names and the router's rounding."""
 
     ffn_name = "mlp"
     # No decode CUDA graphs (executor_svc/worker.py): kernels.fused_moe's twin picks the
@@ -213,7 +214,7 @@ class MoeModelMixin:
 
     @classmethod
     def make_model(cls, cfg: ModelConfig, backend, dtype: torch.dtype) -> nn.Module:
-        layers = [MoeDecoderLayer(cfg, cls.make_attention(cfg, backend, dtype, i),  # type: ignore[attr-defined]
+        layers = [MoeDecoderLayer(cfg, cls.make_attention(cfg, backend, dtype, i),
                                   dtype, i, cls.ffn_name, cls.expert_part_names,
                                   cls.round_router_weights)
                   for i in range(cfg.num_layers)]

@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 
 from executor_svc.loading.model_config import ModelConfig
-from executor_svc.models.llama import LlamaAttention, LlamaForCausalLM
-from executor_svc.models.moe import MoeModelMixin
+from executor_svc.models.llama import LlamaAttention
+from executor_svc.models.moe import MoeForCausalLM
 from executor_svc.step.attention import AttentionBackend
 
 
-class Qwen2MoeForCausalLM(MoeModelMixin, LlamaForCausalLM):
+class Qwen2MoeForCausalLM(MoeForCausalLM):
     @classmethod
     def make_attention(cls, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
                        layer_idx: int) -> LlamaAttention:

@@ -5,10 +5,9 @@ mlp_only_layers and off the decoder_sparse_step (models/moe.py)."""
 
 from __future__ import annotations
 
-from executor_svc.models.llama import LlamaForCausalLM
-from executor_svc.models.moe import MoeModelMixin
+from executor_svc.models.moe import MoeForCausalLM
 from executor_svc.models.qwen3 import Qwen3Attention
 
 
-class Qwen3MoeForCausalLM(MoeModelMixin, LlamaForCausalLM):
+class Qwen3MoeForCausalLM(MoeForCausalLM):
     attention_cls = Qwen3Attention
