@@ -30,7 +30,7 @@ from kernels import twins
 BLOCK_M = 16  # pairs per block: tl.dot's smallest M
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gate_up_kernel(x_ptr, w_ptr, bias_ptr, act_ptr, sorted_ptr, block_expert_ptr,
                         num_pairs, num_experts, top_k, HIDDEN, INTER,
                         stride_xm, stride_we, stride_wn, stride_be, stride_am,
@@ -82,7 +82,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, bias_ptr, act_ptr, sorted_ptr, block_exper
     tl.store(out, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_down_kernel(act_ptr, w_ptr, bias_ptr, topk_weights_ptr, y_ptr, sorted_ptr,
                      block_expert_ptr, num_pairs, num_experts, HIDDEN, INTER,
                      stride_am, stride_we, stride_wn, stride_be, stride_ym,
