@@ -23,33 +23,44 @@ namespace folio_cpu {
 namespace {
 
 constexpr int64_t kMoeTile = 16;  // features per tile
-constexpr int kMoeRows = 4;       // pairs dotted with a weight row at a time
+constexpr int kMoeRows = kV >= 16 ? 4 : 2;  // pairs per pass: 4 weight rows x this many
+                                             // accumulators (16 registers at most)
 
-// sums[r] = <w[0, K), xs[r][0, K)> for r < R (xs fp32 rows), each in the same order whatever R.
-template <typename W, int R>
-inline void dot_rows(const W* w, const float* const* xs, int64_t K, float* sums) {
-  fVec acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = fVec(0.f);
+// sums[i][r] = <ws[i][0, K), xs[r][0, K)> for NR weight rows and R pairs (fp32 rows): NR * R
+// independent accumulator chains (one per dot product: each sums in the same order whatever NR
+// and R), every weight vector widened once and used R times.
+template <typename W, int NR, int R>
+inline void dot_rows(const W* const* ws, const float* const* xs, int64_t K, float* sums) {
+  fVec acc[NR][R];
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = fVec(0.f);
   int64_t k = 0;
   for (; k + kV <= K; k += kV) {
-    const fVec wv = load_f(w + k);
-    for (int r = 0; r < R; ++r) acc[r] = at::vec::fmadd(fVec::loadu(xs[r] + k), wv, acc[r]);
+    fVec xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = fVec::loadu(xs[r] + k);
+    for (int i = 0; i < NR; ++i) {
+      const fVec wv = load_f(ws[i] + k);
+      for (int r = 0; r < R; ++r) acc[i][r] = at::vec::fmadd(xv[r], wv, acc[i][r]);
+    }
   }
-  for (int r = 0; r < R; ++r) {
-    float s = hsum(acc[r]);
-    for (int64_t j = k; j < K; ++j) s += static_cast<float>(w[j]) * xs[r][j];
-    sums[r] = s;
-  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < R; ++r) {
+      float s = hsum(acc[i][r]);
+      for (int64_t j = k; j < K; ++j) s += static_cast<float>(ws[i][j]) * xs[r][j];
+      sums[i * kMoeRows + r] = s;
+    }
 }
 
-template <typename W>
-inline void dot_any(int rows, const W* w, const float* const* xs, int64_t K, float* sums) {
+template <typename W, int NR>
+inline void dot_any(int rows, const W* const* ws, const float* const* xs, int64_t K,
+                    float* sums) {
   switch (rows) {
-    case 1: return dot_rows<W, 1>(w, xs, K, sums);
-    case 2: return dot_rows<W, 2>(w, xs, K, sums);
-    case 3: return dot_rows<W, 3>(w, xs, K, sums);
-    default: return dot_rows<W, 4>(w, xs, K, sums);
+    case 1: return dot_rows<W, NR, 1>(ws, xs, K, sums);
+    case 2: return dot_rows<W, NR, 2>(ws, xs, K, sums);
+    case 3: if constexpr (kMoeRows >= 3) return dot_rows<W, NR, 3>(ws, xs, K, sums); break;
+    case 4: if constexpr (kMoeRows >= 4) return dot_rows<W, NR, 4>(ws, xs, K, sums); break;
   }
+  TORCH_CHECK(false, "fused_moe: bad row chunk ", rows);
 }
 
 inline float activate(float gate, float up, bool oai, float limit, float alpha) {
@@ -145,36 +156,56 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
     // 1. act[row, j] = act(gate_j . x + b, up_j . x + b) for the expert's rows.
     for_expert_tiles(experts, I, [&](int64_t e, int64_t j0, int64_t width) {
       const int64_t r_begin = start[e], r_end = start[e + 1];
-      for (int64_t j = j0; j < j0 + width; ++j) {
-        const scalar_t* gate_row = w13p + (e * 2 * I + j) * H;
-        const scalar_t* up_row = gate_row + I * H;
-        const float bg = b13 ? static_cast<float>(b13[e * 2 * I + j]) : 0.f;
-        const float bu = b13 ? static_cast<float>(b13[e * 2 * I + I + j]) : 0.f;
+      // Two features at a time: their gate and up rows, four chains per pair.
+      for (int64_t j = j0; j < j0 + width; j += 2) {
+        const int nj = j + 1 < j0 + width ? 2 : 1;
+        const scalar_t* ws[4];
+        for (int i = 0; i < nj; ++i) {
+          ws[2 * i] = w13p + (e * 2 * I + j + i) * H;  // gate row j + i
+          ws[2 * i + 1] = ws[2 * i] + I * H;           // up row j + i
+        }
         for (int64_t r0 = r_begin; r0 < r_end; r0 += kMoeRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kMoeRows, r_end - r0));
           const float* xs[kMoeRows];
           for (int r = 0; r < rows; ++r) xs[r] = xp + (pairs[r0 + r] / K) * H;
-          float g[kMoeRows], u[kMoeRows];
-          dot_any(rows, gate_row, xs, H, g);
-          dot_any(rows, up_row, xs, H, u);
-          for (int r = 0; r < rows; ++r)
-            act[(r0 + r) * I + j] = activate(g[r] + bg, u[r] + bu, oai, limit, alpha);
+          float sums[4 * kMoeRows];
+          if (nj == 2) {
+            dot_any<scalar_t, 4>(rows, ws, xs, H, sums);
+          } else {
+            dot_any<scalar_t, 2>(rows, ws, xs, H, sums);
+          }
+          for (int i = 0; i < nj; ++i) {
+            const float bg = b13 ? static_cast<float>(b13[e * 2 * I + j + i]) : 0.f;
+            const float bu = b13 ? static_cast<float>(b13[e * 2 * I + I + j + i]) : 0.f;
+            for (int r = 0; r < rows; ++r)
+              act[(r0 + r) * I + j + i] =
+                  activate(sums[2 * i * kMoeRows + r] + bg,
+                           sums[(2 * i + 1) * kMoeRows + r] + bu, oai, limit, alpha);
+          }
         }
       }
     });
     // 2. y[row, n] = w2_n . act[row] + b2[n].
     for_expert_tiles(experts, H, [&](int64_t e, int64_t n0, int64_t width) {
       const int64_t r_begin = start[e], r_end = start[e + 1];
-      for (int64_t n = n0; n < n0 + width; ++n) {
-        const scalar_t* row = w2p + (e * H + n) * I;
-        const float b = b2 ? static_cast<float>(b2[e * H + n]) : 0.f;
+      for (int64_t n = n0; n < n0 + width; n += 4) {
+        const int nn = static_cast<int>(std::min<int64_t>(4, n0 + width - n));
+        const scalar_t* ws[4];
+        for (int i = 0; i < nn; ++i) ws[i] = w2p + (e * H + n + i) * I;
         for (int64_t r0 = r_begin; r0 < r_end; r0 += kMoeRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kMoeRows, r_end - r0));
           const float* as[kMoeRows];
           for (int r = 0; r < rows; ++r) as[r] = act.data() + (r0 + r) * I;
-          float s[kMoeRows];
-          dot_any(rows, row, as, I, s);
-          for (int r = 0; r < rows; ++r) y[(r0 + r) * H + n] = s[r] + b;
+          float sums[4 * kMoeRows];
+          if (nn == 4) {
+            dot_any<scalar_t, 4>(rows, ws, as, I, sums);
+          } else {
+            for (int i = 0; i < nn; ++i) dot_any<scalar_t, 1>(rows, ws + i, as, I, sums + i * kMoeRows);
+          }
+          for (int i = 0; i < nn; ++i) {
+            const float b = b2 ? static_cast<float>(b2[e * H + n + i]) : 0.f;
+            for (int r = 0; r < rows; ++r) y[(r0 + r) * H + n + i] = sums[i * kMoeRows + r] + b;
+          }
         }
       }
     });
