@@ -537,10 +537,25 @@ w8a16_linear = twins.w8a16_linear
 group_quant_linear = twins.group_quant_linear
 
 
-# Tokens up to which fused_moe takes the fused kernel (kernels/csrc/fused_moe.cpp): its row dot
-# products stream each touched expert's weights once per step, the decode regime; past it the
-# torch path's one oneDNN matmul per touched expert and projection does more arithmetic per byte.
+# When fused_moe takes the fused kernel (kernels/csrc/fused_moe.cpp): decode batches of up to
+# FUSED_MOE_MAX_TOKENS tokens. Its row dot products stream each touched expert's weights once
+# per step; with native bf16 matmuls (oneDNN's bf16 dot products do twice the arithmetic per
+# instruction of the kernel's fp32 FMAs), only while the experts average at most
+# FUSED_MOE_BF16_PAIRS (token, slot) pairs each. Measured on the 2-core AVX512-BF16 EPYC
+# (bench/results/2026-11-28-cpu-fused-moe.md): fp32 fused 1.3-3x the torch path from 16 to 128
+# tokens (Qwen3-30B-A3B's and a small layer's shapes); bf16 2x at 4 pairs per expert, 0.85x at
+# 8, 0.55x at 16.
 FUSED_MOE_MAX_TOKENS = 64
+FUSED_MOE_BF16_PAIRS = 4
+
+
+def _fused_moe_takes(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> bool:
+    if num_tokens > FUSED_MOE_MAX_TOKENS:
+        return False
+    return (compute_dtype(dtype) == torch.float32
+            or num_tokens * top_k <= FUSED_MOE_BF16_PAIRS * num_experts)
+
+
 _MOE_ACTIVATION_IDS = {"silu": 0, "swigluoai": 1}
 
 
@@ -558,14 +573,16 @@ def fused_moe(
     swiglu_alpha: float = 1.702,
 ) -> torch.Tensor:  # [num_tokens, hidden] in x's dtype
     """twins.fused_moe, reading only the experts the step touches. Decode batches (up to
-    FUSED_MOE_MAX_TOKENS tokens) run the fused kernel: pairs sorted by expert, each touched
+    FUSED_MOE_MAX_TOKENS tokens; bf16 with native matmuls: few pairs per expert) run the fused
+    kernel: pairs sorted by expert, each touched
     expert's rows streamed once, the activation fused, fp32 throughout, the weighted sum over
     a token's slots in slot order; batch and thread invariant. Larger batches, or without the
     kernel, `_fused_moe_grouped`."""
     assert activation in twins.MOE_ACTIVATIONS, f"activation is one of {twins.MOE_ACTIVATIONS}"
     ops = fused_kernels()
     dtype = x.dtype
-    if (ops is not None and x.shape[0] <= FUSED_MOE_MAX_TOKENS and x.stride(-1) == 1
+    if (ops is not None and x.stride(-1) == 1
+            and _fused_moe_takes(x.shape[0], topk_ids.shape[1], w13.shape[0], dtype)
             and w13.dtype == dtype and w2.dtype == dtype and dtype in _FUSED_DTYPES
             and w13.is_contiguous() and w2.is_contiguous()
             and all(b is None or (b.dtype == dtype and b.is_contiguous())

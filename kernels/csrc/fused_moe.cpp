@@ -23,6 +23,7 @@ namespace folio_cpu {
 namespace {
 
 constexpr int64_t kMoeTile = 16;  // features per tile
+constexpr int64_t kPrefetchBytes = 512;  // how far ahead each weight row is prefetched
 constexpr int kMoeRows = kV >= 16 ? 4 : 2;  // pairs per pass: 4 weight rows x this many
                                              // accumulators (16 registers at most)
 
@@ -39,6 +40,7 @@ inline void dot_rows(const W* const* ws, const float* const* xs, int64_t K, floa
     fVec xv[R];
     for (int r = 0; r < R; ++r) xv[r] = fVec::loadu(xs[r] + k);
     for (int i = 0; i < NR; ++i) {
+      __builtin_prefetch(ws[i] + k + kPrefetchBytes / sizeof(W));
       const fVec wv = load_f(ws[i] + k);
       for (int r = 0; r < R; ++r) acc[i][r] = at::vec::fmadd(xv[r], wv, acc[i][r]);
     }
@@ -61,6 +63,14 @@ inline void dot_any(int rows, const W* const* ws, const float* const* xs, int64_
     case 4: if constexpr (kMoeRows >= 4) return dot_rows<W, NR, 4>(ws, xs, K, sums); break;
   }
   TORCH_CHECK(false, "fused_moe: bad row chunk ", rows);
+}
+
+// NR (8) weight rows against one or two pairs: 8 or 16 chains.
+template <typename W, int NR>
+inline void dot_few(int rows, const W* const* ws, const float* const* xs, int64_t K,
+                    float* sums) {
+  if (rows == 1) return dot_rows<W, NR, 1>(ws, xs, K, sums);
+  dot_rows<W, NR, 2>(ws, xs, K, sums);
 }
 
 inline float activate(float gate, float up, bool oai, float limit, float alpha) {
@@ -156,10 +166,11 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
     // 1. act[row, j] = act(gate_j . x + b, up_j . x + b) for the expert's rows.
     for_expert_tiles(experts, I, [&](int64_t e, int64_t j0, int64_t width) {
       const int64_t r_begin = start[e], r_end = start[e + 1];
-      // Two features at a time: their gate and up rows, four chains per pair.
-      for (int64_t j = j0; j < j0 + width; j += 2) {
-        const int nj = j + 1 < j0 + width ? 2 : 1;
-        const scalar_t* ws[4];
+      // Two features at a time (four for one or two pairs): their gate and up rows.
+      const bool few = r_end - r_begin <= 2;
+      for (int64_t j = j0; j < j0 + width;) {
+        const int nj = few && j + 3 < j0 + width ? 4 : (j + 1 < j0 + width ? 2 : 1);
+        const scalar_t* ws[8];
         for (int i = 0; i < nj; ++i) {
           ws[2 * i] = w13p + (e * 2 * I + j + i) * H;  // gate row j + i
           ws[2 * i + 1] = ws[2 * i] + I * H;           // up row j + i
@@ -168,8 +179,10 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
           const int rows = static_cast<int>(std::min<int64_t>(kMoeRows, r_end - r0));
           const float* xs[kMoeRows];
           for (int r = 0; r < rows; ++r) xs[r] = xp + (pairs[r0 + r] / K) * H;
-          float sums[4 * kMoeRows];
-          if (nj == 2) {
+          float sums[8 * kMoeRows];
+          if (nj == 4) {
+            dot_few<scalar_t, 8>(rows, ws, xs, H, sums);
+          } else if (nj == 2) {
             dot_any<scalar_t, 4>(rows, ws, xs, H, sums);
           } else {
             dot_any<scalar_t, 2>(rows, ws, xs, H, sums);
@@ -183,21 +196,25 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
                            sums[(2 * i + 1) * kMoeRows + r] + bu, oai, limit, alpha);
           }
         }
+        j += nj;
       }
     });
     // 2. y[row, n] = w2_n . act[row] + b2[n].
     for_expert_tiles(experts, H, [&](int64_t e, int64_t n0, int64_t width) {
       const int64_t r_begin = start[e], r_end = start[e + 1];
-      for (int64_t n = n0; n < n0 + width; n += 4) {
-        const int nn = static_cast<int>(std::min<int64_t>(4, n0 + width - n));
-        const scalar_t* ws[4];
+      const bool few = r_end - r_begin <= 2;
+      for (int64_t n = n0; n < n0 + width;) {
+        const int nn = static_cast<int>(std::min<int64_t>(few ? 8 : 4, n0 + width - n));
+        const scalar_t* ws[8];
         for (int i = 0; i < nn; ++i) ws[i] = w2p + (e * H + n + i) * I;
         for (int64_t r0 = r_begin; r0 < r_end; r0 += kMoeRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kMoeRows, r_end - r0));
           const float* as[kMoeRows];
           for (int r = 0; r < rows; ++r) as[r] = act.data() + (r0 + r) * I;
-          float sums[4 * kMoeRows];
-          if (nn == 4) {
+          float sums[8 * kMoeRows];
+          if (nn == 8) {
+            dot_few<scalar_t, 8>(rows, ws, as, I, sums);
+          } else if (nn == 4) {
             dot_any<scalar_t, 4>(rows, ws, as, I, sums);
           } else {
             for (int i = 0; i < nn; ++i) dot_any<scalar_t, 1>(rows, ws + i, as, I, sums + i * kMoeRows);
@@ -207,6 +224,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
             for (int r = 0; r < rows; ++r) y[(r0 + r) * H + n + i] = sums[i * kMoeRows + r] + b;
           }
         }
+        n += nn;
       }
     });
     // 3. out[t] = sum over slots, in slot order, of weight * y, rounded once.

@@ -44,7 +44,7 @@ def cpu_moe(request, monkeypatch):
     if request.param == "fused":
         if cpu.fused_kernels() is None:
             pytest.skip("the fused CPU kernels did not build here")
-        monkeypatch.setattr(cpu, "FUSED_MOE_MAX_TOKENS", 1 << 30)
+        monkeypatch.setattr(cpu, "_fused_moe_takes", lambda *args: True)
     else:
         monkeypatch.setattr(cpu, "fused_kernels", lambda: None)
     return cpu.fused_moe
@@ -110,14 +110,29 @@ def test_cpu_decode_batches_take_the_fused_kernel(monkeypatch):
         pytest.skip("the fused CPU kernels did not build here")
     called = []
     monkeypatch.setattr(cpu, "_fused_moe_grouped", lambda *a: called.append(a))
-    x, weights, topk_weights, topk_ids = _case(8, 32, 24, 2, cpu.FUSED_MOE_MAX_TOKENS,
-                                               torch.bfloat16, False)
+    monkeypatch.setattr(cpu, "compute_dtype", lambda dtype: torch.bfloat16)  # native bf16
+    limit = cpu.FUSED_MOE_MAX_TOKENS
+    for num_tokens, top_k, num_experts, fused in [
+            (limit, 2, 8, False), (limit, 2, 64, True), (limit + 1, 2, 128, False),
+            (16, 2, 8, True), (17, 2, 8, False), (1, 8, 128, True)]:
+        called.clear()
+        x, weights, topk_weights, topk_ids = _case(num_experts, 32, 16, top_k, num_tokens,
+                                                   torch.bfloat16, False)
+        cpu.fused_moe(x, weights["w13"], weights["w2"], topk_weights, topk_ids)
+        assert bool(called) != fused, (num_tokens, top_k, num_experts)
+    monkeypatch.setattr(cpu, "compute_dtype", lambda dtype: torch.float32)  # fp32 math
+    called.clear()
+    x, weights, topk_weights, topk_ids = _case(8, 32, 16, 2, limit, torch.bfloat16, False)
     cpu.fused_moe(x, weights["w13"], weights["w2"], topk_weights, topk_ids)
-    assert not called
-    x, _, topk_weights, topk_ids = _case(8, 32, 24, 2, cpu.FUSED_MOE_MAX_TOKENS + 1,
-                                         torch.bfloat16, False)
-    cpu.fused_moe(x, weights["w13"], weights["w2"], topk_weights, topk_ids)
-    assert called
+    assert not called  # 16 pairs per expert: the fused kernel all the same
+
+
+def _fused(x, weights, topk_weights, topk_ids, activation="silu"):
+    """The fused kernel itself, whatever fused_moe would choose."""
+    return cpu.fused_kernels().fused_moe(x, weights["w13"], weights["w2"], topk_weights,
+                                         topk_ids, weights.get("w13_bias"),
+                                         weights.get("w2_bias"), ("silu", "swigluoai").index(activation),
+                                         7.0, 1.702)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -128,23 +143,19 @@ def test_cpu_fused_is_batch_and_thread_invariant(dtype, activation):
     if cpu.fused_kernels() is None:
         pytest.skip("the fused CPU kernels did not build here")
     x, weights, topk_weights, topk_ids = _case(8, 72, 40, 3, 11, dtype, True, only=1, seed=9)
-    options = dict(activation=activation, **_biases(weights))
-    together = cpu.fused_moe(x, weights["w13"], weights["w2"], topk_weights, topk_ids, **options)
+    together = _fused(x, weights, topk_weights, topk_ids, activation)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one_thread = cpu.fused_moe(x, weights["w13"], weights["w2"], topk_weights, topk_ids,
-                                   **options)
+        one_thread = _fused(x, weights, topk_weights, topk_ids, activation)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(together, one_thread)
     for t in range(x.shape[0]):
-        alone = cpu.fused_moe(x[t:t + 1], weights["w13"], weights["w2"], topk_weights[t:t + 1],
-                              topk_ids[t:t + 1], **options)
+        alone = _fused(x[t:t + 1], weights, topk_weights[t:t + 1], topk_ids[t:t + 1], activation)
         assert torch.equal(alone, together[t:t + 1])
     rows = [3, 0, 7]
-    some = cpu.fused_moe(x[rows], weights["w13"], weights["w2"], topk_weights[rows],
-                         topk_ids[rows], **options)
+    some = _fused(x[rows], weights, topk_weights[rows], topk_ids[rows], activation)
     assert torch.equal(some, together[rows])
 
 
