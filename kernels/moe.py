@@ -3,7 +3,7 @@
 out[t] = sum_s w[t, s] * (w2[e] @ act(w13[e] @ x[t] + b13[e]) + b2[e]), e = ids[t, s]; the torch
 twin (kernels/twins.py fused_moe) is the oracle.
 
-1. Align (torch ops on the device, no host sync): the T * k (token, slot) pairs are sorted by
+1. Align (torch ops on the device, no host sync, so a CUDA graph can hold it): the T * k (token, slot) pairs are sorted by
    expert (stable) and laid out in BLOCK_M-row blocks, each expert's run padded to whole
    blocks with the sentinel T * k; `block_expert` names each block's expert (num_experts past
    the last used block: those programs exit). The number of blocks is bounded without reading
@@ -130,12 +130,14 @@ def align_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_
     num_pairs = flat.numel()
     device = flat.device
     num_blocks = -(-num_pairs // block_m) + min(num_experts, num_pairs)
-    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]  # [E]
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(counts, 0)
-    padded_ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)  # pairs by expert, token order within one
     expert_of = flat[order]
+    # Each expert's end in the sorted pairs (bincount would read its max on the host).
+    experts = torch.arange(num_experts, device=device, dtype=flat.dtype)
+    ends = torch.searchsorted(expert_of, experts, right=True)  # [E]
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = torch.cumsum(padded, 0)
     rank = torch.arange(num_pairs, device=device) - (ends - counts)[expert_of]
     dest = (padded_ends - padded)[expert_of] + rank
     sorted_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
