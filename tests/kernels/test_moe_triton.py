@@ -98,3 +98,16 @@ def test_triton_qwen3_moe_size_gpu(num_tokens):
     out = triton_ops.fused_moe(x, weights["w13"], weights["w2"], topk_weights, topk_ids)
     twin = twins.fused_moe(x, weights["w13"], weights["w2"], topk_weights, topk_ids)
     torch.testing.assert_close(out.float(), twin.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_triton_int32_ids_and_strided_x(triton_ops, device, tolerance):
+    x, weights, topk_weights, topk_ids = _case((8, 32, 24, 2, 6, None), torch.float32, True,
+                                               device, seed=12)
+    wide = torch.randn(6, 50, device=device)
+    wide[:, 3:35] = x
+    biases = {k: v for k, v in weights.items() if k.endswith("bias")}
+    out = triton_ops.fused_moe(wide[:, 3:35], weights["w13"], weights["w2"], topk_weights,
+                               topk_ids.int(), **biases)
+    twin = twins.fused_moe(x, weights["w13"], weights["w2"], topk_weights, topk_ids, **biases)
+    torch.testing.assert_close(out, twin, atol=tolerance[torch.float32],
+                               rtol=tolerance[torch.float32])
