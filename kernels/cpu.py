@@ -537,7 +537,95 @@ w8a16_linear = twins.w8a16_linear
 group_quant_linear = twins.group_quant_linear
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, **options) -> torch.Tensor:
-    """The twin's expert loop: each expert a step touches runs once on its tokens."""
-    return twins.fused_moe(x, w13, w2, topk_weights, topk_ids, **options)
+# When fused_moe takes the fused kernel (kernels/csrc/fused_moe.cpp): decode batches of up to
+# FUSED_MOE_MAX_TOKENS tokens. Its row dot products stream each touched expert's weights once
+# per step; with native bf16 matmuls (oneDNN's bf16 dot products do twice the arithmetic per
+# instruction of the kernel's fp32 FMAs), only while the experts average at most
+# FUSED_MOE_BF16_PAIRS (token, slot) pairs each. Measured on the 2-core AVX512-BF16 EPYC
+# (bench/results/2026-11-28-cpu-fused-moe.md): fp32 fused 1.3-3x the torch path from 16 to 128
+# tokens (Qwen3-30B-A3B's and a small layer's shapes); bf16 2x at 4 pairs per expert, 0.85x at
+# 8, 0.55x at 16.
+FUSED_MOE_MAX_TOKENS = 64
+FUSED_MOE_BF16_PAIRS = 4
+
+
+def _fused_moe_takes(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> bool:
+    if num_tokens > FUSED_MOE_MAX_TOKENS:
+        return False
+    return (compute_dtype(dtype) == torch.float32
+            or num_tokens * top_k <= FUSED_MOE_BF16_PAIRS * num_experts)
+
+
+_MOE_ACTIVATION_IDS = {"silu": 0, "swigluoai": 1}
+
+
+def fused_moe(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]: gate rows, then up rows
+    w2: torch.Tensor,  # [num_experts, hidden, intermediate]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int
+    *,
+    w13_bias: torch.Tensor | None = None,  # [num_experts, 2 * intermediate]
+    w2_bias: torch.Tensor | None = None,  # [num_experts, hidden]
+    activation: str = "silu",
+    swiglu_limit: float = 7.0,
+    swiglu_alpha: float = 1.702,
+) -> torch.Tensor:  # [num_tokens, hidden] in x's dtype
+    """twins.fused_moe, reading only the experts the step touches. Decode batches (up to
+    FUSED_MOE_MAX_TOKENS tokens; bf16 with native matmuls: few pairs per expert) run the fused
+    kernel: pairs sorted by expert, each touched
+    expert's rows streamed once, the activation fused, fp32 throughout, the weighted sum over
+    a token's slots in slot order; batch and thread invariant. Larger batches, or without the
+    kernel, `_fused_moe_grouped`."""
+    assert activation in twins.MOE_ACTIVATIONS, f"activation is one of {twins.MOE_ACTIVATIONS}"
+    ops = fused_kernels()
+    dtype = x.dtype
+    if (ops is not None and x.stride(-1) == 1
+            and _fused_moe_takes(x.shape[0], topk_ids.shape[1], w13.shape[0], dtype)
+            and w13.dtype == dtype and w2.dtype == dtype and dtype in _FUSED_DTYPES
+            and w13.is_contiguous() and w2.is_contiguous()
+            and all(b is None or (b.dtype == dtype and b.is_contiguous())
+                    for b in (w13_bias, w2_bias))):
+        return ops.fused_moe(x, w13, w2, topk_weights.float().contiguous(),
+                             topk_ids.long().contiguous(), w13_bias, w2_bias,
+                             _MOE_ACTIVATION_IDS[activation], swiglu_limit, swiglu_alpha)
+    return _fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias,
+                              activation, swiglu_limit, swiglu_alpha)
+
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation,
+                       swiglu_limit, swiglu_alpha) -> torch.Tensor:
+    """Torch ops: the flattened (token, slot) pairs sorted by expert (stable), one gather of
+    their rows, then per touched expert one matmul per projection on its contiguous run of
+    rows (in `compute_dtype`; fp32 activation), and one index_add_ of the weighted rows back
+    into token order (sequential on the CPU: deterministic). The matmuls' blocking depends on
+    how many rows an expert gets, so unlike the fused kernel this path is not batch invariant
+    to the bit."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    cdt = compute_dtype(x.dtype)
+    flat = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)  # pairs by expert, token order within one
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    tokens = order // top_k
+    xs = x.index_select(0, tokens).to(cdt)  # [pairs, hidden], sorted
+    ys = torch.empty((flat.numel(), hidden), dtype=torch.float32)
+    start = 0
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        rows = slice(start, start + count)
+        start += count
+        b13 = w13_bias[expert].to(cdt) if w13_bias is not None else None
+        h = F.linear(xs[rows], w13[expert].to(cdt), b13).float()  # [count, 2 * intermediate]
+        a = twins.moe_activation(h, activation, swiglu_limit, swiglu_alpha).to(cdt)
+        b2 = w2_bias[expert].to(cdt) if w2_bias is not None else None
+        ys[rows] = F.linear(a, w2[expert].to(cdt), b2).float()
+    ys.mul_(topk_weights.reshape(-1).float().index_select(0, order)[:, None])
+    out = torch.zeros((num_tokens, hidden), dtype=torch.float32)
+    out.index_add_(0, tokens, ys)
+    return out.to(x.dtype)

@@ -3,7 +3,7 @@
 // Built on first use by kernels/cpu_ext.py (torch.utils.cpp_extension, no pybind) with the
 // vector ISA of the machine it runs on (CPU_CAPABILITY = AVX512, AVX2 or DEFAULT), and checked
 // against the torch twins in tests/kernels/test_cpu_ext.py. The kernels: elementwise.cpp,
-// decode_attention.cpp, prefill_attention.cpp, skinny_linear.cpp, skinny_linear_quant.cpp; shared
+// decode_attention.cpp, prefill_attention.cpp, skinny_linear.cpp, skinny_linear_quant.cpp, fused_moe.cpp; shared
 // helpers and invariants: vec.h (all), skinny.h (the skinny linears).
 
 #include <torch/library.h>
@@ -29,6 +29,13 @@ std::string isa() {
 
 int64_t vector_width() { return kV; }
 
+// fused_moe.cpp
+at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                     const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                     const std::optional<at::Tensor>& w13_bias,
+                     const std::optional<at::Tensor>& w2_bias, int64_t activation,
+                     double swiglu_limit, double swiglu_alpha);
+
 }  // namespace folio_cpu
 
 TORCH_LIBRARY(folio_cpu, m) {
@@ -52,6 +59,9 @@ TORCH_LIBRARY(folio_cpu, m) {
         "int out_features, int group_size) -> Tensor");
   m.def("skinny_linear_f8(Tensor x, Tensor packed, Tensor scale, Tensor? bias, "
         "int out_features) -> Tensor");
+  m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
+        "Tensor? w13_bias, Tensor? w2_bias, int activation, float swiglu_limit, "
+        "float swiglu_alpha) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(folio_cpu, CPU, m) {
@@ -65,4 +75,5 @@ TORCH_LIBRARY_IMPL(folio_cpu, CPU, m) {
   m.impl("skinny_linear_g4", &folio_cpu::skinny_linear_g4);
   m.impl("skinny_linear_g8", &folio_cpu::skinny_linear_g8);
   m.impl("skinny_linear_f8", &folio_cpu::skinny_linear_f8);
+  m.impl("fused_moe", &folio_cpu::fused_moe);
 }

@@ -138,6 +138,7 @@ def main() -> None:
     _quant_linear()
     _group_quant_linear()
     _quant_gemv()
+    _fused_moe()
     print("compiled")
 
 
@@ -210,6 +211,41 @@ def _quant_gemv() -> None:
             case = ("gemv", kind, weight, dtype)
             assert spills == 0, f"{case}: {spills} bytes of spills"
             print(case, f"{regs} registers, {spills} bytes spilled")
+
+
+def _fused_moe() -> None:
+    """fused_moe's two grouped GEMMs (kernels/moe.py) at the launcher's tiles, 16-bit and fp32,
+    with biases and both activations; 16-bit tiles never spill."""
+    import torch
+
+    from kernels import moe
+
+    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16),
+                               ("fp32", torch.float32)):
+        config = moe.launch_config(torch_dtype)
+        options = {key: config.pop(key) for key in ("num_warps", "num_stages")}
+        ieee = dtype == "fp32"
+        for oai in (False, True):
+            pointers = {"x_ptr": "*" + dtype, "w_ptr": "*" + dtype, "bias_ptr": "*" + dtype,
+                        "act_ptr": "*" + dtype, "sorted_ptr": "*i32",
+                        "block_expert_ptr": "*i32"}
+            kernel = _compile(moe._moe_gate_up_kernel, pointers,
+                              dict(config, OAI=oai, HAS_BIAS=True, IEEE=ieee,
+                                   BLOCK_M=moe.BLOCK_M),
+                              floats=["limit", "alpha"], **options)
+            regs, spills = _registers_and_spills(kernel)
+            case = ("moe gate_up", dtype, oai)
+            assert dtype == "fp32" or spills == 0, f"{case}: {spills} bytes of spills"
+            print(case, f"{regs} registers, {spills} bytes spilled")
+        pointers = {"act_ptr": "*" + dtype, "w_ptr": "*" + dtype, "bias_ptr": "*" + dtype,
+                    "topk_weights_ptr": "*fp32", "y_ptr": "*fp32", "sorted_ptr": "*i32",
+                    "block_expert_ptr": "*i32"}
+        kernel = _compile(moe._moe_down_kernel, pointers,
+                          dict(config, HAS_BIAS=True, IEEE=ieee, BLOCK_M=moe.BLOCK_M), **options)
+        regs, spills = _registers_and_spills(kernel)
+        case = ("moe down", dtype)
+        assert dtype == "fp32" or spills == 0, f"{case}: {spills} bytes of spills"
+        print(case, f"{regs} registers, {spills} bytes spilled")
 
 
 def test_kernels_compile_for_sm90():

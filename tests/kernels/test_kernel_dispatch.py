@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Calls all five public kernels on CPU tensors and checks them against the twins.
+# Calls the public kernels on CPU tensors and checks them against the twins.
 CALL_ALL = """
 import sys, torch
 import kernels
@@ -36,6 +36,10 @@ torch.testing.assert_close(q, q2)
 args = (q, k_cache, v_cache, torch.tensor([[0, 1]], dtype=torch.int32),
         torch.tensor([3], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32), 3, 3, 0.2)
 torch.testing.assert_close(kernels.paged_attention(*args), twins.paged_attention(*args))
+w13, w2 = torch.randn(4, 32, 64) / 8, torch.randn(4, 64, 16) / 4
+topk_weights, topk_ids = torch.softmax(torch.randn(4, 2), -1), torch.tensor([[0, 2], [2, 1], [0, 3], [2, 0]])
+torch.testing.assert_close(kernels.fused_moe(x, w13, w2, topk_weights, topk_ids),
+                           twins.fused_moe(x, w13, w2, topk_weights, topk_ids))
 print("triton" in sys.modules, "kernels.triton_ops" in sys.modules)
 """
 
