@@ -111,7 +111,8 @@ def test_config_matches_transformers(arch, tensor_type, converted):
     misread = MISREAD_BY_TRANSFORMERS.get(arch)
     if misread == "head_dim":
         assert ours_facts.head_dim == original["head_dim"]
-        their_facts = dataclasses.replace(their_facts, head_dim=ours_facts.head_dim)
+        their_facts = dataclasses.replace(their_facts, head_dim=ours_facts.head_dim,
+                                          rotary_dim=ours_facts.rotary_dim)
     if misread == "rope":  # the same inverse frequencies as HF's llama3 scaling
         torch.testing.assert_close(inv_freq_for(ours_facts.rope, ours_facts.head_dim),
                                    inv_freq_for(model_facts(original, archs).rope,
