@@ -118,11 +118,14 @@ class GptOssExperts(nn.Module):
     def finish_loading(self) -> None:
         """Checkpoint layout -> fused_moe's: de-interleave gate and up into halves, put the
         output dimension first. One layer at a time, the checkpoint-layout copies freed."""
+        il = self.local_intermediate
         gate_up = self.gate_up_proj.data  # [E, hidden, 2 * il], gate/up interleaved
-        w13 = torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=-1)  # [E, hidden, 2il]
-        w13 = w13.transpose(1, 2).contiguous()  # [E, 2 * il, hidden]
+        # Written in place: one new copy of the weights, no intermediate ones.
+        w13 = gate_up.new_empty((self.num_experts, 2 * il, self.hidden_size))
+        w13[:, :il].copy_(gate_up[..., 0::2].transpose(1, 2))  # gate rows
+        w13[:, il:].copy_(gate_up[..., 1::2].transpose(1, 2))  # up rows
         bias = self.gate_up_proj_bias.data
-        w13_bias = torch.cat([bias[..., 0::2], bias[..., 1::2]], dim=-1).contiguous()
+        w13_bias = torch.cat([bias[..., 0::2], bias[..., 1::2]], dim=-1)
         w2 = self.down_proj.data.transpose(1, 2).contiguous()  # [E, hidden, il]
         w2_bias = self.down_proj_bias.data
         for name in EXPERT_TENSORS:
