@@ -74,6 +74,29 @@ def test_sinks_matter_and_load_as_fp32(checkpoint_cache):
     assert (_prefill_logits(runner) - expected).abs().max() > 1e-2
 
 
+def test_rope_table_matches_gpt_oss_rotary_embedding():
+    """gpt-oss's YaRN (theta 150000, factor 32, beta 32/1, truncate false: the correction
+    range is not rounded) at head_dim 64 against HF's GptOssRotaryEmbedding, every position
+    of the scaled context (an original context of 64 here rather than 4096)."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    from executor_svc.models.rope import build_cos_sin_cache
+
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}
+    fields = {**_CONFIG, "head_dim": 64, "max_position_embeddings": 64 * 32,
+              "rope_parameters": rope}
+    cfg = ModelConfig.from_dict(fields)
+    max_len = cfg.rope.max_position(cfg.max_position_embeddings)
+    assert max_len == 2048
+    table = build_cos_sin_cache(cfg.rope, cfg.rotary_dim, max_len)
+    hf_cfg = GptOssConfig(**{k: v for k, v in fields.items() if k != "architectures"})
+    cos, sin = GptOssRotaryEmbedding(hf_cfg)(torch.zeros(1, dtype=torch.float32),
+                                             torch.arange(max_len)[None])
+    torch.testing.assert_close(table, torch.cat([cos[0], sin[0]], dim=-1), atol=1e-6, rtol=0)
+
+
 def test_router_matches_hf():
     """Top-k of the biased logits, then a softmax over those k, ties as torch.topk breaks
     them (experts 1-3 tie on the first rows)."""
