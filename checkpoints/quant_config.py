@@ -88,6 +88,11 @@ def checkpoint_quant_config(config_json: dict[str, Any]) -> QuantConfig | None:
         return _int4_config(method, qc)
     if method == "gguf":
         return _gguf_quant_config(qc)
+    if method == "mxfp4":  # how gpt-oss ships its experts
+        raise ValueError("quantization_config.quant_method 'mxfp4' (MXFP4 expert weights) is "
+                         "not supported; serve a bf16 copy of the checkpoint (transformers: "
+                         "from_pretrained with Mxfp4Config(dequantize=True), then "
+                         "save_pretrained)")
     if method != "fp8":
         raise ValueError(unsupported(method))
     if qc.get("weight_block_size") is not None:

@@ -134,7 +134,8 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
 
         warm_attention(*kv_cache.per_layer()[0], model_cfg.num_heads // tp_size(),
                        cfg.max_num_batched_tokens,  # this rank's q heads
-                       softcap=model_cfg.attn_logit_softcapping > 0)
+                       softcap=model_cfg.attn_logit_softcapping > 0,
+                       sinks=getattr(model, "has_sinks", False))
     num_swap_blocks = all_reduce_min(
         num_swap_blocks_for(cfg.swap_space, bytes_per_block(model_cfg, cfg.block_size, dtype)),
         device)

@@ -45,7 +45,14 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                           "final_logit_softcapping": 30.0},
     "Gemma3ForCausalLM": {**_GEMMA_DEFAULTS, "rope_theta": 1_000_000.0,
                           "rope_local_base_freq": 10_000.0, "sliding_window_pattern": 6},
+    "GptOssForCausalLM": {"attention_bias": True, "head_dim": 64, "rope_theta": 150_000.0,
+                          "sliding_window": 128, "rms_norm_eps": 1e-5,
+                          "swiglu_limit": 7.0, "swiglu_alpha": 1.702},
 }
+# GptOssConfig's RoPE when a config.json states none (neither rope_parameters nor rope_scaling).
+_GPT_OSS_ROPE: dict[str, Any] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "truncate": False,
+                                 "original_max_position_embeddings": 4096}
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,9 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1
     decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not one of these (dense MLP)
+    # gpt-oss's clamped SwiGLU ("swigluoai", kernels.fused_moe): the clamp and sigmoid gain.
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         # Relations between sizes; each size alone was checked where it was read.
@@ -151,6 +161,9 @@ class ModelConfig:
         if not isinstance(archs, list) or not isinstance(archs[0], str):
             raise ValueError(f"architectures must be a list of class names, got {archs!r}")
         d = {**_FAMILY_DEFAULTS.get(archs[0], {}), **d}  # a written null stays null
+        if (archs[0] == "GptOssForCausalLM" and d.get("rope_parameters") is None
+                and d.get("rope_scaling") is None):
+            d["rope_parameters"] = dict(_GPT_OSS_ROPE)
         if _bool(d, "use_bidirectional_attention"):  # Gemma-based embedding models
             raise ValueError("use_bidirectional_attention is set: Folio serves causal "
                              "decoders only")
@@ -224,12 +237,12 @@ def _layer_windows(d: dict[str, Any], arch: str, num_layers: int) -> tuple[int, 
     - Mistral: ``sliding_window`` on every layer (layer_types, if any, is ignored as HF does).
     - Qwen2/Qwen3: only with ``use_sliding_window``; then ``layer_types`` or, without it, the
       layers from ``max_window_layers`` on slide.
-    - Gemma 2: ``layer_types`` or alternation, even layers sliding (0, 2, ...).
+    - Gemma 2, gpt-oss: ``layer_types`` or alternation, even layers sliding (0, 2, ...).
     - Gemma 3: ``layer_types`` or ``sliding_window_pattern`` (every pattern-th layer full).
     - Llama: none (HF's Llama reads neither field; a GGUF-converted Mistral is a Llama).
     - Phi-3: ``sliding_window`` on every layer, except that a window past the context (the
       128k configs state 262144 over 131072 positions) is full attention, as HF's mask makes it.
-    - any other: ``layer_types`` if given (gpt-oss), else ``sliding_window`` on every layer.
+    - any other: ``layer_types`` if given, else ``sliding_window`` on every layer.
     """
     if arch == "LlamaForCausalLM":
         return (0,) * num_layers
@@ -260,7 +273,7 @@ def _layer_windows(d: dict[str, Any], arch: str, num_layers: int) -> tuple[int, 
         if not isinstance(first, int) or isinstance(first, bool) or first < 0:
             raise ValueError(f"max_window_layers must be a non-negative integer, got {first!r}")
         sliding = [i >= first for i in range(num_layers)]
-    elif arch == "Gemma2ForCausalLM":
+    elif arch in ("Gemma2ForCausalLM", "GptOssForCausalLM"):
         sliding = [i % 2 == 0 for i in range(num_layers)]
     elif arch == "Gemma3ForCausalLM":
         pattern = _int(d, "sliding_window_pattern", 6)
@@ -275,7 +288,8 @@ def _layer_windows(d: dict[str, Any], arch: str, num_layers: int) -> tuple[int, 
 
 # Mixture-of-experts families: Mixtral names its expert count num_local_experts, the Qwen MoE
 # families num_experts (transformers 5 may write either for Qwen3-MoE).
-MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+             "GptOssForCausalLM")
 # The routers Folio implements: softmax over every expert's logit, then greedy top-k. A config
 # that states another scoring or selection (DeepSeek's sigmoid, grouped top-k) is refused.
 _ROUTER_FIELDS = {"scoring_func": ("softmax",), "topk_method": ("greedy",),
@@ -296,7 +310,8 @@ def _moe_fields(d: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]
     counts = {key: _int(d, key) for key in ("num_experts", "num_local_experts")
               if d.get(key) is not None}
     if not counts:
-        raise ValueError("lacks the field 'num_local_experts'" if arch == "MixtralForCausalLM"
+        raise ValueError("lacks the field 'num_local_experts'"
+                         if arch in ("MixtralForCausalLM", "GptOssForCausalLM")
                          else "lacks the field 'num_experts'")
     if len(set(counts.values())) > 1:
         raise ValueError(f"num_experts ({counts['num_experts']}) and num_local_experts "
@@ -309,6 +324,11 @@ def _moe_fields(d: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]
     if arch == "MixtralForCausalLM":  # experts of intermediate_size; always renormalised
         return dict(num_experts=num_experts, num_experts_per_tok=top_k,
                     moe_intermediate_size=_int(d, "intermediate_size"), norm_topk_prob=True)
+    if arch == "GptOssForCausalLM":  # experts of intermediate_size; softmax over the top k
+        return dict(num_experts=num_experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=_int(d, "intermediate_size"), norm_topk_prob=True,
+                    swiglu_limit=_float(d, "swiglu_limit", 7.0),
+                    swiglu_alpha=_float(d, "swiglu_alpha", 1.702))
     only = d.get("mlp_only_layers") or []
     if not isinstance(only, list) or any(
             not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers

@@ -10,6 +10,7 @@ from torch import nn
 _REGISTRY: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("executor_svc.models.gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("executor_svc.models.gemma3", "Gemma3ForCausalLM"),
+    "GptOssForCausalLM": ("executor_svc.models.gpt_oss", "GptOssForCausalLM"),
     "LlamaForCausalLM": ("executor_svc.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("executor_svc.models.mistral", "MistralForCausalLM"),
     "MixtralForCausalLM": ("executor_svc.models.mixtral", "MixtralForCausalLM"),

@@ -70,6 +70,11 @@ class LlamaAttention(nn.Module):
         """Hook for families that normalise q and k per head before RoPE (Qwen3)."""
         return q, k
 
+    def attention_sinks(self) -> torch.Tensor | None:
+        """Hook for families with attention sinks (gpt-oss): this rank's heads' sink logits,
+        [num_heads] fp32, handed to the backend; None: no sinks."""
+        return None
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: BatchMetadata,
                 cos_sin_cache: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
@@ -86,7 +91,8 @@ class LlamaAttention(nn.Module):
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache,
                                    batch.for_group(self.kv_group), self.scale,
-                                   window=self.window, softcap=self.softcap)
+                                   window=self.window, softcap=self.softcap,
+                                   sinks=self.attention_sinks())
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 

@@ -79,8 +79,17 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
         num_hidden_layers=3, head_dim=32, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
         tie_word_embeddings=True)),
+    # gpt-oss: 4 experts, top-2 (top-k of the logits, then a softmax over those), biased
+    # experts with the clamped SwiGLU (a limit low enough to clamp), attention sinks, layers
+    # alternating a 16-token window and full attention, YaRN over an original context of 64.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_hidden_layers=4, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=16, swiglu_limit=1.5, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0,
+                             beta_slow=1.0, truncate=False,
+                             original_max_position_embeddings=64))),
 }
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 
 
 def make_hf_model(arch: str, **overrides):
@@ -105,7 +114,22 @@ def make_hf_model(arch: str, **overrides):
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     if arch.startswith("gemma"):
         randomize_gemma_norms(model)
+    if arch == "gpt_oss":
+        randomize_gpt_oss(model)
     return model
+
+
+def randomize_gpt_oss(model) -> None:
+    """HF inits gpt-oss's biases at zero and its sinks near it; give them values so a dropped
+    bias, a lost sink or a sink of the wrong head would show."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn, experts = layer.self_attn, layer.mlp.experts
+            attn.sinks.normal_(0, 1.0)
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+                proj.bias.normal_(0, 0.3)
+            experts.gate_up_proj_bias.normal_(0, 0.5)
+            experts.down_proj_bias.normal_(0, 0.3)
 
 
 def randomize_gemma_norms(model) -> None:

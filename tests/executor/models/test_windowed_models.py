@@ -1,7 +1,8 @@
 """Sliding-window families against HF transformers with prompts far longer than their windows
-(8..12 tokens): Mistral (every layer), Qwen2 (layers from max_window_layers on), Gemma 2
-(alternating, softcapped) and Gemma 3 (two sliding layers per full one, a local RoPE base and a
-scaled global RoPE). fp32 on the CPU, through the paged KV cache and real step plans."""
+(8..16 tokens): Mistral (every layer), Qwen2 (layers from max_window_layers on), Gemma 2
+(alternating, softcapped), Gemma 3 (two sliding layers per full one, a local RoPE base and a
+scaled global RoPE) and gpt-oss (alternating, attention sinks, YaRN over an original context
+of 64 that the prompts cross). fp32 on the CPU, through the paged KV cache and real step plans."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from tests.executor.harness import PlanDriver, hf_greedy, make_runner
 
-WINDOWED = ["mistral", "qwen2_window", "gemma2", "gemma3"]
+WINDOWED = ["mistral", "qwen2_window", "gemma2", "gemma3", "gpt_oss"]
 NUM_BLOCKS = 240  # block size 4: room for every prompt below and its continuation
 _rng = random.Random(7)
 PROMPTS = [[_rng.randrange(300) for _ in range(n)] for n in (131, 100, 37, 1)]
