@@ -37,8 +37,9 @@ API (each call all-or-nothing: None or an exception changes nothing):
   fresh copy and `Allocation.copies` holds (src, dst) for the plan's `block_copies`.
 - `num_blocks_needed(seq, num_tokens)`: free blocks `allocate` would take (copies included);
   `num_blocks_needed_many` sums it over many sequences.
-- `release_outside_windows(seq, num_computed)`: free the windowed groups' blocks no query from
-  position num_computed on can see. Returns how many blocks became free.
+- `release_outside_windows(seq, num_computed, offered_only)`: free the windowed groups' blocks
+  no query from position num_computed on can see (with prefix caching, only those already
+  offered to the cache, so they stay hits). Returns how many blocks became free.
 - `fork(parent, child)`: the child's table is the parent's; every block's ref count +1. The
   first of them to write into a shared, partly filled last block gets the copy.
 - `cache_blocks(seq, keys)`: offer the table's leading full, computed positions to the prefix
@@ -252,15 +253,21 @@ class BlockManager:
             self._num_tokens[seq_id] = num_tokens
         return Allocation(new_block_ids, tuple(copies))
 
-    def release_outside_windows(self, seq_id: str, num_computed: int) -> int:
+    def release_outside_windows(self, seq_id: str, num_computed: int,
+                                offered_only: bool = False) -> int:
         """Release the windowed groups' blocks that no query at position >= num_computed -
-        margin can see (wholly below its window). Returns how many blocks became free."""
+        margin can see (wholly below its window). `offered_only` (prefix caching): only
+        positions already offered to the cache, so a block leaves keyed (evictable, a later
+        request's hit) rather than unkeyed before its step's result has come back. Returns how
+        many blocks became free."""
         if not self._windowed or (table := self.block_tables.get(seq_id)) is None:
             return 0
         G, bs, released = self.num_groups, self.block_size, 0
         start = self._released_to.get(seq_id, 0)
         first_query = max(0, num_computed - self.window_margin)
         last = len(table) // G - 1  # the newest position always stays
+        if offered_only:
+            last = min(last, self._num_offered.get(seq_id, 0))
         end = last
         for g, w in self._windowed:
             # Positions below group_end are wholly out of the window of every query to come.

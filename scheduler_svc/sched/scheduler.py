@@ -142,6 +142,8 @@ class Scheduler:
         if overlapping and (self.num_speculative_tokens or queues.has_beam_search()):
             return None
         step = _Step(budget=self.max_num_batched_tokens)
+        if self.block_manager.windowed:  # before counting what the running requests need
+            self._release_outside_windows()
         # 1-2. Running requests get their tokens: decodes first, then prompt chunks.
         wants = self._budget_running(step)
         num_needed = self._num_blocks_needed(wants, step.lookahead)
@@ -330,8 +332,6 @@ class Scheduler:
         """Blocks for each running request's tokens (there are enough: `_make_room`), and its
         plan entry (a loop over every running request at every step)."""
         allocate, held = self.block_manager.allocate, self.executor_view.held_req_ids
-        release = self.block_manager.release_outside_windows if self.block_manager.windowed \
-            else None
         cached_reqs = step.cached_reqs
         lookahead, max_len = step.lookahead, self.max_model_len
         for req, num_new in wants:
@@ -339,8 +339,6 @@ class Scheduler:
             alloc = allocate(req.req_id, min(num_computed + num_new + lookahead.get(req.req_id, 0),
                                              max_len))
             assert alloc is not None, "make_room left too few blocks"
-            if release is not None:  # this step's queries see no key below their windows
-                self.counters.num_window_released_blocks += release(req.req_id, num_computed)
             if alloc.copies:
                 step.block_copies.extend(alloc.copies)
             drafts = step.drafts.get(req.req_id, [])
@@ -357,6 +355,16 @@ class Scheduler:
                 num_new -= len(drafts)  # a NewRequest proposes nothing
                 step.new_reqs.append(self._new_request(req, num_new))
             self._advance(req, num_new)  # budget: taken in _budget_running
+
+    def _release_outside_windows(self) -> None:
+        """Every running request's next queries start at its computed count: the windowed
+        groups' blocks below their windows go back to the pool (with prefix caching, once
+        offered to the cache, so they stay hits until evicted)."""
+        release, caching = self.block_manager.release_outside_windows, self.enable_prefix_caching
+        released = 0
+        for req in self.queues.running:
+            released += release(req.req_id, req.num_computed_tokens, caching)
+        self.counters.num_window_released_blocks += released
 
     def _admit_waiting(self, step: _Step) -> None:
         """Admit waiting requests FCFS while budget, sequence slots and blocks last."""
