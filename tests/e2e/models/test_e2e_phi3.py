@@ -53,10 +53,12 @@ async def test_phi3_concurrent_greedy_matches_hf(folio_server, checkpoint):
     assert_same_tokens(hf_model, prompts, hf_greedy(hf_model, prompts, MAX_TOKENS), got)
 
 
+@pytest.mark.slow  # CI time: the executor-level tests cover this path
 async def test_phi3_tp2_with_preemption_and_prefix_caching(folio_server, tmp_path):
     await check_tp_server(folio_server, "phi3", 2, tmp_path)
 
 
+@pytest.mark.slow  # CI time: the executor-level tests cover this path
 async def test_phi3_int8_matches_hf_on_the_dequantized_weights(folio_server, checkpoint,
                                                                tmp_path):
     reference = load_hf_model(write_dequantized_checkpoint(checkpoint, tmp_path / "deq", "int8"))
@@ -67,6 +69,7 @@ async def test_phi3_int8_matches_hf_on_the_dequantized_weights(folio_server, che
     assert_same_tokens(reference, prompts, hf_greedy(reference, prompts, MAX_TOKENS), got)
 
 
+@pytest.mark.slow  # CI time: the executor-level tests cover this path
 async def test_phi3_q8_0_gguf_matches_hf_on_its_dequantized_conversion(folio_server,
                                                                        checkpoint, tmp_path):
     gguf_file = write_gguf(checkpoint, tmp_path / "tiny-phi3.Q8_0.gguf", "Q8_0")

@@ -51,7 +51,10 @@ AGREEMENT_FLOOR = {"llama2-int8": 0.5, "llama2-fp8": 0.02, "qwen2-int8": 0.8,
                    "gemma2-int8": 0.6, "gemma3-fp8-ckpt-channel": 0.1}
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+# Gemma's cases are slow (CI time); the executor-level quantization tests cover their layers.
+@pytest.fixture(scope="module", params=[
+    pytest.param(name, marks=pytest.mark.slow) if name.startswith("gemma") else name
+    for name in CASES])
 def case(request, tmp_path_factory):
     arch, flag, written = CASES[request.param]
     root = tmp_path_factory.mktemp(request.param)

@@ -104,6 +104,9 @@ async def test_tp2_greedy_matches_hf_with_preemption_and_prefix_caching(
     await check_tp_server(folio_server, arch, 2, tmp_path)
 
 
+# Slow (CI time): TP 2 equals TP 1 for this family at the executor level, on gloo
+# (tests/executor/parallel/test_tp_model.py); this is the same through the server.
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 async def test_tp2_gemma_with_sliding_windows(folio_server, arch, tmp_path):
     """Gemma's four norms, softcaps and local/global RoPE split over two ranks; the prompts
@@ -115,6 +118,9 @@ async def test_tp2_gemma_with_sliding_windows(folio_server, arch, tmp_path):
                           prefix_hit=False)  # see test_tp2_gpt_oss
 
 
+# Slow (CI time): TP 2 equals TP 1 for this family at the executor level, on gloo
+# (tests/executor/parallel/test_tp_model.py); this is the same through the server.
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 async def test_tp2_mixture_of_experts(folio_server, arch, tmp_path):
     """Every expert's intermediate dimension split over two ranks (the routers and Qwen2-MoE's
@@ -122,6 +128,9 @@ async def test_tp2_mixture_of_experts(folio_server, arch, tmp_path):
     await check_tp_server(folio_server, arch, 2, tmp_path)
 
 
+# Slow (CI time): TP 2 equals TP 1 for this family at the executor level, on gloo
+# (tests/executor/parallel/test_tp_model.py); this is the same through the server.
+@pytest.mark.slow
 async def test_tp2_gpt_oss(folio_server, tmp_path):
     """gpt-oss's sinks split by q head, its interleaved expert tensors by intermediate range
     (the down bias added once), sliding and full layers in two KV groups. Chunks of 32
