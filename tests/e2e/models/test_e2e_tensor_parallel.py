@@ -140,7 +140,7 @@ async def test_tp2_gpt_oss(folio_server, tmp_path):
     asserted for windowed models here: after the preempting rounds in this tiny pool the
     server misses it about one run in eight (not reproduced by the same workload through the
     scheduler in one process; an open question on the issue); test_e2e_windowed.py and
-    test_e2e_gpt_oss.py assert hits in roomier pools."""
+    test_e2e_moe.py assert hits in roomier pools."""
     await check_tp_server(folio_server, "gpt_oss", 2, tmp_path,
                           ("--max-num-batched-tokens", "32", "--num-kv-blocks", "32"),
                           prefix_hit=False)
