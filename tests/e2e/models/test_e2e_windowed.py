@@ -8,8 +8,9 @@ base per global one with a scaled RoPE). HF `generate` in fp32 on the CPU is the
 Per family, one server with a 32-token step budget (every long prompt is a chunked prefill,
 batched with the others' decodes and with sampled requests) and the prefix cache on: greedy
 is exact, prompts sharing a prefix hit the cache, n = 2 greedy gives two copies of HF's
-greedy, and beam search equals HF's. Two more servers with a 16-block pool force preemption,
-one by swap (Gemma 3), one by recompute (Qwen2).
+greedy, and beam search equals HF's. Four more servers with small pools force preemption: by
+swap (Gemma 3; Phi-3, whose 8 blocks hold less than one of its contexts without the window's
+releases) and by recompute (Qwen2, Gemma 2).
 """
 
 from __future__ import annotations
@@ -83,6 +84,15 @@ async def test_n2_greedy_and_beam_search_match_hf(arch, server, models):  # noqa
                                                "--max-num-batched-tokens", "16",
                                                "--num-kv-blocks", "32"],
                  id="qwen2_window-recompute"),
+    pytest.param("gemma2", "recompute", ["--preemption-mode", "recompute",
+                                         "--max-num-batched-tokens", "16",
+                                         "--num-kv-blocks", "32"], id="gemma2-recompute"),
+    # Phi-3 slides every layer: one group whose sequences hold a window and a chunk each (7
+    # blocks of 16 at most), so 8 blocks hold any one of them and not two.
+    pytest.param("phi3_window", "swap", ["--preemption-mode", "swap", "--swap-space", "0.002",
+                                         "--max-num-batched-tokens", "64",
+                                         "--num-kv-blocks", "8"],
+                 id="phi3_window-swap"),
 ])
 async def test_preemption_keeps_greedy_exact(folio_server, models, arch, mode, args):  # noqa: F811
     checkpoint, hf_model = models(arch)
