@@ -1,9 +1,9 @@
 """Sliding-window models through the real server equal HF transformers, token for token.
 
-Four tiny random checkpoints whose windows (16..24 tokens) the prompts (up to 131 tokens) and
+Five tiny random checkpoints whose windows (16..24 tokens) the prompts (up to 131 tokens) and
 continuations cross: Mistral (every layer), Qwen2 (layers from max_window_layers on), Gemma 2
-(alternating, attention and final softcaps) and Gemma 3 (two local layers with their own RoPE
-base per global one with a scaled RoPE). HF `generate` in fp32 on the CPU is the oracle.
+(alternating, attention and final softcaps), Gemma 3 (two local layers with their own RoPE
+base per global one with a scaled RoPE) and Phi-3 (every layer, LongRoPE). HF `generate` in fp32 on the CPU is the oracle.
 
 Per family, one server with a 32-token step budget (every long prompt is a chunked prefill,
 batched with the others' decodes and with sampled requests) and the prefix cache on: greedy
