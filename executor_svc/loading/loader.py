@@ -46,6 +46,7 @@ from checkpoints.quant_config import resolve_quant_config
 from executor_svc.loading.model_config import ModelConfig
 from executor_svc.models import model_class
 from executor_svc.models.linear import TiedHead, cpu_linear_method, use_linear_method
+from executor_svc.models.moe import FusedMoE
 from executor_svc.models.parallel import WeightShard, prefused_shard, replicated
 from executor_svc.quantization.gguf_loading import gguf_weight_shard, prepare_gguf_params
 from executor_svc.quantization.loading import (
@@ -355,10 +356,13 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
     if qcfg is not None:
         quantize_model(model, qcfg)
     prepare_for_device(model, device, dtype, keep_plain_weights)
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    # This rank's bytes (tensor parallel: its shards); of them, the experts' (MoE models).
+    expert_bytes = {"expert_bytes": sum(map(model_weight_bytes, experts))} if experts else {}
     log.info("model loaded", architecture=cfg.architecture, files=len(files),
              params=num_params, dtype=str(dtype), device=str(device),
              quantization=qcfg.scheme if qcfg is not None else None,
-             weight_bytes=model_weight_bytes(model))
+             weight_bytes=model_weight_bytes(model), **expert_bytes)
     return model
 
 

@@ -235,3 +235,19 @@ def test_moe_variants_match_hf(arch, overrides, tmp_path):
         torch.testing.assert_close(got[start:start + len(prompt)], expected, atol=1e-4,
                                    rtol=1e-4)
         start += len(prompt)
+
+
+def test_model_loaded_line_counts_the_experts_bytes(checkpoint_cache):
+    from structlog.testing import capture_logs
+
+    from executor_svc.models.moe import FusedMoE
+
+    _, model_dir = checkpoint_cache("mixtral")
+    with capture_logs() as logs:
+        model = load_model(model_dir, dtype=torch.float32, device="cpu", max_model_len=64,
+                           cfg=ModelConfig.from_dir(model_dir))
+    line = next(entry for entry in logs if entry["event"] == "model loaded")
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert line["expert_bytes"] == sum(p.numel() * p.element_size()
+                                       for m in experts for p in m.parameters())
+    assert 0 < line["expert_bytes"] < line["weight_bytes"]
