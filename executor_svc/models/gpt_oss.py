@@ -33,12 +33,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.loading.model_config import ModelConfig
-from executor_svc.models.layers import RMSNorm
-from executor_svc.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
+from executor_svc.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+)
 from executor_svc.models.parallel import WeightShard
 from executor_svc.parallel import distributed
 from executor_svc.step.attention import AttentionBackend
-from executor_svc.step.batch import BatchMetadata
 from kernels import fused_moe
 
 # The checkpoint's expert tensors, in the order `finish_loading` consumes them.
@@ -175,26 +178,6 @@ class GptOssMLP(nn.Module):
         return out if self.tp_size == 1 else distributed.all_reduce(out)
 
 
-class GptOssDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, self_attn: GptOssAttention, dtype: torch.dtype):
-        super().__init__()
-        self.self_attn = self_attn
-        self.mlp = GptOssMLP(cfg, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                batch: BatchMetadata, cos_sin_cache: torch.Tensor):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, batch, cos_sin_cache)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
-
-
 class GptOssForCausalLM(LlamaForCausalLM):
     attention_cls = GptOssAttention
     # No decode CUDA graphs (executor_svc/worker.py): kernels.fused_moe's twin picks the
@@ -205,7 +188,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
     @classmethod
     def make_model(cls, cfg: ModelConfig, backend: AttentionBackend,
                    dtype: torch.dtype) -> nn.Module:
-        layers = [GptOssDecoderLayer(cfg, cls.make_attention(cfg, backend, dtype, i), dtype)
+        layers = [LlamaDecoderLayer(cfg, cls.make_attention(cfg, backend, dtype, i), dtype,
+                                    GptOssMLP(cfg, dtype))
                   for i in range(cfg.num_layers)]
         return LlamaModel(cfg, layers, dtype)  # type: ignore[arg-type]
 

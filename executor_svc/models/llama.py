@@ -97,11 +97,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, self_attn: LlamaAttention, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, self_attn: LlamaAttention, dtype: torch.dtype,
+                 ffn: nn.Module | None = None, ffn_name: str = "mlp"):
+        """`ffn`: the feed-forward block (default: the gated MLP), registered under the
+        checkpoint's name for it (`ffn_name`: Mixtral's is block_sparse_moe)."""
         super().__init__()
         self.self_attn = self_attn
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype,
-                            cfg.hidden_activation)
+        if ffn is None:
+            ffn = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype,
+                           cfg.hidden_activation)
+        self.ffn_name = ffn_name
+        self.add_module(ffn_name, ffn)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -115,7 +121,7 @@ class LlamaDecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, batch, cos_sin_cache)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return getattr(self, self.ffn_name)(x), residual
 
 
 class LlamaModel(nn.Module):

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.loading.model_config import ModelConfig
-from executor_svc.models.layers import GatedMLP, RMSNorm
-from executor_svc.models.llama import LlamaForCausalLM, LlamaModel
+from executor_svc.models.layers import GatedMLP
+from executor_svc.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from executor_svc.models.parallel import WeightShard
 from executor_svc.parallel import distributed
 from kernels import fused_moe, silu_and_mul
@@ -169,40 +169,17 @@ class SparseMoeBlock(nn.Module):
         return out if self.tp_size == 1 else distributed.all_reduce(out)
 
 
-class MoeDecoderLayer(nn.Module):
-    """A Llama-style decoder layer whose MLP is a `SparseMoeBlock` where
-    `ModelConfig.is_moe_layer` says so, else a dense SwiGLU MLP of intermediate_size. The MLP
-    lives under the checkpoint's name for it (`ffn_name`: Mixtral's block_sparse_moe, mlp)."""
-
-    def __init__(self, cfg: ModelConfig, self_attn: nn.Module, dtype: torch.dtype,
-                 layer_idx: int, ffn_name: str, part_names: tuple[str, str, str],
-                 round_router_weights: bool):
-        super().__init__()
-        self.self_attn = self_attn
-        ffn: nn.Module
-        if cfg.is_moe_layer(layer_idx):
-            ffn = SparseMoeBlock(cfg, dtype, part_names, round_router_weights)
-        else:
-            ffn = GatedMLP(cfg.hidden_size, cfg.intermediate_size, False, dtype)
-        self.ffn_name = ffn_name
-        self.add_module(ffn_name, ffn)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                batch, cos_sin_cache: torch.Tensor):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, batch, cos_sin_cache)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return getattr(self, self.ffn_name)(x), residual
+def moe_layer_ffn(cfg: ModelConfig, dtype: torch.dtype, layer_idx: int,
+                  part_names: tuple[str, str, str], round_router_weights: bool) -> nn.Module:
+    """A decoder layer's feed-forward block: a `SparseMoeBlock` where `ModelConfig.is_moe_layer`
+    says so, else a dense SwiGLU MLP of intermediate_size."""
+    if cfg.is_moe_layer(layer_idx):
+        return SparseMoeBlock(cfg, dtype, part_names, round_router_weights)
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, False, dtype)
 
 
 class MoeForCausalLM(LlamaForCausalLM):
-    """A Llama-shaped model whose decoder layers are `MoeDecoderLayer`s; the families set the
+    """A Llama-shaped model whose decoder layers hold `moe_layer_ffn`'s blocks; the families set the
     MoE block's name, their experts' checkpoint names and the router's rounding."""
 
     ffn_name = "mlp"
@@ -214,8 +191,8 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def make_model(cls, cfg: ModelConfig, backend, dtype: torch.dtype) -> nn.Module:
-        layers = [MoeDecoderLayer(cfg, cls.make_attention(cfg, backend, dtype, i),
-                                  dtype, i, cls.ffn_name, cls.expert_part_names,
-                                  cls.round_router_weights)
+        layers = [LlamaDecoderLayer(cfg, cls.make_attention(cfg, backend, dtype, i), dtype,
+                                    moe_layer_ffn(cfg, dtype, i, cls.expert_part_names,
+                                                  cls.round_router_weights), cls.ffn_name)
                   for i in range(cfg.num_layers)]
         return LlamaModel(cfg, layers, dtype)  # type: ignore[arg-type]
