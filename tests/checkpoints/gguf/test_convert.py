@@ -35,22 +35,6 @@ TEXTS = ["The harbor was quiet before dawn.", "def add(a, b):\n    return a + b"
          "Ελληνικά, 日本語 and emoji 🚀 too"]
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """(arch, tensor type) -> (HF dir, GGUF file, converted dir), built once per module."""
-    built: dict[tuple[str, str], tuple] = {}
-
-    def get(arch: str, tensor_type: str):
-        if (arch, tensor_type) not in built:
-            root = tmp_path_factory.mktemp(f"{arch}-{tensor_type}")
-            hf_dir, gguf_file = make_gguf(arch, tensor_type, root)
-            built[arch, tensor_type] = (hf_dir, gguf_file,
-                                        gguf_checkpoint_dir(gguf_file, root / "cache"))
-        return built[arch, tensor_type]
-
-    return get
-
-
 def load_transformers_gguf(gguf_file, hf_dir=None):
     """transformers' own GGUF loading, fp32; `hf_dir`'s config replaces the file's."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -21,27 +21,12 @@ from checkpoints.gguf import gguf_checkpoint_dir
 from checkpoints.gguf.dequantize import dequantized_copy
 from tests.checkpoints.gguf.test_convert import folio_greedy
 from tests.executor.harness import hf_greedy
-from tests.fixtures.gguf_files import make_gguf, write_gguf
+from tests.fixtures.gguf_files import write_gguf
 
 ARCHS = ["phi3", "gemma2_gguf", "gemma3_gguf"]
 # Config fields the converted directory need not share: bookkeeping, and training-only values
 # a GGUF file never holds (HF's defaults come back for them).
 IGNORED = {"transformers_version", "_name_or_path", "initializer_range"}
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    built: dict[tuple[str, str], tuple] = {}
-
-    def get(arch: str, tensor_type: str = "F32"):
-        if (arch, tensor_type) not in built:
-            root = tmp_path_factory.mktemp(f"{arch}-{tensor_type}")
-            hf_dir, gguf_file = make_gguf(arch, tensor_type, root)
-            built[arch, tensor_type] = (hf_dir, gguf_file,
-                                        gguf_checkpoint_dir(gguf_file, root / "cache"))
-        return built[arch, tensor_type]
-
-    return get
 
 
 def _close(a, b) -> bool:
