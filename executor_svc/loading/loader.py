@@ -15,9 +15,9 @@ shape, and each rank reads only its slices from the files, never a whole sharded
 Fused projections (qkv_proj, gate_up_proj) are filled part by part: from one checkpoint tensor
 per part (q_proj, k_proj, v_proj: the model's `packed_modules`), or from one tensor that
 already stacks the parts under the fused name (Phi-3), each part's slice read from its rows.
-A mixture-of-experts layer (`FusedMoE`, models/moe.py) places its own tensors
-(`checkpoint_placements`: one per expert and projection, or transformers 5's stacked 3-D ones);
-its shards are named by the per-expert tensors, so a missing expert is reported by its name.
+A mixture-of-experts layer (models/moe.py's `Experts`: `FusedMoE`, `GptOssExperts`) places its
+own tensors (`checkpoint_placements`: one per expert and projection, or transformers 5's stacked
+3-D ones); its shards are named by the per-expert tensors, so a missing expert is reported by its name.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from checkpoints.quant_config import resolve_quant_config
 from executor_svc.loading.model_config import ModelConfig
 from executor_svc.models import model_class
 from executor_svc.models.linear import TiedHead, cpu_linear_method, use_linear_method
-from executor_svc.models.moe import FusedMoE
+from executor_svc.models.moe import Experts
 from executor_svc.models.parallel import WeightShard, prefused_shard, replicated
 from executor_svc.quantization.gguf_loading import gguf_weight_shard, prepare_gguf_params
 from executor_svc.quantization.loading import (
@@ -356,7 +356,7 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
     if qcfg is not None:
         quantize_model(model, qcfg)
     prepare_for_device(model, device, dtype, keep_plain_weights)
-    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
     # This rank's bytes (tensor parallel: its shards); of them, the experts' (MoE models).
     expert_bytes = {"expert_bytes": sum(map(model_weight_bytes, experts))} if experts else {}
     log.info("model loaded", architecture=cfg.architecture, files=len(files),

@@ -39,10 +39,10 @@ from executor_svc.models.llama import (
     LlamaForCausalLM,
     LlamaModel,
 )
+from executor_svc.models.moe import Experts
 from executor_svc.models.parallel import WeightShard
 from executor_svc.parallel import distributed
 from executor_svc.step.attention import AttentionBackend
-from kernels import fused_moe
 
 # The checkpoint's expert tensors, in the order `finish_loading` consumes them.
 EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
@@ -89,10 +89,10 @@ class GptOssRouter(nn.Module):
         return weights.float(), ids
 
 
-class GptOssExperts(nn.Module):
-    """Every expert's clamped-SwiGLU MLP with biases; `forward` returns this rank's partial
-    sum (the caller all-reduces). Loads the checkpoint's interleaved 3-D tensors (module
-    docstring) and rearranges them in `finish_loading`; `forward` needs that done."""
+class GptOssExperts(Experts):
+    """Every expert's clamped-SwiGLU MLP with biases. Loads the checkpoint's interleaved 3-D
+    tensors (module docstring) and rearranges them in `finish_loading`; `forward` needs that
+    done."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
@@ -110,13 +110,11 @@ class GptOssExperts(nn.Module):
                                                        requires_grad=False))
         self.loaded = False
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:
+    def moe_options(self) -> dict:
         assert self.loaded, "GptOssExperts.finish_loading was not called"
-        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, w13_bias=self.w13_bias,
-                         w2_bias=self.w2_bias if self.tp_rank == 0 else None,
-                         activation="swigluoai", swiglu_limit=self.swiglu_limit,
-                         swiglu_alpha=self.swiglu_alpha)
+        return dict(w13_bias=self.w13_bias, w2_bias=self.w2_bias if self.tp_rank == 0 else None,
+                    activation="swigluoai", swiglu_limit=self.swiglu_limit,
+                    swiglu_alpha=self.swiglu_alpha)
 
     def finish_loading(self) -> None:
         """Checkpoint layout -> fused_moe's: de-interleave gate and up into halves, put the

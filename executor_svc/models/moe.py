@@ -24,6 +24,7 @@ gate rows first, and ``experts.down_proj`` [E, hidden, I]). Each rank reads only
 from __future__ import annotations
 
 import re
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -77,9 +78,56 @@ class TopKRouter(ReplicatedLinear):
         return weights, ids
 
 
-class FusedMoE(nn.Module):
-    """Every expert's SwiGLU MLP in two stacked parameters (module docstring); `forward`
-    returns this rank's partial sum, which the caller all-reduces."""
+class ExpertsMethod(Protocol):
+    """How an `Experts` layer's weights are stored and multiplied, like models/linear.py's
+    `LinearMethod` for a projection: `DENSE_EXPERTS` (the model dtype) or one of
+    executor_svc/quantization's expert methods."""
+
+    def process_weights(self, layer: Experts) -> None:
+        """Called once after the weights are loaded (and `finish_loading`); may replace
+        ``layer.w13``/``layer.w2`` with a quantized form."""
+
+    def apply(self, layer: Experts, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> this rank's partial sum of the routed experts, [T, hidden]."""
+
+
+class DenseExperts:
+    def process_weights(self, layer: Experts) -> None:
+        pass
+
+    def apply(self, layer: Experts, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        return fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, **layer.moe_options())
+
+
+DENSE_EXPERTS = DenseExperts()
+
+
+class Experts(nn.Module):
+    """Every expert of one MoE layer as two stacked matrices, once loaded: w13 [E, 2I/tp,
+    hidden] (gate rows, then up rows) and w2 [E, hidden, I/tp], the layout `kernels.fused_moe`
+    takes. `forward` returns this rank's partial sum, which the caller all-reduces; its
+    `method` decides how the matrices are stored and multiplied."""
+
+    method: ExpertsMethod = DENSE_EXPERTS
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int  # per expert, whole (every rank holds intermediate_size / tp)
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+    def moe_options(self) -> dict:
+        """`kernels.fused_moe`'s keyword options for this layer: biases, activation."""
+        return {}
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x, topk_weights, topk_ids)  # [T, hidden]
+
+
+class FusedMoE(Experts):
+    """Every expert's SwiGLU MLP in two stacked parameters (module docstring)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  dtype: torch.dtype, part_names: tuple[str, str, str] = QWEN_EXPERT_PARTS):
@@ -95,10 +143,6 @@ class FusedMoE(nn.Module):
                                             hidden_size, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_intermediate,
                                            dtype=dtype), requires_grad=False)
-
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:
-        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)  # [T, hidden]
 
     # Loading (executor_svc/loading/loader.py). Labels are checkpoint tensor names relative to
     # this module, in the per-expert layout: what a checkpoint that lacks them is told.
