@@ -28,11 +28,14 @@ PHI4_MINI = dict(hidden_size=128, rope_parameters={
     "short_factor": [1.0 + 0.05 * i for i in range(12)],
     "long_factor": [1.0 + 0.6 * i for i in range(12)]})
 result = {}
+# qwen2_moe: kernels.fused_moe's Triton kernel (SwiGLU) and a shared expert; gpt_oss: its
+# biases and clamped SwiGLU, and attention sinks and sliding windows in the Triton attention.
 for name, arch, overrides in (("qwen3", "qwen3", {}), ("llama3", "llama3", {}),
-                              ("phi4_mini", "phi3", PHI4_MINI)):
+                              ("phi4_mini", "phi3", PHI4_MINI), ("qwen2_moe", "qwen2_moe", {}),
+                              ("gpt_oss", "gpt_oss", {})):
     hf = make_hf_model(arch, **overrides)
     runner = make_runner(save_checkpoint(hf, Path(sys.argv[1]) / name))
-    driver = PlanDriver(seed=4)
+    driver = PlanDriver(seed=4, num_kv_groups=runner.kv_cache.layout.num_groups)
     prompts = {"a": [5, 6, 7, 8, 9, 10, 11, 12, 13], "b": [1, 2, 3]}
     got = {r: [] for r in prompts}
     plans = [lambda: driver.plan(new_reqs=[driver.new("a", prompts["a"], 5),
@@ -57,7 +60,7 @@ def test_models_through_triton_launchers_match_hf(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(result) == {"qwen3", "llama3", "phi4_mini"}
+    assert set(result) == {"qwen3", "llama3", "phi4_mini", "qwen2_moe", "gpt_oss"}
     for arch, reqs in result.items():
         for req_id, (ours, hf) in reqs.items():
             assert len(ours) == 3 and ours == hf, (arch, req_id)
