@@ -56,6 +56,24 @@ _SMOLLM2_AS_MISTRAL = dict(
 )
 RANDOM_MODELS["smollm2-135m-mistral"] = dict(_SMOLLM2_AS_MISTRAL, sliding_window=None)
 RANDOM_MODELS["smollm2-135m-swa256"] = dict(_SMOLLM2_AS_MISTRAL, sliding_window=256)
+# Qwen3-30B-A3B's layer shapes (hidden 2048, 32 q / 4 kv heads of 128, 128 experts of
+# intermediate 768, top 8, its vocabulary) in 4 layers instead of 48, stored in bf16 (6 GB; fp32
+# would need 12), and a dense Qwen3 with the same active parameters per token: one SwiGLU MLP of
+# intermediate 8 * 768 = 6144. `folio bench context` runs them side by side: a MoE decode step
+# should cost what its active experts cost.
+_QWEN3_30B_A3B_LAYERS = dict(
+    vocab_size=151936, hidden_size=2048, num_hidden_layers=4, num_attention_heads=32,
+    num_key_value_heads=4, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    tie_word_embeddings=False, save_dtype="bfloat16",
+)
+RANDOM_MODELS["qwen3-30b-a3b-4l"] = dict(
+    _QWEN3_30B_A3B_LAYERS, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+    intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+RANDOM_MODELS["qwen3-30b-a3b-4l-dense"] = dict(
+    _QWEN3_30B_A3B_LAYERS, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+    intermediate_size=8 * 768)
 MARKER = "FOLIO_RANDOM_WEIGHTS"
 
 
@@ -141,13 +159,15 @@ def _write_random_model(name: str, seed: int, out_dir: Path) -> None:
     ids = special_token_ids(tok)
     fields = dict(RANDOM_MODELS[name])
     model_type = fields.pop("model_type")
+    save_dtype = fields.pop("save_dtype", "float32")  # built and written in it
     config = AutoConfig.for_model(
-        model_type, **fields, initializer_range=INITIALIZER_RANGE, dtype="float32",
+        model_type, **fields, initializer_range=INITIALIZER_RANGE, dtype=save_dtype,
         bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"],
         pad_token_id=ids["pad_token_id"])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config).eval()
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=getattr(torch, save_dtype)).eval()
     model.save_pretrained(out_dir)
     GenerationConfig(bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"],
                      pad_token_id=ids["pad_token_id"]).save_pretrained(out_dir)
