@@ -46,7 +46,7 @@ from checkpoints.quant_config import resolve_quant_config
 from executor_svc.loading.model_config import ModelConfig
 from executor_svc.models import model_class
 from executor_svc.models.linear import TiedHead, cpu_linear_method, use_linear_method
-from executor_svc.models.moe import Experts
+from executor_svc.models.moe import Experts, PackedCpuExperts, use_experts_method
 from executor_svc.models.parallel import WeightShard, prefused_shard, replicated
 from executor_svc.quantization.gguf_loading import gguf_weight_shard, prepare_gguf_params
 from executor_svc.quantization.loading import (
@@ -407,6 +407,11 @@ def prepare_for_device(model: nn.Module, device: torch.device, dtype: torch.dtyp
         num_layers = use_linear_method(model, method)
     log.info("cpu linear layers prepared", method=type(method).__name__, layers=num_layers,
              dtype=str(dtype), native_bf16=kernels.cpu.has_native_bf16())
+    if kernels.cpu.fused_kernels() is not None:  # MoE experts into the fused kernel's slabs
+        with torch.no_grad():
+            num_experts = use_experts_method(model, PackedCpuExperts(keep_plain_weights))
+        if num_experts:
+            log.info("cpu experts packed", layers=num_experts)
     # Built (or loaded from its cache) now, before the first step rather than inside it.
     log.info("cpu fused kernels", enabled=kernels.cpu.fused_kernels() is not None,
              isa=kernels.cpu_ext.capability(), cpu_isa=kernels.cpu_ext.cpu_capability())

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels.cpu
 from executor_svc.loading.model_config import ModelConfig
 from executor_svc.models.layers import GatedMLP
 from executor_svc.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
@@ -102,6 +103,38 @@ class DenseExperts:
 
 
 DENSE_EXPERTS = DenseExperts()
+
+
+class PackedCpuExperts:
+    """The CPU backend with the fused kernels: the experts packed once into the fused MoE
+    kernel's slabs (`kernels.cpu.PackedExperts`, ``layer.packed``), which replace w13/w2
+    (released unless `keep_plain`), so the experts take the memory they took before; decode
+    steps stream each touched expert's slabs once, larger ones unpack the touched experts
+    (kernels.cpu.fused_moe_packed)."""
+
+    def __init__(self, keep_plain: bool = False):
+        self.keep_plain = keep_plain
+
+    def process_weights(self, layer: Experts) -> None:
+        layer.packed = kernels.cpu.pack_moe_weights(layer.w13.data, layer.w2.data)
+        if not self.keep_plain:
+            for name in ("w13", "w2"):
+                getattr(layer, name).data = torch.empty(0, dtype=layer.w13.dtype)
+
+    def apply(self, layer: Experts, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        return kernels.cpu.fused_moe_packed(x, layer.packed, topk_weights, topk_ids,
+                                            **layer.moe_options())
+
+
+def use_experts_method(model: nn.Module, method: ExpertsMethod) -> int:
+    """Give every `Experts` layer still on `DENSE_EXPERTS` the `method` (a quantized layer keeps
+    its own); returns how many took it."""
+    layers = [m for m in model.modules() if isinstance(m, Experts) and m.method is DENSE_EXPERTS]
+    for layer in layers:
+        layer.method = method
+        method.process_weights(layer)
+    return len(layers)
 
 
 class Experts(nn.Module):

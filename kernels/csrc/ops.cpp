@@ -30,11 +30,11 @@ std::string isa() {
 int64_t vector_width() { return kV; }
 
 // fused_moe.cpp
-at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
-                     const at::Tensor& topk_weights, const at::Tensor& topk_ids,
-                     const std::optional<at::Tensor>& w13_bias,
-                     const std::optional<at::Tensor>& w2_bias, int64_t activation,
-                     double swiglu_limit, double swiglu_alpha);
+at::Tensor fused_moe_packed(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                            const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                            const std::optional<at::Tensor>& w13_bias,
+                            const std::optional<at::Tensor>& w2_bias, int64_t activation,
+                            double swiglu_limit, double swiglu_alpha, int64_t intermediate);
 
 }  // namespace folio_cpu
 
@@ -59,9 +59,9 @@ TORCH_LIBRARY(folio_cpu, m) {
         "int out_features, int group_size) -> Tensor");
   m.def("skinny_linear_f8(Tensor x, Tensor packed, Tensor scale, Tensor? bias, "
         "int out_features) -> Tensor");
-  m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
-        "Tensor? w13_bias, Tensor? w2_bias, int activation, float swiglu_limit, "
-        "float swiglu_alpha) -> Tensor");
+  m.def("fused_moe_packed(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, "
+        "Tensor topk_ids, Tensor? w13_bias, Tensor? w2_bias, int activation, "
+        "float swiglu_limit, float swiglu_alpha, int intermediate) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(folio_cpu, CPU, m) {
@@ -75,5 +75,5 @@ TORCH_LIBRARY_IMPL(folio_cpu, CPU, m) {
   m.impl("skinny_linear_g4", &folio_cpu::skinny_linear_g4);
   m.impl("skinny_linear_g8", &folio_cpu::skinny_linear_g8);
   m.impl("skinny_linear_f8", &folio_cpu::skinny_linear_f8);
-  m.impl("fused_moe", &folio_cpu::fused_moe);
+  m.impl("fused_moe_packed", &folio_cpu::fused_moe_packed);
 }

@@ -1,8 +1,9 @@
 """The fused MoE MLP's torch twin against the float64 reference: SwiGLU and gpt-oss's clamped
 activation, with and without expert biases, experts that get no token, all tokens on one
-expert, fp32 and bf16. Then the CPU backend's two paths (the fused kernel of
-kernels/csrc/fused_moe.cpp and the torch grouped path) against both, and the fused kernel's
-batch and thread invariance; tests/kernels/test_isa.py reruns this file on the AVX2 build."""
+expert, fp32 and bf16. Then the CPU backend's paths (the fused kernel of
+kernels/csrc/fused_moe.cpp on packed experts, the torch grouped path on packed and on plain
+weights) against both, the packing's round trip, and the fused kernel's batch and thread
+invariance; tests/kernels/test_isa.py reruns this file on the AVX2 build."""
 
 import pytest
 import torch
@@ -32,22 +33,40 @@ def test_twin_matches_reference(activation, bias, dtype, num_tokens, only):
         assert len(topk_ids.unique()) < 8  # some expert got no token
 
 
-# The CPU backend (kernels/cpu.py): the fused kernel (kernels/csrc/fused_moe.cpp) for decode
-# batches and the torch grouped path (larger batches, or no extension), each against the twin
-# and the reference.
-CPU_PATHS = ["fused", "grouped"]
+# The CPU backend (kernels/cpu.py): on packed experts the fused kernel
+# (kernels/csrc/fused_moe.cpp) for decode batches and the torch grouped path (larger batches,
+# or no extension); on plain weights the grouped path. Each against the twin and the reference.
+CPU_PATHS = ["fused", "packed-grouped", "plain"]
+
+
+def _on_packed(x, w13, w2, topk_weights, topk_ids, **options):
+    return cpu.fused_moe_packed(x, cpu.pack_moe_weights(w13, w2), topk_weights, topk_ids,
+                                **options)
 
 
 @pytest.fixture(params=CPU_PATHS)
 def cpu_moe(request, monkeypatch):
-    """kernels.cpu.fused_moe forced down one path."""
+    """kernels.cpu's fused_moe (plain weights) or fused_moe_packed forced down one path; both
+    take plain weights here (the packed path packs them first)."""
     if request.param == "fused":
         if cpu.fused_kernels() is None:
             pytest.skip("the fused CPU kernels did not build here")
         monkeypatch.setattr(cpu, "_fused_moe_takes", lambda *args: True)
-    else:
+    elif request.param == "packed-grouped":
         monkeypatch.setattr(cpu, "fused_kernels", lambda: None)
-    return cpu.fused_moe
+    return cpu.fused_moe if request.param == "plain" else _on_packed
+
+
+@pytest.mark.parametrize("hidden, intermediate", [(32, 16), (40, 24), (72, 40)])
+def test_packing_round_trips(hidden, intermediate):
+    """Every expert unpacked from its slabs is its plain weights again (padding dropped)."""
+    weights = random_experts(5, hidden, intermediate, torch.bfloat16, bias=False, seed=11)
+    packed = cpu.pack_moe_weights(weights["w13"], weights["w2"])
+    assert packed.w13.shape == (5, 2 * -(-intermediate // 16), hidden, 16)
+    assert packed.w2.shape == (5, -(-hidden // 16), intermediate, 16)
+    for e in range(5):
+        w13, w2 = packed.expert(e)
+        assert torch.equal(w13, weights["w13"][e]) and torch.equal(w2, weights["w2"][e])
 
 
 def _case(num_experts, hidden, intermediate, top_k, num_tokens, dtype, bias, only=None, seed=0):
@@ -105,34 +124,38 @@ def test_cpu_int32_ids_and_strided_x(cpu_moe):
     torch.testing.assert_close(out, twin, atol=1e-5, rtol=1e-5)
 
 
-def test_cpu_decode_batches_take_the_fused_kernel(monkeypatch):
+def test_packed_steps_take_the_fused_kernel(monkeypatch):
+    """fp32 math: always; native bf16: up to FUSED_MOE_BF16_PAIRS pairs per expert."""
     if cpu.fused_kernels() is None:
         pytest.skip("the fused CPU kernels did not build here")
     called = []
     monkeypatch.setattr(cpu, "_fused_moe_grouped", lambda *a: called.append(a))
+    monkeypatch.setattr(cpu, "FUSED_MOE_BF16_PAIRS", 4)
     monkeypatch.setattr(cpu, "compute_dtype", lambda dtype: torch.bfloat16)  # native bf16
-    limit = cpu.FUSED_MOE_MAX_TOKENS
     for num_tokens, top_k, num_experts, fused in [
-            (limit, 2, 8, False), (limit, 2, 64, True), (limit + 1, 2, 128, False),
-            (16, 2, 8, True), (17, 2, 8, False), (1, 8, 128, True)]:
+            (16, 2, 8, True), (17, 2, 8, False), (1, 8, 128, True), (64, 2, 64, True),
+            (65, 2, 32, False)]:
         called.clear()
         x, weights, topk_weights, topk_ids = _case(num_experts, 32, 16, top_k, num_tokens,
                                                    torch.bfloat16, False)
-        cpu.fused_moe(x, weights["w13"], weights["w2"], topk_weights, topk_ids)
+        _on_packed(x, weights["w13"], weights["w2"], topk_weights, topk_ids)
         assert bool(called) != fused, (num_tokens, top_k, num_experts)
     monkeypatch.setattr(cpu, "compute_dtype", lambda dtype: torch.float32)  # fp32 math
     called.clear()
-    x, weights, topk_weights, topk_ids = _case(8, 32, 16, 2, limit, torch.bfloat16, False)
+    x, weights, topk_weights, topk_ids = _case(8, 32, 16, 2, 200, torch.bfloat16, False)
+    _on_packed(x, weights["w13"], weights["w2"], topk_weights, topk_ids)
+    assert not called  # 50 pairs per expert: the fused kernel all the same
     cpu.fused_moe(x, weights["w13"], weights["w2"], topk_weights, topk_ids)
-    assert not called  # 16 pairs per expert: the fused kernel all the same
+    assert called  # plain weights: the grouped path
 
 
 def _fused(x, weights, topk_weights, topk_ids, activation="silu"):
-    """The fused kernel itself, whatever fused_moe would choose."""
-    return cpu.fused_kernels().fused_moe(x, weights["w13"], weights["w2"], topk_weights,
-                                         topk_ids, weights.get("w13_bias"),
-                                         weights.get("w2_bias"), ("silu", "swigluoai").index(activation),
-                                         7.0, 1.702)
+    """The fused kernel itself, whatever fused_moe_packed would choose."""
+    packed = cpu.pack_moe_weights(weights["w13"], weights["w2"])
+    return cpu.fused_kernels().fused_moe_packed(
+        x, packed.w13, packed.w2, topk_weights, topk_ids, weights.get("w13_bias"),
+        weights.get("w2_bias"), ("silu", "swigluoai").index(activation), 7.0, 1.702,
+        packed.intermediate)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -166,5 +189,8 @@ def test_cpu_fused_refuses_out_of_range_ids():
     x, weights, topk_weights, topk_ids = _case(4, 32, 16, 2, 3, torch.float32, False)
     topk_ids[1, 1] = 4
     with pytest.raises(RuntimeError, match="out of range"):
-        ops.fused_moe(x, weights["w13"], weights["w2"], topk_weights, topk_ids, None, None, 0,
-                      7.0, 1.702)
+        _fused(x, weights, topk_weights, topk_ids)
+    packed = cpu.pack_moe_weights(weights["w13"], weights["w2"])
+    with pytest.raises(RuntimeError, match="must be"):  # I that does not match the slabs
+        ops.fused_moe_packed(x, packed.w13, packed.w2, topk_weights, topk_ids.clamp(max=3),
+                             None, None, 0, 7.0, 1.702, 40)

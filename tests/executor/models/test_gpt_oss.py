@@ -129,12 +129,16 @@ def test_experts_are_deinterleaved_at_load(checkpoint_cache):
     hf = hf_model.model.layers[1].mlp.experts
     assert isinstance(experts, GptOssExperts)
     inter = hf.intermediate_size
+    w13, w2 = experts.w13, experts.w2
+    if hasattr(experts, "packed"):  # the CPU backend's slabs replaced them
+        plain = [experts.packed.expert(e) for e in range(experts.num_experts)]
+        w13, w2 = torch.stack([p[0] for p in plain]), torch.stack([p[1] for p in plain])
     gate_up = hf.gate_up_proj.detach()  # [E, hidden, 2I], gate/up interleaved
-    assert torch.equal(experts.w13[:, :inter], gate_up[..., 0::2].transpose(1, 2))
-    assert torch.equal(experts.w13[:, inter:], gate_up[..., 1::2].transpose(1, 2))
+    assert torch.equal(w13[:, :inter], gate_up[..., 0::2].transpose(1, 2))
+    assert torch.equal(w13[:, inter:], gate_up[..., 1::2].transpose(1, 2))
     bias = hf.gate_up_proj_bias.detach()
     assert torch.equal(experts.w13_bias, torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1))
-    assert torch.equal(experts.w2, hf.down_proj.detach().transpose(1, 2))
+    assert torch.equal(w2, hf.down_proj.detach().transpose(1, 2))
     assert torch.equal(experts.w2_bias, hf.down_proj_bias.detach())
     # The checkpoint-layout copies are gone once rearranged.
     assert not hasattr(experts, "gate_up_proj")
@@ -149,7 +153,8 @@ def test_bf16_weights_serve(checkpoint_cache):
     model = load_model(model_dir, dtype=torch.bfloat16, device=CPU, max_model_len=max_len,
                        cfg=cfg)
     assert all(a.sinks.dtype == torch.float32 for a in model.attention_layers())
-    assert model.model.layers[0].mlp.experts.w13.dtype == torch.bfloat16
+    experts = model.model.layers[0].mlp.experts
+    assert getattr(experts, "packed", experts).w13.dtype == torch.bfloat16
     from executor_svc.kv.kv_cache import KVCache
     from executor_svc.step.runner import ModelRunner
     from tests.executor.harness import BLOCK_SIZE
