@@ -14,8 +14,9 @@ An FP4 E2M1 code is sign (bit 3), exponent (bits 2..1, bias 1) and one mantissa 
 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives. E8M0 255 is NaN.
 
 Both tables are built from their bit fields, and each product is a power of two times a value
-of at most two significant bits: exact in float32 for every scale, so the one rounding is the
-cast to the model dtype (none for bfloat16 or float32 within their exponent range).
+of at most two significant bits: exact in float32 and bfloat16 (which share float32's
+exponent range) for every scale, so those are computed in directly; float16 is computed in
+float32 and rounded once.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ def _e8m0_values() -> torch.Tensor:
 
 FP4_VALUES = _fp4_e2m1_values()
 E8M0_VALUES = _e8m0_values()
+_BYTES = torch.arange(256)
+# Every byte's two elements, [256, 2]: (low nibble's value, high nibble's value).
+BYTE_VALUES = torch.stack((FP4_VALUES[_BYTES & 0x0F], FP4_VALUES[_BYTES >> 4]), dim=-1)
+# Dtypes whose exponent range holds every product exactly (so they are computed in directly).
+_EXACT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def check_mxfp4_shapes(blocks: torch.Tensor, scales: torch.Tensor) -> None:
@@ -63,12 +69,16 @@ def check_mxfp4_shapes(blocks: torch.Tensor, scales: torch.Tensor) -> None:
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
                      dtype: torch.dtype) -> torch.Tensor:
     """blocks uint8 [..., G, 16], scales uint8 [..., G] -> `dtype` [..., G * 32] (module
-    docstring), on the blocks' device. Temporaries are a few times the output's size: callers
-    decode one expert at a time."""
+    docstring), on the blocks' device: one table lookup a byte and one a scale. Temporaries
+    are about the output's size (float32 for float16): callers decode one expert at a time."""
     check_mxfp4_shapes(blocks, scales)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1)  # [..., G, 16, 2], low first
-    values = FP4_VALUES.to(blocks.device)[codes.flatten(-2).long()]  # [..., G, 32]
-    values *= E8M0_VALUES.to(blocks.device)[scales.long()].unsqueeze(-1)
+    compute = dtype if dtype in _EXACT_DTYPES else torch.float32
+    device = blocks.device
+    values = torch.index_select(BYTE_VALUES.to(device, compute), 0,
+                                blocks.reshape(-1).int())  # [numel, 2]
+    values = values.view(*scales.shape, BLOCK_SIZE)  # [..., G, 32], the low nibble first
+    factors = torch.index_select(E8M0_VALUES.to(device, compute), 0, scales.reshape(-1).int())
+    values *= factors.view(*scales.shape, 1)  # exact: a power of two times <= 2 bits
     return values.flatten(-2).to(dtype)
 
 
