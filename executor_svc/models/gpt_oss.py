@@ -117,7 +117,7 @@ class GptOssExperts(Experts):
         self.local_intermediate = self.intermediate_size // self.tp_size
         self.swiglu_limit, self.swiglu_alpha = cfg.swiglu_limit, cfg.swiglu_alpha
         self.mxfp4 = cfg.mxfp4_experts
-        self.dtype = dtype
+        self.float_dtype = dtype  # the model dtype: the biases, and every matrix once loaded
         self.loaded = False
         for name, (shape, param_dtype) in self._checkpoint_params().items():
             self.register_parameter(name, nn.Parameter(torch.empty(shape, dtype=param_dtype),
@@ -128,11 +128,11 @@ class GptOssExperts(Experts):
         -> (shape, dtype). ValueError (naming the config field) for sizes MXFP4 cannot
         block."""
         e, h, il = self.num_experts, self.hidden_size, self.local_intermediate
-        biases = {"gate_up_proj_bias": ((e, 2 * il), self.dtype),
-                  "down_proj_bias": ((e, h), self.dtype)}
+        biases = {"gate_up_proj_bias": ((e, 2 * il), self.float_dtype),
+                  "down_proj_bias": ((e, h), self.float_dtype)}
         if not self.mxfp4:
-            return {"gate_up_proj": ((e, h, 2 * il), self.dtype),
-                    "down_proj": ((e, il, h), self.dtype), **biases}
+            return {"gate_up_proj": ((e, h, 2 * il), self.float_dtype),
+                    "down_proj": ((e, il, h), self.float_dtype), **biases}
         for field, size in (("hidden_size", h), ("intermediate_size", self.intermediate_size)):
             if size % BLOCK_SIZE:
                 raise ValueError(f"{field} ({size}) is not a multiple of {BLOCK_SIZE}: MXFP4 "
@@ -182,21 +182,21 @@ class GptOssExperts(Experts):
         return w13, w2
 
     def _mxfp4_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decoded one expert at a time (the decode's temporaries are a few times its output)
-        into the model dtype."""
+        """Decoded into the model dtype one expert at a time, so the decode's temporaries stay
+        the size of one expert's matrix."""
         il, h = self.local_intermediate, self.hidden_size
         _, _, offset = self._down_blocks()
         device = self.gate_up_proj_blocks.device
-        w13 = torch.empty((self.num_experts, 2 * il, h), dtype=self.dtype, device=device)
-        w2 = torch.empty((self.num_experts, h, il), dtype=self.dtype, device=device)
+        w13 = torch.empty((self.num_experts, 2 * il, h), dtype=self.float_dtype, device=device)
+        w2 = torch.empty((self.num_experts, h, il), dtype=self.float_dtype, device=device)
         for e in range(self.num_experts):
             # [2 * il, hidden]: row j is HF's interleaved gate/up column j of this rank.
             gate_up = dequantize_mxfp4(self.gate_up_proj_blocks[e], self.gate_up_proj_scales[e],
-                                       self.dtype)
+                                       self.float_dtype)
             w13[e, :il] = gate_up[0::2]
             w13[e, il:] = gate_up[1::2]
             down = dequantize_mxfp4(self.down_proj_blocks[e], self.down_proj_scales[e],
-                                    self.dtype)  # [hidden, blocks * 32] covering this range
+                                    self.float_dtype)  # [hidden, blocks * 32] covering this range
             w2[e] = down[:, offset:offset + il]
         return w13, w2
 
