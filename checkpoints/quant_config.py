@@ -31,6 +31,13 @@ Schemes (methods in executor_svc/quantization/methods.py):
   (executor_svc/quantization/gguf_blocks.py).
   Only from a checkpoint: ``quantization_config = {"quant_method": "gguf", "tensor_types":
   {hf_weight_name: ggml_type, ...}}``; the layers it does not list hold float weights.
+- ``mxfp4``: gpt-oss's experts as openai ships them (``quant_method: "mxfp4"``): each layer's
+  ``mlp.experts.gate_up_proj_blocks``/``_scales`` and ``down_proj_blocks``/``_scales``, FP4
+  E2M1 codes with an E8M0 scale per 32 (executor_svc/loading/mxfp4.py). Only from a
+  checkpoint, and not a scheme of the linear layers (the rest of the model is float): the
+  experts are dequantized into the model dtype as they load (executor_svc/models/gpt_oss.py),
+  so the model is served as a float one. ``modules_to_not_convert`` is not read: the loader
+  takes MXFP4 tensors for every gpt-oss experts module and nothing else.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from typing import Any
 
 from checkpoints.files import CheckpointError, read_json_object
 
-SCHEMES = ("int8", "fp8", "gptq", "awq", "gguf")
+SCHEMES = ("int8", "fp8", "gptq", "awq", "gguf", "mxfp4")
 LOAD_TIME_SCHEMES = ("int8", "fp8")  # the schemes --quantization can apply to float weights
 # GGUF block types kept quantized (the converter writes, executor_svc/quantization/gguf_blocks.py
 # unpacks).
@@ -88,11 +95,8 @@ def checkpoint_quant_config(config_json: dict[str, Any]) -> QuantConfig | None:
         return _int4_config(method, qc)
     if method == "gguf":
         return _gguf_quant_config(qc)
-    if method == "mxfp4":  # how gpt-oss ships its experts
-        raise ValueError("quantization_config.quant_method 'mxfp4' (MXFP4 expert weights) is "
-                         "not supported; serve a bf16 copy of the checkpoint (transformers: "
-                         "from_pretrained with Mxfp4Config(dequantize=True), then "
-                         "save_pretrained)")
+    if method == "mxfp4":  # how gpt-oss ships its experts; models read ModelConfig's flag
+        return QuantConfig("mxfp4", from_checkpoint=True)
     if method != "fp8":
         raise ValueError(unsupported(method))
     if qc.get("weight_block_size") is not None:

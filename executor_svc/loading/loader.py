@@ -18,6 +18,8 @@ already stacks the parts under the fused name (Phi-3), each part's slice read fr
 A mixture-of-experts layer (models/moe.py's `Experts`: `FusedMoE`, `GptOssExperts`) places its
 own tensors (`checkpoint_placements`: one per expert and projection, or transformers 5's stacked
 3-D ones); its shards are named by the per-expert tensors, so a missing expert is reported by its name.
+gpt-oss's MXFP4 experts load as their uint8 blocks and scales and are dequantized by the layer's
+`finish_loading` (models/gpt_oss.py); no linear layer is quantized for them.
 """
 
 from __future__ import annotations
@@ -211,6 +213,9 @@ def _expert_placements(model: nn.Module, header: TensorHeader
         return None
     try:
         entries = owner.checkpoint_placements(match.group(2))
+        check_dtype = getattr(owner, "check_checkpoint_dtype", None)
+        if entries and check_dtype is not None:  # the layer's own words for a wrong dtype
+            check_dtype(match.group(2), header.dtype)
     except ValueError as e:
         raise CheckpointError(header.file, f"checkpoint tensor {header.name}: {e}") from None
     return [(f"{match.group(1)}.{param}", [f"{match.group(1)}.{label}" for label in labels],
@@ -303,6 +308,10 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
     if num_layers is not None and num_layers < cfg.num_layers:
         cfg = cfg.with_num_layers(num_layers)
     qcfg = resolve_quant_config(quantization, model_dir)
+    if qcfg is not None and qcfg.scheme == "mxfp4":
+        # gpt-oss's experts only (cfg.mxfp4_experts): they dequantize themselves as they load
+        # (models/gpt_oss.py), and every linear layer holds float weights.
+        qcfg = None
     try:
         cls = model_class(cfg.architecture)
     except ValueError as e:  # the architecture named by config.json
@@ -358,11 +367,13 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
     prepare_for_device(model, device, dtype, keep_plain_weights)
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     # This rank's bytes (tensor parallel: its shards); of them, the experts' (MoE models).
-    expert_bytes = {"expert_bytes": sum(map(model_weight_bytes, experts))} if experts else {}
+    moe_facts = {"expert_bytes": sum(map(model_weight_bytes, experts))} if experts else {}
+    if cfg.mxfp4_experts:  # served in the model dtype (quantization None): say from what
+        moe_facts["experts_dequantized_at_load"] = "mxfp4"
     log.info("model loaded", architecture=cfg.architecture, files=len(files),
              params=num_params, dtype=str(dtype), device=str(device),
              quantization=qcfg.scheme if qcfg is not None else None,
-             weight_bytes=model_weight_bytes(model), **expert_bytes)
+             weight_bytes=model_weight_bytes(model), **moe_facts)
     return model
 
 

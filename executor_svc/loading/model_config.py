@@ -95,6 +95,9 @@ class ModelConfig:
     # gpt-oss's clamped SwiGLU ("swigluoai", kernels.fused_moe): the clamp and sigmoid gain.
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
+    # gpt-oss's experts stored as MXFP4 blocks and scales (quantization_config.quant_method
+    # "mxfp4", as openai ships them), dequantized into the model dtype as they load.
+    mxfp4_experts: bool = False
 
     def __post_init__(self) -> None:
         # Relations between sizes; each size alone was checked where it was read.
@@ -196,6 +199,7 @@ class ModelConfig:
             final_logit_softcapping=_softcap(d, "final_logit_softcapping"),
             query_pre_attn_scalar=(None if d.get("query_pre_attn_scalar") is None
                                    else _float(d, "query_pre_attn_scalar", 0.0)),
+            mxfp4_experts=_mxfp4_experts(d, archs[0]),
             **_moe_fields(d, archs[0], num_layers),
         )
 
@@ -294,6 +298,19 @@ MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
 # that states another scoring or selection (DeepSeek's sigmoid, grouped top-k) is refused.
 _ROUTER_FIELDS = {"scoring_func": ("softmax",), "topk_method": ("greedy",),
                   "router_type": ("softmax", "topk")}
+
+
+def _mxfp4_experts(d: dict[str, Any], arch: str) -> bool:
+    """Whether config.json declares MXFP4 experts, which only gpt-oss has (transformers'
+    MXFP4 integration converts GptOssExperts alone). The scheme's other fields are
+    checkpoints/quant_config.py's."""
+    qc = d.get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "mxfp4":
+        return False
+    if arch != "GptOssForCausalLM":
+        raise ValueError(f"quantization_config.quant_method 'mxfp4' is gpt-oss's expert "
+                         f"format; {arch} has no MXFP4 weights Folio can load")
+    return True
 
 
 def _moe_fields(d: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:

@@ -16,10 +16,17 @@ def random_prompts(vocab_size: int, lengths=PROMPT_LENGTHS, seed: int = 0) -> li
 
 
 def load_hf_model(model_dir: str | Path):
+    """float32 on the CPU; a gpt-oss checkpoint with MXFP4 experts dequantized by HF's own
+    MXFP4 integration (tests/fixtures/mxfp4_checkpoints.py)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    from tests.fixtures.mxfp4_checkpoints import declares_mxfp4, load_hf_mxfp4
+
+    if declares_mxfp4(Path(model_dir)):
+        model = load_hf_mxfp4(Path(model_dir))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     # ignore_eos on the server side: HF must not stop at EOS either (min_new_tokens would
     # instead mask EOS out of the argmax, which changes the answer).

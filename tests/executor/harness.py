@@ -90,6 +90,9 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
                              original_max_position_embeddings=64))),
 }
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+# gpt-oss's checkpoint with its experts rewritten as random MXFP4 blocks and scales (conftest's
+# checkpoint_cache; its HF model is HF's own load of the rewritten files).
+MXFP4_ARCH = "gpt_oss_mxfp4"
 
 
 def make_hf_model(arch: str, **overrides):

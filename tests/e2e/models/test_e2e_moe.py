@@ -1,12 +1,14 @@
 """Mixture-of-experts models through the real server equal HF transformers, token for token.
 
-Four tiny random checkpoints (tests/fixtures/checkpoints.py): Mixtral (8 experts, top-2
+Five tiny random checkpoints (tests/fixtures/checkpoints.py): Mixtral (8 experts, top-2
 renormalised), Qwen2-MoE (6 experts, top-2 not renormalised, a gated shared expert),
 Qwen3-MoE (8 experts, top-2 renormalised, one dense layer among the MoE ones via
 mlp_only_layers) and gpt-oss (4 experts, top-2, biased experts with the clamped SwiGLU,
 attention sinks, layers alternating a 16-token window and full attention in two KV groups,
-YaRN over an original context of 64 that the prompts and continuations cross). HF `generate`
-in fp32 on the CPU is the oracle.
+YaRN over an original context of 64 that the prompts and continuations cross), and that
+gpt-oss with its experts as MXFP4 blocks and scales (as openai ships it), which the executor
+dequantizes at load. HF `generate` in fp32 on the CPU is the oracle (for MXFP4, HF's own
+Mxfp4Config(dequantize=True) load of the same files).
 
 Per family, one server with a 32-token step budget (the long prompts are chunked prefills,
 batched with the others' decodes and with sampled requests) and the prefix cache on: greedy is
@@ -33,7 +35,7 @@ pytestmark = pytest.mark.timeout(600)
 RECOMPUTE = ["--preemption-mode", "recompute", "--max-num-batched-tokens", "16"]
 
 
-@pytest.mark.parametrize("arch", [*MOE_ARCHS, "gpt_oss"])
+@pytest.mark.parametrize("arch", [*MOE_ARCHS, "gpt_oss", "gpt_oss_mxfp4"])
 async def test_chunked_batched_prefix_cached_greedy_matches_hf(folio_server, models,  # noqa: F811
                                                                arch):
     checkpoint, hf_model = models(arch)

@@ -1,4 +1,5 @@
-"""Our models against HF transformers, through the paged KV cache and real step plans."""
+"""Our models against HF transformers, through the paged KV cache and real step plans (every
+harness architecture, and gpt-oss with MXFP4 experts against HF's own dequantization of them)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from protos.plan import NewRequest, SamplingSpec
-from tests.executor.harness import ARCHS, PlanDriver, hf_greedy, make_runner
+from tests.executor.harness import ARCHS, MXFP4_ARCH, PlanDriver, hf_greedy, make_runner
 
 PROMPTS = [
     [5, 17, 42, 99, 7, 250, 3],
@@ -18,7 +19,7 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", [*ARCHS, MXFP4_ARCH])
 def test_prefill_logits_match_hf(arch, checkpoint_cache):
     hf_model, model_dir = checkpoint_cache(arch)
     runner = make_runner(model_dir)
@@ -40,7 +41,7 @@ def test_prefill_logits_match_hf(arch, checkpoint_cache):
         start += len(prompt)
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", [*ARCHS, MXFP4_ARCH])
 def test_greedy_generation_matches_hf(arch, checkpoint_cache):
     hf_model, model_dir = checkpoint_cache(arch)
     num_new = 16
