@@ -45,6 +45,7 @@ def convert(gguf_file: Path, out_dir: Path, sha256: str, progress: bool) -> None
     from checkpoints.gguf.hf_tokenizer import write_tokenizer
     from checkpoints.gguf.reader import Metadata, open_gguf
     from checkpoints.gguf.weights import (
+        is_expert,
         kept_quantized,
         plan_tensors,
         write_safetensors,
@@ -65,17 +66,22 @@ def convert(gguf_file: Path, out_dir: Path, sha256: str, progress: bool) -> None
     kept = kept_quantized(plan)
     if kept:
         config["quantization_config"] = {"quant_method": "gguf", "tensor_types": kept}
-    out_bytes = sum(int(t.n_bytes) if name in kept else
-                    int(t.n_elements) * (2 if t.tensor_type == gguf.GGMLQuantizationType.F16
-                                         else 4) for t, name in plan)
+    out_bytes = sum(t.n_bytes if t.name in kept else
+                    t.n_elements * (2 if t.kind == gguf.GGMLQuantizationType.F16 else 4)
+                    for t in plan)
     _check_free_space(gguf_file, out_dir, out_bytes)
-    types = sorted({t.tensor_type.name for t, _ in plan})
+    types = sorted({t.kind.name for t in plan})
+    experts = [t for t in plan if is_expert(t.name)]
+    moe = ({"expert_tensors": len(experts),
+            "expert_out_bytes": sum(t.n_bytes if t.name in kept else 4 * t.n_elements
+                                    for t in experts)} if experts else {})
     log.info("converting GGUF to a checkpoint (once per file; linear weights, embedding and "
-             "LM head of Q8_0/Q4_0/Q4_1/Q4_K/Q6_K stay quantized, the rest is dequantized)",
+             "LM head of Q8_0/Q4_0/Q4_1/Q4_K/Q6_K stay quantized, the rest, MoE experts "
+             "included, is dequantized)",
              file=str(gguf_file), architecture=config["architectures"][0],
              tensors=len(plan), tensor_types=",".join(types), kept_quantized=len(kept),
-             params=sum(int(t.n_elements) for t, _ in plan), out_bytes=out_bytes,
-             out_dir=str(out_dir))
+             params=sum(t.n_elements for t in plan), out_bytes=out_bytes,
+             out_dir=str(out_dir), **moe)
     write_tokenizer(meta, out_dir)
     files = write_safetensors(plan, config, out_dir, progress, kept)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")

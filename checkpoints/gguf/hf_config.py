@@ -20,7 +20,12 @@ states instead:
   HF derives from the two context lengths (a different one becomes attention_factor);
 - Gemma 2 and 3: the soft-capping values, the sliding window, the layer pattern and the RoPE
   bases of the two kinds of layer; what the file does not state takes the default llama.cpp
-  and HF share for the family (each named where it is used).
+  and HF share for the family (each named where it is used);
+- mixture of experts (qwen2moe, qwen3moe, and a llama file with `llama.expert_count` > 0,
+  which is Mixtral): the expert sizes `expert_feed_forward_length` /
+  `expert_shared_feed_forward_length` (transformers ignores both and takes the config class's
+  defaults), absent ones as llama.cpp sizes them; `norm_topk_prob` as llama.cpp's graph for
+  the architecture fixes it (`_moe_fields`).
 """
 
 from __future__ import annotations
@@ -42,8 +47,15 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),  # the text model of a Gemma 3 file
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+MIXTRAL = ("MixtralForCausalLM", "mixtral")  # a llama file with experts
 GEMMA = ("gemma2", "gemma3")
+MOE = ("llama", "qwen2moe", "qwen3moe")  # architectures whose files may hold experts
+# Whether llama.cpp renormalises the top-k router weights (build_moe_ffn's norm_w): fixed by
+# its graph for each architecture, never read from the file. HF's Mixtral always does.
+_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 # Tensors read into config.json, not weights: llama3 scaling's divisors, Phi-3's LongRoPE.
 CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
@@ -57,9 +69,15 @@ _UNSUPPORTED_KEYS = {
     "attention.scale": "a non-default attention scale",
     "attn_logit_softcapping": "attention logit soft-capping",
     "final_logit_softcapping": "final logit soft-capping",
+    # Routers other than a softmax over every expert's logit and a plain top k.
+    "expert_gating_func": "expert gating functions other than softmax (1)",
+    "expert_weights_scale": "scaled expert weights",
+    "expert_group_count": "grouped expert routing",
 }
-# ... except where the family's HF config has the field (read in _gemma_fields).
-_FAMILY_KEYS = {arch: ("attn_logit_softcapping", "final_logit_softcapping") for arch in GEMMA}
+# ... except where the family's HF config has the field (read in _gemma_fields, _moe_fields).
+_FAMILY_KEYS = {**{arch: ("attn_logit_softcapping", "final_logit_softcapping")
+                   for arch in GEMMA},
+                **{arch: ("expert_count",) for arch in MOE}}
 
 
 def architecture(meta: Metadata) -> str:
@@ -108,10 +126,15 @@ def build_config(meta: Metadata, tensor_names: set[str],
         "mlp_bias": False,
         "dtype": "float32",
     }
-    if arch != "qwen2":  # Qwen2 always has q/k/v biases (and no o bias); its config says nothing
-        config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
-    if arch in ("qwen2", "qwen3"):
+    if arch not in ("qwen2", "qwen2moe"):  # Qwen2 always has q/k/v biases (and no o bias); its
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names  # config says nothing
+    if arch in ("qwen2", "qwen3", "qwen2moe", "qwen3moe"):
         config["use_sliding_window"] = False
+    if meta.get(f"{arch}.expert_count"):  # MOE only: refused above for the others
+        _moe_fields(meta, arch, config, tensor_names)
+    elif arch in ("qwen2moe", "qwen3moe"):
+        raise CheckpointError(meta.path, f"metadata {arch}.expert_count is missing; a {arch} "
+                                         "file states how many experts each layer holds")
     if arch == "phi3":
         _phi3_fields(meta, config, config_tensors)
     elif arch in GEMMA:
@@ -123,6 +146,44 @@ def build_config(meta: Metadata, tensor_names: set[str],
         if (token_id := meta.token_id(f"tokenizer.ggml.{key}_token_id")) is not None:
             config[f"{name}_token_id"] = token_id
     return config
+
+
+def _moe_fields(meta: Metadata, arch: str, config: dict[str, Any],
+                tensor_names: set[str]) -> None:
+    """The HF MoE config of a file with experts: Mixtral for llama (experts of
+    feed_forward_length, as llama.cpp sizes them for llama), Qwen2-MoE / Qwen3-MoE with
+    `expert_feed_forward_length` (absent: feed_forward_length / expert_used_count, llama.cpp's
+    default) and Qwen2-MoE's shared expert of `expert_shared_feed_forward_length` (absent:
+    feed_forward_length). llama.cpp runs every layer of these files as a MoE layer."""
+    num_experts = meta.positive_int(f"{arch}.expert_count")
+    top_k = meta.positive_int(f"{arch}.expert_used_count")
+    if top_k > num_experts:
+        raise CheckpointError(meta.path, f"metadata {arch}.expert_used_count ({top_k}) is "
+                                         f"larger than {arch}.expert_count ({num_experts})")
+    norm = meta.get(f"{arch}.expert_weights_norm")
+    if norm is not None and bool(norm) != _NORM_TOPK[arch]:
+        raise CheckpointError(meta.path, f"metadata {arch}.expert_weights_norm = {norm!r}: "
+                                         f"llama.cpp runs {arch} files with "
+                                         f"{_NORM_TOPK[arch]}, and so does Folio")
+    ffn = config["intermediate_size"]
+    del config["mlp_bias"]
+    if arch == "llama":
+        if config.pop("attention_bias"):
+            raise CheckpointError(meta.path, "blk.0.attn_q.bias: a llama file with experts "
+                                             "(Mixtral) has no attention biases in HF's Mixtral")
+        config["architectures"], config["model_type"] = [MIXTRAL[0]], MIXTRAL[1]
+        config |= {"num_local_experts": num_experts, "num_experts_per_tok": top_k}
+        config.setdefault("sliding_window", None)  # MixtralConfig's: full attention
+        return
+    config |= {"num_experts": num_experts, "num_experts_per_tok": top_k,
+               "moe_intermediate_size": meta.positive_int(
+                   f"{arch}.expert_feed_forward_length", max(1, ffn // top_k)),
+               "norm_topk_prob": _NORM_TOPK[arch], "decoder_sparse_step": 1,
+               "mlp_only_layers": []}
+    if arch == "qwen2moe":
+        config["shared_expert_intermediate_size"] = meta.positive_int(
+            f"{arch}.expert_shared_feed_forward_length", ffn)
+        config["qkv_bias"] = "blk.0.attn_q.bias" in tensor_names
 
 
 def _phi3_fields(meta: Metadata, config: dict[str, Any],

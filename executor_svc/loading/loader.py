@@ -330,7 +330,8 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
                         backend=backend or default_backend(), device=device)
         except ValueError as e:  # a value the model class refuses comes from config.json
             raise CheckpointError(model_dir / "config.json", str(e)) from None
-    if qcfg is not None and any(hasattr(m, "checkpoint_parts") for m in model.modules()):
+    if qcfg is not None and any(hasattr(m, "checkpoint_parts") for m in model.modules()) \
+            and not _float_experts_gguf(model, headers, qcfg):
         source = ("the checkpoint's quantization_config" if qcfg.from_checkpoint
                   else f"--quantization {qcfg.scheme}")
         raise CheckpointError(model_dir / "config.json",
@@ -375,6 +376,18 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
              quantization=qcfg.scheme if qcfg is not None else None,
              weight_bytes=model_weight_bytes(model), **moe_facts)
     return model
+
+
+def _float_experts_gguf(model: nn.Module, headers: list[TensorHeader],
+                        qcfg) -> bool:
+    """A converted GGUF file whose raw blocks are all outside the experts (the converter
+    dequantizes expert tensors, checkpoints/gguf/weights.py KEEP_EXPERTS_RAW): its experts
+    load in the model dtype like any MoE checkpoint's, its other layers as GGUF blocks."""
+    if qcfg.scheme != "gguf" or not qcfg.from_checkpoint:
+        return False
+    listed = set(qcfg.tensor_types or {})
+    return not any(_expert_placements(model, h) is not None for h in headers
+                   if h.name in listed)
 
 
 def model_weight_bytes(model: nn.Module) -> int:

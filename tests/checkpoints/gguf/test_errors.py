@@ -76,7 +76,7 @@ def bad_inputs(tmp_path_factory) -> dict[str, BadInput]:
     add("truncated", truncated, "truncated GGUF file")
     add("unknown-architecture", _write_metadata_only(root / "gpt2.gguf", "gpt2"),
         "GGUF architecture 'gpt2' is not supported; supported: gemma2, gemma3, llama, phi3, "
-        "qwen2, qwen3")
+        "qwen2, qwen2moe, qwen3, qwen3moe")
     add("missing-metadata", _write_metadata_only(root / "bare-llama.gguf", "llama"),
         "metadata llama.embedding_length is missing")
     add("unknown-tensor-type",

@@ -1,6 +1,9 @@
 """`folio serve --model tiny.gguf`: the scheduler converts the file once (a subprocess), hands the
 converted directory to its executor child, and the served greedy tokens equal transformers
-loading the same GGUF."""
+loading the same GGUF. The same for a Qwen2-MoE file (merged expert tensors, a shared expert),
+dense layers served as GGUF blocks and experts dequantized at conversion; transformers reads
+no expert sizes from a GGUF, so its oracle gets the original checkpoint's config
+(tests/checkpoints/gguf/test_convert_moe.py)."""
 
 from __future__ import annotations
 
@@ -42,3 +45,17 @@ def test_folio_serve_a_gguf_file(folio_server, folio_cache_dir, gguf_file):
     converted = folio_cache_dir / "gguf" / hashlib.sha256(gguf_file.read_bytes()).hexdigest()
     assert f"args='--model {converted} " in log, log[-3000:]
     assert "Traceback" not in log
+
+
+def test_folio_serve_a_moe_gguf_file(folio_server, tmp_path):
+    hf_dir, gguf_file = make_gguf("qwen2_moe", "Q8_0", tmp_path, expert_type="Q4_0")
+    with folio_server(model=gguf_file, args=["--log-format", "console"]) as server, \
+            FolioClient(server.address, timeout=120) as client:
+        assert client.model_info()["architecture"] == "Qwen2MoeForCausalLM"
+        prompts = [client.tokenize("The harbor was quiet before dawn."),
+                   client.tokenize(messages=[{"role": "user", "content": "Hi there!"}])]
+        served = [client.generate_text(token_ids=p, temperature=0.0, max_tokens=MAX_TOKENS,
+                                       ignore_eos=True).token_ids for p in prompts]
+        log = server.log_tail(1 << 20)
+    assert served == hf_greedy(load_transformers_gguf(gguf_file, hf_dir), prompts, MAX_TOKENS)
+    assert "expert_tensors=36" in log and "Traceback" not in log, log[-3000:]
