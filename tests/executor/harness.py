@@ -255,3 +255,13 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
     ids = out[0, len(prompt):].tolist()
     assert len(ids) == max_new_tokens
     return ids
+
+
+def plain_expert_weights(experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """An `Experts` layer's w13 [E, 2I, H] and w2 [E, H, I], read back from the CPU backend's
+    slabs (kernels.cpu.PackedExperts) where those replaced them."""
+    packed = getattr(experts, "packed", None)
+    if packed is None:
+        return experts.w13, experts.w2
+    plain = [packed.expert(e) for e in range(packed.num_experts)]
+    return torch.stack([p[0] for p in plain]), torch.stack([p[1] for p in plain])

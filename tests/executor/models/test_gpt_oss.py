@@ -19,7 +19,7 @@ from checkpoints.files import CheckpointError
 from executor_svc.loading.loader import effective_max_model_len, load_model
 from executor_svc.loading.model_config import ModelConfig
 from executor_svc.models.gpt_oss import GptOssExperts, GptOssRouter
-from tests.executor.harness import PlanDriver, make_runner
+from tests.executor.harness import PlanDriver, make_runner, plain_expert_weights
 from tests.executor.models.test_moe import _edit_config, _edit_tensors
 
 CPU = torch.device("cpu")
@@ -128,10 +128,7 @@ def test_experts_are_deinterleaved_at_load(checkpoint_cache):
     hf = hf_model.model.layers[1].mlp.experts
     assert isinstance(experts, GptOssExperts)
     inter = hf.intermediate_size
-    w13, w2 = experts.w13, experts.w2
-    if hasattr(experts, "packed"):  # the CPU backend's slabs replaced them
-        plain = [experts.packed.expert(e) for e in range(experts.num_experts)]
-        w13, w2 = torch.stack([p[0] for p in plain]), torch.stack([p[1] for p in plain])
+    w13, w2 = plain_expert_weights(experts)
     gate_up = hf.gate_up_proj.detach()  # [E, hidden, 2I], gate/up interleaved
     assert torch.equal(w13[:, :inter], gate_up[..., 0::2].transpose(1, 2))
     assert torch.equal(w13[:, inter:], gate_up[..., 1::2].transpose(1, 2))
