@@ -261,11 +261,3 @@ def test_mxfp4_checkpoint_is_refused_naming_the_field(checkpoint_cache, tmp_path
     assert "Mxfp4Config(dequantize=True)" in message and "\n" not in message
     assert json.loads((broken / "config.json").read_text())["architectures"] == [
         "GptOssForCausalLM"]
-
-
-def test_quantization_flag_is_refused(checkpoint_cache):
-    _, model_dir = checkpoint_cache("gpt_oss")
-    with pytest.raises(CheckpointError, match=r"--quantization int8: quantized "
-                                              r"mixture-of-experts weights are not supported"):
-        load_model(model_dir, dtype=torch.float32, device=CPU, max_model_len=64,
-                   quantization="int8")
