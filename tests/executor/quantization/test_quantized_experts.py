@@ -8,8 +8,10 @@
   weights equal the fixture's own reading of the files), names a missing one by its
   checkpoint name, and refuses a GGUF MoE file.
 - Whole models greedy through the paged runner, token for token against HF transformers on
-  the dequantized weights, prefill logits close; TP = 2 equals TP = 1 for int8 experts.
+  the dequantized weights, prefill logits close; TP = 2 equals TP = 1 (int8 experts, a GPTQ
+  act-order checkpoint).
 - Memory: int8 experts take about a quarter of fp32's bytes in the "model loaded" line.
+- The GPU path (Triton launchers) in Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -258,30 +260,37 @@ def _gpt_oss_dequantized(model_dir: Path, scheme: str) -> Path:
     return model_dir
 
 
-def _int8_rank(rank: int, model_dir: str, out_dir: str) -> None:
+def _tp_rank(rank: int, model_dir: str, flag: str | None, out_dir: str) -> None:
     from tests.executor.parallel.test_tp_model import greedy_run
 
-    result = greedy_run(Path(model_dir), quantization="int8")
+    result = greedy_run(Path(model_dir), quantization=flag)
     if rank == 0:
         torch.save(result, Path(out_dir) / "tp2.pt")
 
 
-def test_int8_experts_tp2_equal_tp1(tmp_path):
-    """Each rank quantizes its slice of every expert; down's absmax is max-reduced over the
-    ranks, so TP = 2 holds the TP = 1 int8 experts and gives its tokens and logits."""
+@pytest.mark.parametrize("kind", ["int8", "gptq"])
+def test_experts_tp2_equal_tp1(kind, tmp_path):
+    """int8 at load: each rank quantizes its slice of every expert, down's absmax max-reduced
+    over the ranks. A GPTQ act-order checkpoint: each rank reads its columns of gate|up and its
+    rows of down (and of g_idx) per expert. Either way TP = 2 holds the TP = 1 experts and
+    gives its tokens and logits."""
     from tests.executor.parallel.test_tp_model import greedy_run
     from tests.executor.parallel.tp_procs import run_ranks
 
     model_dir = save_checkpoint(make_hf_model("qwen2_moe"), tmp_path / "ckpt")
-    expected = greedy_run(model_dir, quantization="int8")
-    run_ranks(_int8_rank, 2, str(model_dir), str(tmp_path))
+    flag = "int8" if kind == "int8" else None
+    if kind == "gptq":
+        model_dir, _ = _written("gptq", model_dir, tmp_path)
+    expected = greedy_run(model_dir, quantization=flag)
+    run_ranks(_tp_rank, 2, str(model_dir), flag, str(tmp_path))
     got = torch.load(tmp_path / "tp2.pt")
     assert got["tokens"] == expected["tokens"]
     for a, b in zip(got["logits"], expected["logits"], strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    plain = greedy_run(model_dir)  # the int8 model is not the float one
-    assert any(not torch.allclose(a, b, atol=1e-5, rtol=1e-5)
-               for a, b in zip(plain["logits"], expected["logits"], strict=True))
+    if kind == "int8":  # the int8 model is not the float one
+        plain = greedy_run(model_dir)
+        assert any(not torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+                   for a, b in zip(plain["logits"], expected["logits"], strict=True))
 
 
 def test_int8_experts_take_a_quarter_of_fp32_bytes(float_dirs):
@@ -298,3 +307,48 @@ def test_int8_experts_take_a_quarter_of_fp32_bytes(float_dirs):
     # One byte a weight, plus an fp32 scale per row (and the skinny slabs' padding to 16).
     assert num <= lines["int8"]["expert_bytes"] <= 1.1 * num, lines
     assert lines["int8"]["weight_bytes"] < lines[None]["weight_bytes"]
+
+
+TRITON_SCRIPT = r"""
+import json
+import torch
+from executor_svc.quantization.methods import METHODS
+from executor_svc.quantization.experts import QuantizedExperts, dequantized_experts
+from kernels import twins
+from tests.executor.quantization.test_quantized_experts import _random_fused_moe, _routings
+
+errors = {}
+for scheme in ("int8", "fp8"):
+    layer = _random_fused_moe(6, 32, 16)
+    layer.method = QuantizedExperts(METHODS[scheme]())
+    with torch.no_grad():
+        layer.method.process_weights(layer)
+    assert all(layer.expert(e).down_proj.qweight.numel() for e in range(6))  # no CPU slabs
+    w13, w2 = dequantized_experts(layer)
+    for name, weights, ids in _routings(5, 6, 2, seed=3):
+        x = torch.randn(ids.shape[0], 32)
+        with torch.no_grad():
+            got = layer(x, weights, ids)
+        want = twins.fused_moe(x, w13, w2, weights, ids)
+        errors[f"{scheme}-{name}"] = (got - want).abs().max().item()
+print(json.dumps(errors))
+"""
+
+
+def test_quantized_experts_through_the_triton_launchers(tmp_path):
+    """The GPU path (w8a16_linear's Triton kernel per expert), in Triton's interpreter: a fresh
+    process, since `kernels` reads FOLIO_KERNELS at import."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "FOLIO_KERNELS": "triton", "TRITON_INTERPRET": "1",
+           "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    errors = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(errors) == 6 and max(errors.values()) < 1e-5, errors
