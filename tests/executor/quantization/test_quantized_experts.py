@@ -65,22 +65,29 @@ def _routings(num_tokens: int, num_experts: int, top_k: int, seed: int):
         yield name, weights, ids
 
 
-def _assert_equals_twin(layer: Experts, hidden: int, seed: int = 0) -> None:
+def _assert_equals_twin(layer: Experts, hidden: int, seed: int = 0,
+                        dtype: torch.dtype = torch.float32) -> None:
+    """fp32: equal up to float rounding. bf16: the twin is fp32 throughout, the layer rounds
+    gate|up's output and the activation to bf16 (as a dense quantized MLP does)."""
     gen = torch.Generator().manual_seed(seed)
     w13, w2 = dequantized_experts(layer)
     top_k = 2
     for name, weights, ids in _routings(11, layer.num_experts, top_k, seed):
-        x = torch.randn(ids.shape[0], hidden, generator=gen)
+        x = torch.randn(ids.shape[0], hidden, generator=gen).to(dtype)
         with torch.no_grad():
             got = layer(x, weights, ids)
         expected = twins.fused_moe(x, w13, w2, weights, ids, **layer.moe_options())
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=lambda m, n=name:
-                                   f"{n}: {m}")
+        assert got.dtype == dtype
+        # bf16: a few roundings of 2^-9 each, against the output's scale.
+        atol = 1e-5 if dtype == torch.float32 else 2**-5 * float(expected.abs().max())
+        torch.testing.assert_close(got, expected, atol=atol, rtol=1e-5 if atol < 1e-4 else 0,
+                                   msg=lambda m, n=name: f"{n}: {m}")
 
 
-def _random_fused_moe(num_experts: int, hidden: int, intermediate: int) -> FusedMoE:
+def _random_fused_moe(num_experts: int, hidden: int, intermediate: int,
+                      dtype: torch.dtype = torch.float32) -> FusedMoE:
     torch.manual_seed(1)
-    layer = FusedMoE(num_experts, hidden, intermediate, torch.float32)
+    layer = FusedMoE(num_experts, hidden, intermediate, dtype)
     with torch.no_grad():
         layer.w13.normal_(0, 0.3)
         layer.w2.normal_(0, 0.3)
@@ -88,10 +95,11 @@ def _random_fused_moe(num_experts: int, hidden: int, intermediate: int) -> Fused
     return layer
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])
-def test_quantized_at_load_equals_the_twin(scheme):
-    layer = _random_fused_moe(8, 40, 24)
-    plain13, plain2 = layer.w13.detach().clone(), layer.w2.detach().clone()
+def test_quantized_at_load_equals_the_twin(scheme, dtype):
+    layer = _random_fused_moe(8, 40, 24, dtype)
+    plain13, plain2 = layer.w13.detach().float(), layer.w2.detach().float()
     layer.method = QuantizedExperts(METHODS[scheme]())
     with torch.no_grad():
         layer.method.process_weights(layer)
@@ -103,7 +111,7 @@ def test_quantized_at_load_equals_the_twin(scheme):
         bound = step / 2 if scheme == "int8" else plain.abs() * 2**-4 + step * 2**-9
         assert ((deq - plain).abs() <= bound + 1e-7).all()
         assert not torch.equal(deq, plain)
-    _assert_equals_twin(layer, 40)
+    _assert_equals_twin(layer, 40, dtype=dtype)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])
