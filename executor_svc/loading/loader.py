@@ -20,6 +20,8 @@ own tensors (`checkpoint_placements`: one per expert and projection, or transfor
 3-D ones); its shards are named by the per-expert tensors, so a missing expert is reported by its name.
 gpt-oss's MXFP4 experts load as their uint8 blocks and scales and are dequantized by the layer's
 `finish_loading` (models/gpt_oss.py); no linear layer is quantized for them.
+Experts a quantized checkpoint stores quantized load into one linear per expert and projection
+(executor_svc/quantization/experts.py), each tensor placed by name like a fused projection's.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from executor_svc.models import model_class
 from executor_svc.models.linear import TiedHead, cpu_linear_method, use_linear_method
 from executor_svc.models.moe import Experts, PackedCpuExperts, use_experts_method
 from executor_svc.models.parallel import WeightShard, prefused_shard, replicated
+from executor_svc.quantization.experts import prepare_expert_linears
 from executor_svc.quantization.gguf_loading import gguf_weight_shard, prepare_gguf_params
 from executor_svc.quantization.loading import (
     check_header_dtype,
@@ -83,7 +86,12 @@ def checkpoint_targets(model: nn.Module, name: str,
                        packed: dict[str, tuple[str, ...]]) -> list[tuple[str, int | None]]:
     """The (parameter, fused shard id) pairs checkpoint tensor `name` fills: itself (shard
     None), one part of a fused projection ('a.k_proj.weight' -> ('a.qkv_proj.weight', 1)), or,
-    when it names a fused projection's parameter itself, every part of it."""
+    when it names a fused projection's parameter itself, every part of it. An expert's tensor
+    of a MoE layer in its per-expert form (quantized experts) goes where the layer says
+    (`Experts.linear_target`); ValueError for an expert past the configured count."""
+    expert = _expert_linear_target(model, name)
+    if expert is not None:
+        return [expert]
     target = _fused_target(name, packed)
     if target is not None:
         return [target]
@@ -95,6 +103,23 @@ def checkpoint_targets(model: nn.Module, name: str,
     if sizes:
         return [(name, shard_id) for shard_id in range(len(sizes))]
     return [(name, None)]
+
+
+def _expert_linear_target(model: nn.Module, name: str) -> tuple[str, int | None] | None:
+    match = _EXPERTS.fullmatch(name)
+    if match is None:
+        return None
+    try:
+        owner = model.get_submodule(match.group(1))
+    except AttributeError:
+        return None
+    if not getattr(owner, "has_expert_linears", False):
+        return None
+    try:
+        target = owner.linear_target(match.group(2))
+    except ValueError as e:
+        raise ValueError(f"checkpoint tensor {name}: {e}") from None
+    return None if target is None else (f"{match.group(1)}.{target[0]}", target[1])
 
 
 @dataclass(frozen=True)
@@ -186,12 +211,24 @@ def plan_weights(model: nn.Module, headers: list[TensorHeader],
                                         "needs the quantization_config they were written "
                                         "with" if packed else ""))
     if todo:
-        missing = sorted(p if s is None else s if isinstance(s, str) else f"{p} (shard {s})"
-                         for p, s in todo)
+        missing = sorted(_missing_name(model, p, s) for p, s in todo)
         raise CheckpointError(where, f"checkpoint lacks tensors for {len(missing)} parameter(s) "
                                      f"of {type(model).__name__}: {', '.join(missing[:10])}"
                                      + (" ..." if len(missing) > 10 else ""))
     return placements
+
+
+def _missing_name(model: nn.Module, pname: str, shard: int | str | None) -> str:
+    """How a parameter (shard) no checkpoint tensor filled is reported: a FusedMoE's label, or
+    the checkpoint's tensor name where the layer knows it (`checkpoint_names`: a MoE expert's
+    linears), else the parameter and its fused shard."""
+    if isinstance(shard, str):
+        return shard
+    module_name, _, param_name = pname.rpartition(".")
+    names = getattr(model.get_submodule(module_name), "checkpoint_names", None)
+    if names is not None:
+        return f"{module_name.rpartition('.')[0]}.{names[shard or 0]}.{param_name}"
+    return pname if shard is None else f"{pname} (shard {shard})"
 
 
 _EXPERTS = re.compile(r"(.+\.experts)\.(.+)")
@@ -199,9 +236,10 @@ _EXPERTS = re.compile(r"(.+\.experts)\.(.+)")
 
 def _expert_placements(model: nn.Module, header: TensorHeader
                        ) -> list[tuple[str, list[str], WeightShard]] | None:
-    """None when `header` is no tensor of a FusedMoE's (models/moe.py), else where it goes:
-    (parameter, the per-expert labels it fills, shard) entries, empty when the experts module
-    has no place for it. An expert past the configured count is a CheckpointError."""
+    """None when `header` is no tensor of a stacked-form `Experts` layer's (models/moe.py),
+    else where it goes: (parameter, the per-expert labels it fills, shard) entries, empty when
+    the experts module has no place for it. An expert past the configured count is a
+    CheckpointError. A layer in its per-expert form holds linears, placed by name."""
     match = _EXPERTS.fullmatch(header.name)
     if match is None:
         return None
@@ -209,7 +247,7 @@ def _expert_placements(model: nn.Module, header: TensorHeader
         owner = model.get_submodule(match.group(1))
     except AttributeError:
         return None
-    if not hasattr(owner, "checkpoint_placements"):
+    if not hasattr(owner, "checkpoint_placements") or owner.has_expert_linears:
         return None
     try:
         entries = owner.checkpoint_placements(match.group(2))
@@ -330,19 +368,20 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
                         backend=backend or default_backend(), device=device)
         except ValueError as e:  # a value the model class refuses comes from config.json
             raise CheckpointError(model_dir / "config.json", str(e)) from None
-    if qcfg is not None and any(hasattr(m, "checkpoint_parts") for m in model.modules()) \
-            and not _float_experts_gguf(model, headers, qcfg):
-        source = ("the checkpoint's quantization_config" if qcfg.from_checkpoint
-                  else f"--quantization {qcfg.scheme}")
+    if (qcfg is not None and qcfg.scheme == "gguf"
+            and any(isinstance(m, Experts) for m in model.modules())
+            and not _float_experts_gguf(model, headers, qcfg)):
         raise CheckpointError(model_dir / "config.json",
-                              f"{source}: quantized mixture-of-experts weights are not "
-                              f"supported yet ({cfg.architecture}'s experts are served in "
-                              "the model dtype only); serve it without --quantization")
+                              f"quantization_config gguf: GGUF files of mixture-of-experts "
+                              f"models ({cfg.architecture}) are not supported; serve the HF "
+                              "checkpoint (optionally with --quantization int8 or fp8)")
     if qcfg is not None and qcfg.from_checkpoint:
         packed = getattr(model, "packed_modules", {})
-        targets = [(pname, shard_id, h) for h in headers
-                   for pname, shard_id in checkpoint_targets(model, h.name, packed)]
         try:
+            if qcfg.scheme != "gguf":  # experts stored quantized: one linear per projection
+                prepare_expert_linears(model, headers)
+            targets = [(pname, shard_id, h) for h in headers
+                       for pname, shard_id in checkpoint_targets(model, h.name, packed)]
             if qcfg.scheme == "gguf":
                 types = qcfg.tensor_types or {}
                 if num_layers is not None:  # a cut copy: the layers kept

@@ -19,6 +19,12 @@ and projection (``experts.N.gate_proj/up_proj/down_proj.weight``, Mixtral's ``ex
 w2.weight``; what transformers 5.24's save_pretrained writes for all three families), or the
 stacked 3-D tensors of transformers 5's own modules (``experts.gate_up_proj`` [E, 2I, hidden],
 gate rows first, and ``experts.down_proj`` [E, hidden, I]). Each rank reads only its slices.
+
+Quantized experts (executor_svc/quantization/experts.py) use the layer's second form, one
+`ExpertLinears` per expert (submodules ``"0"``, ``"1"``, ...: ``experts.N.gate_up_proj`` and
+``experts.N.down_proj``), so every quantized linear method serves an expert as it serves a
+dense MLP, and a quantized checkpoint's per-expert tensors (``experts.N.gate_proj.qweight``,
+``experts.N.w2.weight_scale``...) load by name like any fused projection's (`linear_target`).
 """
 
 from __future__ import annotations
@@ -34,7 +40,11 @@ import kernels.cpu
 from executor_svc.loading.model_config import ModelConfig
 from executor_svc.models.layers import GatedMLP
 from executor_svc.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from executor_svc.models.parallel import WeightShard
+from executor_svc.models.parallel import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    WeightShard,
+)
 from executor_svc.parallel import distributed
 from kernels import fused_moe, silu_and_mul
 
@@ -43,6 +53,7 @@ QWEN_EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL_EXPERT_PARTS = ("w1", "w3", "w2")
 
 _PER_EXPERT = re.compile(r"(\d+)\.(\w+)\.weight")
+_PER_EXPERT_TENSOR = re.compile(r"(\d+)\.(\w+)\.(\w+)")
 
 
 class ReplicatedLinear(nn.Module):
@@ -81,12 +92,12 @@ class TopKRouter(ReplicatedLinear):
 
 class ExpertsMethod(Protocol):
     """How an `Experts` layer's weights are stored and multiplied, like models/linear.py's
-    `LinearMethod` for a projection: `DENSE_EXPERTS` (the model dtype) or one of
-    executor_svc/quantization's expert methods."""
+    `LinearMethod` for a projection: `DENSE_EXPERTS` (the stacked form, in the model dtype)
+    or executor_svc/quantization/experts.py's `QuantizedExperts` (the per-expert form)."""
 
     def process_weights(self, layer: Experts) -> None:
-        """Called once after the weights are loaded (and `finish_loading`); may replace
-        ``layer.w13``/``layer.w2`` with a quantized form."""
+        """Called once after the weights are loaded (and `finish_loading`); may turn the
+        layer into its per-expert form and quantize it."""
 
     def apply(self, layer: Experts, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
@@ -137,16 +148,38 @@ def use_experts_method(model: nn.Module, method: ExpertsMethod) -> int:
     return len(layers)
 
 
+class ExpertLinears(nn.Module):
+    """One expert's SwiGLU projections as the per-expert form of an `Experts` layer holds them:
+    ``gate_up_proj`` (gate rows, then up rows: w13[e]) and ``down_proj`` (w2[e]), the
+    tensor-parallel layers of a dense MLP, so each rank holds the same slices the stacked form
+    does and a row-parallel quantizer reduces down's absmax over the ranks. No biases: gpt-oss's
+    stay with its `Experts` layer (`moe_options`). `checkpoint_names` are the checkpoint's
+    names of each layer's parts, which a missing tensor is reported by."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 part_names: tuple[str, str, str]):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
+                                                       False, dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, dtype)
+        self.gate_up_proj.checkpoint_names = part_names[:2]
+        self.down_proj.checkpoint_names = part_names[2:]
+
+
 class Experts(nn.Module):
-    """Every expert of one MoE layer as two stacked matrices, once loaded: w13 [E, 2I/tp,
+    """Every expert of one MoE layer, in one of two forms. Stacked (as built): w13 [E, 2I/tp,
     hidden] (gate rows, then up rows) and w2 [E, hidden, I/tp], the layout `kernels.fused_moe`
-    takes. `forward` returns this rank's partial sum, which the caller all-reduces; its
-    `method` decides how the matrices are stored and multiplied."""
+    takes. Per expert (`use_expert_linears`; quantized experts): submodule ``str(e)`` is expert
+    e's `ExpertLinears` and w13/w2 are gone. `forward` returns this rank's partial sum, which
+    the caller all-reduces; its `method` decides how the weights are stored and multiplied,
+    and must suit the form (`DENSE_EXPERTS` the stacked one)."""
 
     method: ExpertsMethod = DENSE_EXPERTS
     num_experts: int
     hidden_size: int
     intermediate_size: int  # per expert, whole (every rank holds intermediate_size / tp)
+    part_names: tuple[str, str, str] = QWEN_EXPERT_PARTS
+    has_expert_linears = False
     w13: torch.Tensor
     w2: torch.Tensor
 
@@ -157,6 +190,32 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, topk_weights, topk_ids)  # [T, hidden]
+
+    def use_expert_linears(self) -> None:
+        """Stacked form -> per-expert form. Loaded values are handed over as views of the
+        stacked tensors (each linear's method then quantizes and releases its own); on the meta
+        device the linears stay unallocated, for the loader to fill from the checkpoint."""
+        w13, w2 = self.w13.data, self.w2.data
+        for expert in range(self.num_experts):
+            with torch.device("meta"):
+                linears = ExpertLinears(self.hidden_size, self.intermediate_size, w13.dtype,
+                                        self.part_names)
+            if not w13.is_meta:
+                linears.gate_up_proj.weight = nn.Parameter(w13[expert], requires_grad=False)
+                linears.down_proj.weight = nn.Parameter(w2[expert], requires_grad=False)
+            self.add_module(str(expert), linears)
+        del self.w13, self.w2
+        self.has_expert_linears = True
+
+    def expert(self, index: int) -> ExpertLinears:
+        """Expert `index`'s linears (the per-expert form)."""
+        return self._modules[str(index)]  # type: ignore[return-value]
+
+    def linear_target(self, key: str) -> tuple[str, int | None] | None:
+        """Where a per-expert checkpoint tensor `key` (relative to this module) goes in the
+        per-expert form: (parameter relative to this module, fused shard id); None when the
+        checkpoint names no expert tensors of its own (gpt-oss stores only 3-D ones)."""
+        return None
 
 
 class FusedMoE(Experts):
@@ -187,10 +246,30 @@ class FusedMoE(Experts):
             return [f"{e}.{part}.weight" for e in range(self.num_experts) for part in (gate, up)]
         return [f"{e}.{down}.weight" for e in range(self.num_experts)]
 
+    def linear_target(self, key: str) -> tuple[str, int | None] | None:
+        """``N.<gate>.<param>`` -> (``N.gate_up_proj.<param>``, 0), up -> shard 1, down ->
+        (``N.down_proj.<param>``, None). ValueError for an expert index past the configured
+        count."""
+        match = _PER_EXPERT_TENSOR.fullmatch(key)
+        if match is None or match.group(2) not in self.part_names:
+            return None
+        expert, part = self._expert_index(match.group(1)), self.part_names.index(match.group(2))
+        if part == 2:
+            return f"{expert}.down_proj.{match.group(3)}", None
+        return f"{expert}.gate_up_proj.{match.group(3)}", part
+
+    def _expert_index(self, text: str) -> int:
+        expert = int(text)
+        if expert >= self.num_experts:
+            raise ValueError(f"expert {expert} is past the {self.num_experts} experts "
+                             "config.json states (num_experts / num_local_experts)")
+        return expert
+
     def checkpoint_placements(self, key: str) -> list[tuple[str, list[str], WeightShard]] | None:
-        """Where checkpoint tensor `key` (relative to this module) goes on this rank:
-        (parameter, the labels it fills, shard) entries; None when it is no tensor of an
-        expert. ValueError for an expert index past the configured count."""
+        """Where checkpoint tensor `key` (relative to this module) goes on this rank in the
+        stacked form: (parameter, the labels it fills, shard) entries; None when it is no
+        tensor of an expert. ValueError for an expert index past the configured count. (The
+        per-expert form's linears load by name: `linear_target`.)"""
         n, il = self.intermediate_size, self.local_intermediate
         start = self.tp_rank * il
         e_count, hidden = self.num_experts, self.hidden_size
@@ -204,10 +283,7 @@ class FusedMoE(Experts):
         match = _PER_EXPERT.fullmatch(key)
         if match is None or match.group(2) not in self.part_names:
             return None
-        expert, part = int(match.group(1)), self.part_names.index(match.group(2))
-        if expert >= e_count:
-            raise ValueError(f"expert {expert} is past the {e_count} experts config.json "
-                             "states (num_experts / num_local_experts)")
+        expert, part = self._expert_index(match.group(1)), self.part_names.index(match.group(2))
         if part == 2:  # down [hidden, I]: this rank's columns
             return [("w2", [key], WeightShard((hidden, n), 1, start, il, 0, expert=expert))]
         return [("w13", [key], WeightShard((n, hidden), 0, start, il, part * il,

@@ -23,8 +23,10 @@ from torch import nn
 from checkpoints.files import PACKED_DTYPES, CheckpointError, TensorHeader
 from checkpoints.quant_config import QuantConfig
 from executor_svc.models.linear import Linear, TiedHead
+from executor_svc.models.moe import Experts
 from executor_svc.models.parallel import WeightShard
 from executor_svc.quantization import gptq
+from executor_svc.quantization.experts import QuantizedExperts
 from executor_svc.quantization.gguf_loading import TiedGgufWeights, check_raw_header
 from executor_svc.quantization.methods import make_method
 
@@ -137,23 +139,31 @@ def check_header_dtype(header: TensorHeader, param: torch.Tensor) -> None:
 def quantize_model(model: nn.Module, qcfg: QuantConfig) -> int:
     """Give the linear layers the scheme's method and let it quantize them (not the LM head,
     kept in the model dtype), or take the checkpoint's quantized weights, and only those (the
-    LM head's too, and a tied head's where the embedding is stored as GGUF blocks); returns
-    how many layers are quantized."""
+    LM head's too, and a tied head's where the embedding is stored as GGUF blocks); the same
+    for the mixture-of-experts layers' experts (quantization/experts.py: quantized at load, or
+    those a quantized checkpoint stores quantized). Returns how many layers are quantized."""
     method = make_method(qcfg)
     lm_head = getattr(model, "lm_head", None)
     layers: list = [m for m in model.modules() if isinstance(m, Linear)
                     and (m is not lm_head or qcfg.from_checkpoint)]
     if qcfg.from_checkpoint:
         layers = [m for m in layers if method.holds(m)]
+    # Quantized at load: every layer's experts. From a checkpoint: the layers it stores
+    # quantized, already in their per-expert form, whose linears are among `layers`.
+    experts = [m for m in model.modules() if isinstance(m, Experts)
+               and (m.has_expert_linears or not qcfg.from_checkpoint)]
     with torch.no_grad():
         for layer in layers:
             layer.method = method
             method.process_weights(layer)
+        for moe in experts:
+            moe.method = QuantizedExperts(method)
+            moe.method.process_weights(moe)
         tied = TiedGgufWeights()
         if qcfg.scheme == "gguf" and isinstance(lm_head, TiedHead) and tied.holds(lm_head):
             lm_head.method = tied
             tied.process_weights(lm_head)
             layers.append(lm_head)
     log.info("linear layers quantized", scheme=qcfg.scheme, layers=len(layers),
-             from_checkpoint=qcfg.from_checkpoint)
+             expert_layers=len(experts), from_checkpoint=qcfg.from_checkpoint)
     return len(layers)

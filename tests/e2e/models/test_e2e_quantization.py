@@ -1,5 +1,6 @@
 """Quantized models through the real server (CPU): `folio serve --quantization int8|fp8`, and
-fp8, GPTQ (act order) and AWQ checkpoints loaded as they are.
+fp8, GPTQ (act order) and AWQ checkpoints loaded as they are; dense and mixture-of-experts
+families (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert), every expert quantized.
 
 A quantized model is a deterministic function of its quantized weights, so its oracle is HF
 transformers serving the dequantized weights (tests/fixtures/quant_checkpoints.py) in fp32: greedy
@@ -38,23 +39,39 @@ CASES = {
     # Gemma: GeGLU, four (1 + w) norms per layer, sliding windows and softcaps.
     "gemma2-int8": ("gemma2", "int8", None),
     "gemma3-fp8-ckpt-channel": ("gemma3", None, ("fp8", True, False)),
+    # Mixture of experts: every expert quantized (executor_svc/quantization/experts.py).
+    "qwen3_moe-int8": ("qwen3_moe", "int8", None),
+    "qwen3_moe-fp8": ("qwen3_moe", "fp8", None),
+    "mixtral-int8": ("mixtral", "int8", None),
+    "mixtral-fp8": ("mixtral", "fp8", None),
+    "qwen2_moe-fp8-ckpt-tensor": ("qwen2_moe", None, ("fp8", False, False)),
+    "mixtral-gptq-act-order": ("mixtral", None, ("gptq", True)),
+    "qwen3_moe-awq": ("qwen3_moe", None, ("awq",)),
 }
+# Server runs kept in the default tier; the others are slow (CI time): the executor-level
+# tests (tests/executor/quantization/) cover their layers and whole models.
+FAST = {"llama2-int8", "llama2-fp8", "qwen2-int8", "qwen2-fp8-ckpt-tensor",
+        "llama3-fp8-ckpt-channel", "llama2-gptq-act-order", "qwen2-gptq", "qwen2-awq",
+        "qwen3_moe-int8"}
 # Measured on these checkpoints and prompts (mean common-prefix share of 32 tokens):
 # llama2-int8 0.646, llama2-fp8 0.047, qwen2-int8 1.000, qwen2 fp8 checkpoint 0.359, llama3
 # fp8 checkpoint 0.557, 4-bit RTN group 16: llama2 GPTQ act order 0.036, qwen2 GPTQ 0.188,
-# qwen2 AWQ 0.151, gemma2 int8 0.870, gemma3 fp8 checkpoint (per channel) 0.203. Random
+# qwen2 AWQ 0.151, gemma2 int8 0.870, gemma3 fp8 checkpoint (per channel) 0.203; MoE:
+# qwen3_moe int8 0.750, fp8 0.177, mixtral int8 0.266, fp8 0.057, qwen2_moe fp8 checkpoint
+# (per tensor) 0.495, mixtral GPTQ act order 0.021, qwen3_moe AWQ 0.047. Random
 # tiny models have nearly tied logits, so fp8's 3-bit mantissa flips an early argmax often; the floors sit below the measurements (other CPUs round
 # differently) and catch a model that has lost its weights (agreement ~0).
 AGREEMENT_FLOOR = {"llama2-int8": 0.5, "llama2-fp8": 0.02, "qwen2-int8": 0.8,
                    "qwen2-fp8-ckpt-tensor": 0.25, "llama3-fp8-ckpt-channel": 0.4,
                    "llama2-gptq-act-order": 0.02, "qwen2-gptq": 0.1, "qwen2-awq": 0.08,
-                   "gemma2-int8": 0.6, "gemma3-fp8-ckpt-channel": 0.1}
+                   "gemma2-int8": 0.6, "gemma3-fp8-ckpt-channel": 0.1,
+                   "qwen3_moe-int8": 0.5, "qwen3_moe-fp8": 0.08, "mixtral-int8": 0.12,
+                   "mixtral-fp8": 0.02, "qwen2_moe-fp8-ckpt-tensor": 0.25,
+                   "mixtral-gptq-act-order": 0.01, "qwen3_moe-awq": 0.02}
 
 
-# Gemma's cases are slow (CI time); the executor-level quantization tests cover their layers.
 @pytest.fixture(scope="module", params=[
-    pytest.param(name, marks=pytest.mark.slow) if name.startswith("gemma") else name
-    for name in CASES])
+    name if name in FAST else pytest.param(name, marks=pytest.mark.slow) for name in CASES])
 def case(request, tmp_path_factory):
     arch, flag, written = CASES[request.param]
     root = tmp_path_factory.mktemp(request.param)

@@ -250,9 +250,3 @@ def test_wrong_expert_count_is_named(checkpoint_cache, tmp_path):
         load_model(broken, dtype=torch.float32, device=CPU, max_model_len=64)
 
 
-def test_quantization_flag_is_refused(checkpoint_cache):
-    _, model_dir = checkpoint_cache("gpt_oss")
-    with pytest.raises(CheckpointError, match=r"--quantization int8: quantized "
-                                              r"mixture-of-experts weights are not supported"):
-        load_model(model_dir, dtype=torch.float32, device=CPU, max_model_len=64,
-                   quantization="int8")

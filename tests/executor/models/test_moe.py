@@ -1,8 +1,8 @@
 """Mixture-of-experts specifics (the families themselves run against HF in test_models.py and
 test_tp_model.py): the stacked 3-D expert layout of transformers 5's modules loads to the same
 model as the per-expert tensors save_pretrained writes; the router's ties; malformed
-checkpoints and configs refused with one line naming the tensor or field; quantized experts
-refused naming --quantization."""
+checkpoints and configs refused with one line naming the tensor or field. Quantized experts:
+tests/executor/quantization/test_quantized_experts.py."""
 
 from __future__ import annotations
 
@@ -206,14 +206,6 @@ def test_tensor_parallel_must_divide_the_expert_sizes():
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 4 does not divide "
                                          r"moe_intermediate_size 30 \(30 % 4 = 2\)"):
         check_tensor_parallel(cfg, 4)
-
-
-def test_quantized_experts_are_refused_naming_the_flag(checkpoint_cache):
-    _, model_dir = checkpoint_cache("qwen3_moe")
-    with pytest.raises(CheckpointError, match=r"--quantization int8: quantized "
-                                              r"mixture-of-experts weights are not supported"):
-        load_model(model_dir, dtype=torch.float32, device=CPU, max_model_len=64,
-                   quantization="int8")
 
 
 @pytest.mark.parametrize("arch, overrides", [

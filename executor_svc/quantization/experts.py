@@ -1,0 +1,138 @@
+"""Quantized mixture-of-experts layers: every expert's projections as quantized linears.
+
+A quantized `Experts` layer (models/moe.py) holds its per-expert form: expert e's gate|up and
+down are a `MergedColumnParallelLinear` and a `RowParallelLinear` (``experts.e.gate_up_proj``,
+``experts.e.down_proj``) whose `LinearMethod` is the scheme's own (quantization/methods.py:
+int8 and fp8 weight-only with the CPU's fused slabs, GPTQ/AWQ's grouped weights). Nothing
+about the schemes is written twice: an expert is quantized, stored and multiplied exactly as a
+dense MLP's projections are.
+
+How it gets there:
+
+- ``--quantization int8|fp8`` (quantize at load): the float experts load stacked as usual
+  (and gpt-oss's `finish_loading` rearranges them); `QuantizedExperts.process_weights` then
+  hands each expert's slices to its linears and quantizes them one output row at a time like
+  any projection. Under tensor parallelism down is row-parallel: its absmax is max-reduced over
+  the ranks (one collective per expert and layer), so TP = n holds the TP = 1 model.
+- A quantized checkpoint (fp8, GPTQ, AWQ) that stores an expert's tensors quantized
+  (``experts.N.gate_proj.qweight``, Mixtral's ``experts.N.w1.weight_scale``...):
+  `prepare_expert_linears` turns the layer into its per-expert form while the model is on the
+  meta device, the quantized loaders give those linears their packed parameters, and the strict
+  loader fills them by name (`Experts.linear_target`), each rank reading its slices; a missing
+  expert tensor is named by its checkpoint name.
+
+`QuantizedExperts.apply` computes `kernels.fused_moe`'s sum (twins.fused_moe is the oracle,
+on the dequantized weights): the step's (token, slot) pairs sorted by expert id (stable), one
+gather of their rows, then for each expert that some token chose, and only those, gate|up ->
+the activation (SwiGLU, or gpt-oss's clamped one with its biases: `Experts.moe_options`) ->
+down on its contiguous run of rows; the rows are weighted by the router weights in fp32 and
+summed back into token order with one index_add_ (fp32), then cast to the model dtype. An
+expert nobody chose is never read. On CUDA each product is its linear method's kernel, one
+expert at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from checkpoints.files import TensorHeader
+from executor_svc.models.linear import Linear, LinearMethod
+from executor_svc.models.moe import Experts
+from kernels import twins
+
+# Tensors whose presence says a checkpoint stores an expert's projection quantized.
+QUANTIZED_TENSORS = ("qweight", "weight_scale")
+
+
+class QuantizedExperts:
+    """The `ExpertsMethod` of the per-expert form (module docstring). `linear_method` is the
+    scheme's: it quantizes the loaded float experts; an expert placed from a quantized
+    checkpoint already has its linears' methods (quantize_model gives them, as to every
+    linear)."""
+
+    quantized = True
+
+    def __init__(self, linear_method: LinearMethod):
+        self.linear_method = linear_method
+
+    def process_weights(self, layer: Experts) -> None:
+        if layer.has_expert_linears:  # placed from a quantized checkpoint
+            return
+        layer.use_expert_linears()
+        for expert in range(layer.num_experts):
+            for linear in expert_linear_layers(layer, expert):
+                linear.method = self.linear_method
+                self.linear_method.process_weights(linear)  # releases its float slice
+
+    def apply(self, layer: Experts, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        num_tokens, hidden = x.shape
+        options = layer.moe_options()
+        b13, b2 = options.get("w13_bias"), options.get("w2_bias")
+        activation = options.get("activation", "silu")
+        flat = topk_ids.reshape(-1).long()  # [pairs]
+        order = torch.argsort(flat, stable=True)  # pairs by expert, token order within one
+        counts = torch.bincount(flat, minlength=layer.num_experts).tolist()
+        tokens = order // topk_ids.shape[1]
+        xs = x.index_select(0, tokens)  # [pairs, hidden], sorted
+        ys = torch.empty((flat.numel(), hidden), dtype=torch.float32, device=x.device)
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            rows = slice(start, start + count)
+            start += count
+            gate_up, down = expert_linear_layers(layer, expert)
+            h = gate_up.method.apply(gate_up, xs[rows], None if b13 is None else b13[expert])
+            a = twins.moe_activation(h.float(), activation, options.get("swiglu_limit"),
+                                     options.get("swiglu_alpha")).to(x.dtype)
+            ys[rows] = down.method.apply(down, a, None if b2 is None else b2[expert]).float()
+        ys.mul_(topk_weights.reshape(-1).float().index_select(0, order)[:, None])
+        out = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
+        out.index_add_(0, tokens, ys)
+        return out.to(x.dtype)
+
+
+def expert_linear_layers(layer: Experts, expert: int) -> tuple[Linear, Linear]:
+    """(gate_up_proj, down_proj) of one expert of a layer in the per-expert form."""
+    linears = layer.expert(expert)
+    return linears.gate_up_proj, linears.down_proj
+
+
+def prepare_expert_linears(model: nn.Module, headers: list[TensorHeader]) -> int:
+    """Before the quantized loaders run (meta device): turn every `Experts` layer whose
+    checkpoint tensors include quantized per-expert ones into its per-expert form; returns how
+    many. ValueError: such a tensor names an expert past the configured count."""
+    count = 0
+    for name, layer in model.named_modules():
+        if not isinstance(layer, Experts) or layer.has_expert_linears:
+            continue
+        prefix = f"{name}."
+        keys = [h.name[len(prefix):] for h in headers if h.name.startswith(prefix)]
+        if any(key.rpartition(".")[2] in QUANTIZED_TENSORS and layer.linear_target(key)
+               for key in keys):
+            layer.use_expert_linears()
+            count += 1
+    return count
+
+
+def dequantized_experts(layer: Experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w13 [E, 2I/tp, hidden], w2 [E, hidden, I/tp]) fp32: the matrices a quantized layer's
+    linears multiply by (tests and tools; twins.fused_moe on them is the layer's oracle)."""
+    from executor_svc.quantization.grouped import grouped_of
+    from executor_svc.quantization.methods import quantized_weight
+
+    def matrix(linear: Linear) -> torch.Tensor:
+        if hasattr(linear, "qscale"):  # 8-bit weight-only
+            return quantized_weight(linear).float() * linear.qscale[:, None]
+        gw, perm = grouped_of(linear)
+        w = gw.dequantize()  # W[:, perm] where the input is permuted
+        if perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, perm] = w
+        return out
+
+    pairs = [tuple(map(matrix, expert_linear_layers(layer, e))) for e in range(layer.num_experts)]
+    return (torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs]))
