@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ext, twins
+from kernels.grouped_moe import grouped_moe
 
 
 @functools.cache
@@ -651,34 +652,18 @@ def fused_moe_packed(x: torch.Tensor, packed: PackedExperts, topk_weights: torch
 
 def _fused_moe_grouped(x, expert_weights, num_experts, topk_weights, topk_ids, w13_bias,
                        w2_bias, activation, swiglu_limit, swiglu_alpha) -> torch.Tensor:
-    """Torch ops: the flattened (token, slot) pairs sorted by expert (stable), one gather of
-    their rows, then per touched expert (`expert_weights(e)`: its w13 [2I, H] and w2 [H, I]) one
-    matmul per projection on its contiguous run of rows (in `compute_dtype`; fp32
-    activation), and one index_add_ of the weighted rows back into token order (sequential on
-    the CPU: deterministic). The matmuls' blocking depends on how many rows an expert gets, so
-    unlike the fused kernel this path is not batch invariant to the bit."""
-    num_tokens, hidden = x.shape
-    top_k = topk_ids.shape[1]
+    """kernels/grouped_moe.py with each touched expert (`expert_weights(e)`: its w13 [2I, H]
+    and w2 [H, I]) as one matmul per projection on its run of rows, in `compute_dtype` (fp32
+    activation). The matmuls' blocking depends on how many rows an expert gets, so unlike the
+    fused kernel this path is not batch invariant to the bit."""
     cdt = compute_dtype(x.dtype)
-    flat = topk_ids.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)  # pairs by expert, token order within one
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    tokens = order // top_k
-    xs = x.index_select(0, tokens).to(cdt)  # [pairs, hidden], sorted
-    ys = torch.empty((flat.numel(), hidden), dtype=torch.float32)
-    start = 0
-    for expert, count in enumerate(counts):
-        if not count:
-            continue
-        rows = slice(start, start + count)
-        start += count
+
+    def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
         w13, w2 = expert_weights(expert)
         b13 = w13_bias[expert].to(cdt) if w13_bias is not None else None
-        h = F.linear(xs[rows], w13.to(cdt), b13).float()  # [count, 2 * intermediate]
+        h = F.linear(rows.to(cdt), w13.to(cdt), b13).float()  # [n, 2 * intermediate]
         a = twins.moe_activation(h, activation, swiglu_limit, swiglu_alpha).to(cdt)
         b2 = w2_bias[expert].to(cdt) if w2_bias is not None else None
-        ys[rows] = F.linear(a, w2.to(cdt), b2).float()
-    ys.mul_(topk_weights.reshape(-1).float().index_select(0, order)[:, None])
-    out = torch.zeros((num_tokens, hidden), dtype=torch.float32)
-    out.index_add_(0, tokens, ys)
-    return out.to(x.dtype)
+        return F.linear(a, w2.to(cdt), b2)
+
+    return grouped_moe(x, topk_weights, topk_ids, num_experts, expert_mlp)

@@ -40,6 +40,7 @@ from checkpoints.files import TensorHeader
 from executor_svc.models.linear import Linear, LinearMethod
 from executor_svc.models.moe import Experts
 from kernels import twins
+from kernels.grouped_moe import grouped_moe
 
 # Tensors whose presence says a checkpoint stores an expert's projection quantized.
 QUANTIZED_TENSORS = ("qweight", "weight_scale")
@@ -67,31 +68,18 @@ class QuantizedExperts:
 
     def apply(self, layer: Experts, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        num_tokens, hidden = x.shape
         options = layer.moe_options()
         b13, b2 = options.get("w13_bias"), options.get("w2_bias")
         activation = options.get("activation", "silu")
-        flat = topk_ids.reshape(-1).long()  # [pairs]
-        order = torch.argsort(flat, stable=True)  # pairs by expert, token order within one
-        counts = torch.bincount(flat, minlength=layer.num_experts).tolist()
-        tokens = order // topk_ids.shape[1]
-        xs = x.index_select(0, tokens)  # [pairs, hidden], sorted
-        ys = torch.empty((flat.numel(), hidden), dtype=torch.float32, device=x.device)
-        start = 0
-        for expert, count in enumerate(counts):
-            if not count:
-                continue
-            rows = slice(start, start + count)
-            start += count
+
+        def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
             gate_up, down = expert_linear_layers(layer, expert)
-            h = gate_up.method.apply(gate_up, xs[rows], None if b13 is None else b13[expert])
+            h = gate_up.method.apply(gate_up, rows, None if b13 is None else b13[expert])
             a = twins.moe_activation(h.float(), activation, options.get("swiglu_limit"),
                                      options.get("swiglu_alpha")).to(x.dtype)
-            ys[rows] = down.method.apply(down, a, None if b2 is None else b2[expert]).float()
-        ys.mul_(topk_weights.reshape(-1).float().index_select(0, order)[:, None])
-        out = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
-        out.index_add_(0, tokens, ys)
-        return out.to(x.dtype)
+            return down.method.apply(down, a, None if b2 is None else b2[expert])
+
+        return grouped_moe(x, topk_weights, topk_ids, layer.num_experts, expert_mlp)
 
 
 def expert_linear_layers(layer: Experts, expert: int) -> tuple[Linear, Linear]:
