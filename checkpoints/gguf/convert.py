@@ -28,7 +28,7 @@ from checkpoints.files import CheckpointError
 log = structlog.get_logger("checkpoints.gguf")
 
 MARKER_FILE = "folio-gguf.json"  # written last: a directory without it is not finished
-CONVERTER_VERSION = 3  # bump when the output for the same file changes; old entries rebuild
+CONVERTER_VERSION = 4  # bump when the output for the same file changes; old entries rebuild
 _FREE_SPACE_MARGIN = 1.05
 
 
@@ -76,8 +76,8 @@ def convert(gguf_file: Path, out_dir: Path, sha256: str, progress: bool) -> None
             "expert_out_bytes": sum(t.n_bytes if t.name in kept else 4 * t.n_elements
                                     for t in experts)} if experts else {})
     log.info("converting GGUF to a checkpoint (once per file; linear weights, embedding and "
-             "LM head of Q8_0/Q4_0/Q4_1/Q4_K/Q6_K stay quantized, the rest, MoE experts "
-             "included, is dequantized)",
+             "LM head of Q8_0/Q4_0/Q4_1/Q4_K/Q6_K stay quantized, MoE experts included; the "
+             "rest is dequantized)",
              file=str(gguf_file), architecture=config["architectures"][0],
              tensors=len(plan), tensor_types=",".join(types), kept_quantized=len(kept),
              params=sum(t.n_elements for t in plan), out_bytes=out_bytes,

@@ -32,8 +32,10 @@ expert E's slice of the merged tensor: its rows are whole rows of blocks, so the
 the raw bytes is that expert's raw rows (`PlannedTensor.data`). The router `ffn_gate_inp` is
 ``mlp.gate`` (Mixtral ``block_sparse_moe.gate``), Qwen2-MoE's shared expert
 `ffn_{gate,up,down}_shexp` is ``mlp.shared_expert.*`` and its 1-D gate `ffn_gate_inp_shexp`
-becomes ``mlp.shared_expert_gate.weight`` [1, hidden]. Whether experts stay raw is one switch,
-KEEP_EXPERTS_RAW.
+becomes ``mlp.shared_expert_gate.weight`` [1, hidden]. Expert projections of a KEPT_TYPES type
+stay raw like any projection (KEEP_EXPERTS_RAW), gate and up only when their merged tensors
+share one type (the executor stacks them); down on its own. A merged tensor has one type, so
+within a layer every expert is stored alike: gate|up raw or float, down raw or float.
 
 Every tensor the model needs must be there with the shape the config implies, and nothing else
 may be: a mismatch is refused here, naming the GGUF file, before anything is written.
@@ -108,11 +110,11 @@ _EXPERT_TENSOR = re.compile(r"model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.expe
                             r"\.weight")
 
 KEPT_TYPES = GGUF_TYPES  # block types whose linear, embedding and LM head matrices stay raw
-# Whether expert projections of a KEPT_TYPES type stay raw blocks too. Off while the executor
-# multiplies experts in the model dtype only (executor_svc/loading/loader.py refuses a
-# tensor_types that lists an expert): they are dequantized to float32 and cost float memory.
-# Turning it on lists each expert's raw rows in tensor_types like any projection's.
-KEEP_EXPERTS_RAW = False
+# Whether expert projections of a KEPT_TYPES type stay raw blocks too: each expert's raw rows
+# are listed in tensor_types like any projection's, and the executor serves them through one
+# GGUF-block linear per expert and projection (executor_svc/quantization/experts.py). Off,
+# they would be dequantized to float32 and cost float memory.
+KEEP_EXPERTS_RAW = True
 _VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")  # rows: one per token
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
             "qkv_proj", "gate_up_proj",  # Phi-3's, already one tensor

@@ -20,8 +20,9 @@ own tensors (`checkpoint_placements`: one per expert and projection, or transfor
 3-D ones); its shards are named by the per-expert tensors, so a missing expert is reported by its name.
 gpt-oss's MXFP4 experts load as their uint8 blocks and scales and are dequantized by the layer's
 `finish_loading` (models/gpt_oss.py); no linear layer is quantized for them.
-Experts a quantized checkpoint stores quantized load into one linear per expert and projection
-(executor_svc/quantization/experts.py), each tensor placed by name like a fused projection's.
+Experts a quantized checkpoint stores quantized (a converted GGUF file's raw expert blocks
+included) load into one linear per expert and projection (executor_svc/quantization/experts.py),
+each tensor placed by name like a fused projection's.
 """
 
 from __future__ import annotations
@@ -368,27 +369,22 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
                         backend=backend or default_backend(), device=device)
         except ValueError as e:  # a value the model class refuses comes from config.json
             raise CheckpointError(model_dir / "config.json", str(e)) from None
-    if (qcfg is not None and qcfg.scheme == "gguf"
-            and any(isinstance(m, Experts) for m in model.modules())
-            and not _float_experts_gguf(model, headers, qcfg)):
-        raise CheckpointError(model_dir / "config.json",
-                              f"quantization_config gguf: GGUF files of mixture-of-experts "
-                              f"models ({cfg.architecture}) are not supported; serve the HF "
-                              "checkpoint (optionally with --quantization int8 or fp8)")
     if qcfg is not None and qcfg.from_checkpoint:
         packed = getattr(model, "packed_modules", {})
+        types = qcfg.tensor_types or {}  # gguf: the tensors stored as raw blocks
+        if num_layers is not None:  # a cut copy: the layers kept
+            types = {name: kind for name, kind in types.items()
+                     if _layer_index(name) < cfg.num_layers}
         try:
-            if qcfg.scheme != "gguf":  # experts stored quantized: one linear per projection
+            # Experts stored quantized: one linear per expert and projection.
+            if qcfg.scheme == "gguf":
+                prepare_expert_linears(model, headers, lambda h: h.name in types)
+            else:
                 prepare_expert_linears(model, headers)
             targets = [(pname, shard_id, h) for h in headers
                        for pname, shard_id in checkpoint_targets(model, h.name, packed)]
             if qcfg.scheme == "gguf":
-                types = qcfg.tensor_types or {}
-                if num_layers is not None:  # a cut copy: the layers kept
-                    types = {name: kind for name, kind in types.items()
-                             if _layer_index(name) < cfg.num_layers}
-                prepare_gguf_params(model, targets, types,
-                                    model_dir / "config.json")
+                prepare_gguf_params(model, targets, types, model_dir / "config.json")
             else:
                 prepare_checkpoint_params(model, targets, qcfg)
         except ValueError as e:
@@ -415,18 +411,6 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
              quantization=qcfg.scheme if qcfg is not None else None,
              weight_bytes=model_weight_bytes(model), **moe_facts)
     return model
-
-
-def _float_experts_gguf(model: nn.Module, headers: list[TensorHeader],
-                        qcfg) -> bool:
-    """A converted GGUF file whose raw blocks are all outside the experts (the converter
-    dequantizes expert tensors, checkpoints/gguf/weights.py KEEP_EXPERTS_RAW): its experts
-    load in the model dtype like any MoE checkpoint's, its other layers as GGUF blocks."""
-    if qcfg.scheme != "gguf" or not qcfg.from_checkpoint:
-        return False
-    listed = set(qcfg.tensor_types or {})
-    return not any(_expert_placements(model, h) is not None for h in headers
-                   if h.name in listed)
 
 
 def model_weight_bytes(model: nn.Module) -> int:

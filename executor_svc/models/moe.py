@@ -24,7 +24,8 @@ Quantized experts (executor_svc/quantization/experts.py) use the layer's second 
 `ExpertLinears` per expert (submodules ``"0"``, ``"1"``, ...: ``experts.N.gate_up_proj`` and
 ``experts.N.down_proj``), so every quantized linear method serves an expert as it serves a
 dense MLP, and a quantized checkpoint's per-expert tensors (``experts.N.gate_proj.qweight``,
-``experts.N.w2.weight_scale``...) load by name like any fused projection's (`linear_target`).
+``experts.N.w2.weight_scale``..., a converted GGUF file's raw ``experts.N.down_proj.weight``)
+load by name like any fused projection's (`linear_target`).
 """
 
 from __future__ import annotations

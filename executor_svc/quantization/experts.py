@@ -15,11 +15,15 @@ How it gets there:
   any projection. Under tensor parallelism down is row-parallel: its absmax is max-reduced over
   the ranks (one collective per expert and layer), so TP = n holds the TP = 1 model.
 - A quantized checkpoint (fp8, GPTQ, AWQ) that stores an expert's tensors quantized
-  (``experts.N.gate_proj.qweight``, Mixtral's ``experts.N.w1.weight_scale``...):
+  (``experts.N.gate_proj.qweight``, Mixtral's ``experts.N.w1.weight_scale``...), or a
+  converted GGUF file whose ``tensor_types`` lists an expert's weight (raw GGUF blocks):
   `prepare_expert_linears` turns the layer into its per-expert form while the model is on the
-  meta device, the quantized loaders give those linears their packed parameters, and the strict
-  loader fills them by name (`Experts.linear_target`), each rank reading its slices; a missing
-  expert tensor is named by its checkpoint name.
+  meta device, the quantized loaders give those linears their packed parameters (GGUF: uint8
+  block rows, quantization/gguf_loading.py), and the strict loader fills them by name
+  (`Experts.linear_target`), each rank reading its slices; a missing expert tensor is named by
+  its checkpoint name. A linear the checkpoint stores in float (a GGUF expert whose gate and
+  up have different block types keeps them float, down raw) keeps the float method a dense
+  layer of the model dtype gets, so one layer may mix float and quantized linears.
 
 `QuantizedExperts.apply` computes `kernels.fused_moe`'s sum (twins.fused_moe is the oracle,
 on the dequantized weights): the step's (token, slot) pairs sorted by expert id (stable), one
@@ -33,6 +37,8 @@ expert at a time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -44,6 +50,11 @@ from kernels.grouped_moe import grouped_moe
 
 # Tensors whose presence says a checkpoint stores an expert's projection quantized.
 QUANTIZED_TENSORS = ("qweight", "weight_scale")
+
+
+def has_quantized_suffix(header: TensorHeader) -> bool:
+    """fp8, GPTQ and AWQ: a tensor that only a quantized projection stores."""
+    return header.name.rpartition(".")[2] in QUANTIZED_TENSORS
 
 
 class QuantizedExperts:
@@ -88,18 +99,20 @@ def expert_linear_layers(layer: Experts, expert: int) -> tuple[Linear, Linear]:
     return linears.gate_up_proj, linears.down_proj
 
 
-def prepare_expert_linears(model: nn.Module, headers: list[TensorHeader]) -> int:
+def prepare_expert_linears(model: nn.Module, headers: list[TensorHeader],
+                           stored_quantized: Callable[[TensorHeader], bool]
+                           = has_quantized_suffix) -> int:
     """Before the quantized loaders run (meta device): turn every `Experts` layer whose
-    checkpoint tensors include quantized per-expert ones into its per-expert form; returns how
-    many. ValueError: such a tensor names an expert past the configured count."""
+    checkpoint tensors include per-expert ones `stored_quantized` says are quantized into its
+    per-expert form; returns how many. ValueError: such a tensor names an expert past the
+    configured count."""
     count = 0
     for name, layer in model.named_modules():
         if not isinstance(layer, Experts) or layer.has_expert_linears:
             continue
         prefix = f"{name}."
-        keys = [h.name[len(prefix):] for h in headers if h.name.startswith(prefix)]
-        if any(key.rpartition(".")[2] in QUANTIZED_TENSORS and layer.linear_target(key)
-               for key in keys):
+        if any(stored_quantized(h) and layer.linear_target(h.name[len(prefix):])
+               for h in headers if h.name.startswith(prefix)):
             layer.use_expert_linears()
             count += 1
     return count
@@ -112,6 +125,8 @@ def dequantized_experts(layer: Experts) -> tuple[torch.Tensor, torch.Tensor]:
     from executor_svc.quantization.methods import quantized_weight
 
     def matrix(linear: Linear) -> torch.Tensor:
+        if not getattr(linear.method, "quantized", False):  # stored in float (plain kept)
+            return linear.weight.float()
         if hasattr(linear, "qscale"):  # 8-bit weight-only
             return quantized_weight(linear).float() * linear.qscale[:, None]
         gw, perm = grouped_of(linear)

@@ -1,16 +1,19 @@
 """A converted GGUF file's raw block rows in the loader (scheme "gguf": checkpoints/quant_config).
 
 Every layer whose weight config.json's ``quantization_config.tensor_types`` lists (a projection,
-the untied LM head, the embedding) gets, while the model is still on the meta device, a uint8
-``weight`` [N, row_bytes] (its rows of GGUF blocks) and ``layer.gguf_type``, so the strict
-loader (executor_svc/loading/loader.py) checks and fills it like any other parameter. A fused layer
-(q|k|v, gate|up) stacks its shards' raw rows, so all its shards must be listed, with one type
-(the converter writes them so). The vocab-parallel embedding and LM head split rows, whole.
+a MoE expert's gate|up or down once its layer is in the per-expert form, quantization/
+experts.py; the untied LM head; the embedding) gets, while the model is still on the meta
+device, a uint8 ``weight`` [N, row_bytes] (its rows of GGUF blocks) and ``layer.gguf_type``, so
+the strict loader (executor_svc/loading/loader.py) checks and fills it like any other
+parameter. A fused layer (q|k|v, gate|up) stacks its shards' raw rows, so all its shards must
+be listed, with one type (the converter writes them so). The vocab-parallel embedding and LM
+head split rows, whole.
 
 Tensor parallelism splits the bytes where the layer splits the elements: a column-parallel
-layer takes whole rows (a block never spans two rows); a row-parallel one (o_proj, down_proj)
-takes a range of each row's input columns, which must be whole blocks, i.e. K / tp a multiple
-of the type's block (32 elements, 256 for the K-quants); otherwise loading is refused.
+layer takes whole rows (a block never spans two rows); a row-parallel one
+(o_proj, down_proj, an expert's down_proj) takes a range of each row's input columns, which must
+be whole blocks, i.e. K / tp a multiple of the type's block (32 elements, 256 for the K-quants);
+otherwise loading is refused, naming --tensor-parallel-size and the layer.
 
 `GgufWeights` (scheme "gguf" in methods.METHODS) unpacks a layer's raw rows into the grouped
 form (gguf_blocks.py) and multiplies by it through `GroupedWeightOnly`: Q4_0, Q4_1 and Q4_K

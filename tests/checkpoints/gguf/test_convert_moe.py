@@ -14,9 +14,11 @@ Oracles:
   against the merged tensors read and sliced here with the gguf package, and the served
   tokens against HF's Mixtral on the float copy of the converted directory.
 
-Experts are dequantized at conversion (weights.KEEP_EXPERTS_RAW off) while the dense layers
-stay raw blocks; with the switch on each expert's raw rows are the file's bytes, and the loader
-refuses them until quantized experts are served.
+Experts of a kept block type stay raw like the dense layers (weights.KEEP_EXPERTS_RAW): each
+expert's raw rows are the file's bytes, served through one GGUF-block linear per expert and
+projection (executor_svc/quantization/experts.py), token for token against the oracles above,
+in about a fifth of float32's bytes (Q4_0), and TP = 2 equal to TP = 1. An expert whose gate
+and up have different types keeps them float and its down raw: one layer mixes both.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -133,16 +137,18 @@ def _float_tensors(model_dir) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
 def test_quantized_tensors_equal_what_transformers_loads(arch, moe_file):
     """Every converted tensor, experts split from the merged ones, equals the parameter
-    transformers loads from the same file (dense layers kept raw, experts dequantized)."""
+    transformers loads from the same file (dense layers and experts kept raw, dequantized
+    here by the gguf package)."""
     hf_dir, gguf_file, model_dir = moe_file(arch, *QUANTIZED[arch])
     types = json.loads((model_dir / "config.json").read_text())["quantization_config"][
         "tensor_types"]
-    assert types and not any(gguf_weights.is_expert(n) for n in types)
-    assert types["model.layers.0.self_attn.q_proj.weight"] == QUANTIZED[arch][0]
+    dense, expert = QUANTIZED[arch]
+    assert types["model.layers.0.self_attn.q_proj.weight"] == dense
+    assert {kind for n, kind in types.items() if gguf_weights.is_expert(n)} == {expert}
     theirs = load_transformers_gguf(gguf_file, hf_dir).state_dict()
     ours = _float_tensors(model_dir)
     experts = [n for n in ours if gguf_weights.is_expert(n)]
-    assert experts and all(ours[n].dtype == np.float32 for n in experts)
+    assert experts and all(n in types for n in experts)
     for name, values in ours.items():
         expected = (_transformers_expert(theirs, name) if name in experts
                     else theirs[name])
@@ -180,8 +186,8 @@ def _prompts(model_dir) -> list[list[int]]:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_quantized_file_served_by_folio_equals_the_oracle(arch, moe_file, tmp_path):
-    """Folio's executor on the converted directory (dense layers as GGUF blocks, experts
-    float32) against transformers on the same GGUF (Qwen), or HF's Mixtral on the converted
+    """Folio's executor on the converted directory (dense layers and experts as GGUF blocks)
+    against transformers on the same GGUF (Qwen), or HF's Mixtral on the converted
     directory's float copy."""
     from transformers import AutoModelForCausalLM
 
@@ -219,14 +225,39 @@ def _q4_k_experts(seed: int):
     return encode
 
 
+def _loaded_experts(model_dir, **kwargs) -> dict[str, torch.Tensor]:
+    """Every expert projection as the loaded model multiplies by it, under the converted
+    tensors' names, fp32 [rows, cols]: the dequantized per-expert linears, or the stacked
+    float form's slices."""
+    from executor_svc.loading.loader import load_model
+    from executor_svc.models.moe import Experts
+    from executor_svc.quantization.experts import dequantized_experts
+
+    model = load_model(model_dir, dtype=torch.float32, device=torch.device("cpu"),
+                       max_model_len=64, keep_plain_weights=True, **kwargs)
+    out = {}
+    for name, layer in model.named_modules():
+        if not isinstance(layer, Experts):
+            continue
+        assert layer.has_expert_linears, name  # every layer of these files stores them raw
+        w13, w2 = dequantized_experts(layer)
+        gate, up, down = layer.part_names
+        half = w13.shape[1] // 2
+        for e in range(layer.num_experts):
+            out |= {f"{name}.{e}.{gate}.weight": w13[e, :half],
+                    f"{name}.{e}.{up}.weight": w13[e, half:],
+                    f"{name}.{e}.{down}.weight": w2[e]}
+    return out
+
+
 def test_raw_expert_rows_are_the_merged_tensors_blocks(tmp_path, monkeypatch):
-    """With KEEP_EXPERTS_RAW on, each expert's raw rows are its slice of the merged tensor's
-    blocks, byte for byte, listed with the file's type (Q4_K experts, Q8_0 dense layers); the
-    loader refuses them until quantized experts are served. Off (the default), the same file's
-    experts are float32 and equal what transformers dequantizes."""
+    """Each expert's raw rows are its slice of the merged tensor's blocks, byte for byte,
+    listed with the file's type (Q4_K experts: blocks of 256, Q8_0 dense layers); the loaded
+    per-expert linears multiply by what transformers dequantizes from the same file, and the
+    served tokens are transformers'. With KEEP_EXPERTS_RAW off the same file's experts are
+    float32, equal to the same values."""
     from safetensors.numpy import load_file
 
-    from executor_svc.loading.loader import load_model
     from tests.fixtures.checkpoints import make_checkpoint
 
     hf_dir = make_checkpoint("qwen2_moe", tmp_path / "hf", **K_DIMS)
@@ -235,7 +266,6 @@ def test_raw_expert_rows_are_the_merged_tensors_blocks(tmp_path, monkeypatch):
     merged = {t.name: t for t in reader.tensors if "_exps" in t.name}
     assert {t.tensor_type.name for t in merged.values()} == {"Q4_K"}
 
-    monkeypatch.setattr(gguf_weights, "KEEP_EXPERTS_RAW", True)
     raw_dir = gguf_checkpoint_dir(gguf_file, tmp_path / "raw-cache")
     types = json.loads((raw_dir / "config.json").read_text())["quantization_config"][
         "tensor_types"]
@@ -252,23 +282,36 @@ def test_raw_expert_rows_are_the_merged_tensors_blocks(tmp_path, monkeypatch):
             assert tensors[hf].shape == (stored.shape[1], cols // block * size), hf
             assert np.array_equal(tensors[hf], stored[e]), hf
     assert types["model.layers.0.mlp.shared_expert.gate_proj.weight"] == "Q8_0"
-    with pytest.raises(CheckpointError, match="quantized mixture-of-experts weights are not "
-                                              "supported yet"):
-        load_model(raw_dir, dtype=torch.float32, device=torch.device("cpu"), max_model_len=64)
+
+    oracle = load_transformers_gguf(gguf_file, hf_dir)
+    theirs = oracle.state_dict()
+    loaded = _loaded_experts(raw_dir)
+    assert len(loaded) == 2 * 6 * 3
+    for name, values in loaded.items():
+        torch.testing.assert_close(values, _transformers_expert(theirs, name), atol=1e-6,
+                                   rtol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    prompts = _prompts(raw_dir)
+    assert folio_greedy(raw_dir, prompts, NUM_NEW_TOKENS) == [
+        hf_greedy(oracle, p, NUM_NEW_TOKENS) for p in prompts]
 
     monkeypatch.setattr(gguf_weights, "KEEP_EXPERTS_RAW", False)
     float_dir = gguf_checkpoint_dir(gguf_file, tmp_path / "float-cache")
+    float_types = json.loads((float_dir / "config.json").read_text())["quantization_config"][
+        "tensor_types"]
+    assert not any(gguf_weights.is_expert(n) for n in float_types)
     ours = _float_tensors(float_dir)
-    theirs = load_transformers_gguf(gguf_file, hf_dir).state_dict()
     for name, values in ours.items():
         if gguf_weights.is_expert(name):
             assert values.dtype == np.float32
             assert torch.equal(torch.from_numpy(values), _transformers_expert(theirs, name))
 
 
-def test_expert_gate_and_up_of_different_types_are_not_kept_raw(tmp_path, monkeypatch):
+def test_expert_gate_and_up_of_different_types_are_not_kept_raw(tmp_path):
     """Like q|k|v, an expert's gate|up are one stacked matrix in the executor: raw only when
-    the file stores both in one type; down on its own."""
+    the file stores both in one type; down on its own. The layer then holds float gate|up
+    linears next to GGUF-block down linears, and serves transformers' tokens."""
+    from executor_svc.loading.loader import load_model
+
     hf_dir, _ = make_gguf("qwen2_moe", "F32", tmp_path / "src")
 
     def encode(name: str, values: np.ndarray):
@@ -279,11 +322,87 @@ def test_expert_gate_and_up_of_different_types_are_not_kept_raw(tmp_path, monkey
         return gguf.quants.quantize(values, kind), kind
 
     gguf_file = write_gguf(hf_dir, tmp_path / "mixed.gguf", "F32", encode=encode)
-    monkeypatch.setattr(gguf_weights, "KEEP_EXPERTS_RAW", True)
     model_dir = gguf_checkpoint_dir(gguf_file, tmp_path / "cache")
     types = json.loads((model_dir / "config.json").read_text())["quantization_config"][
         "tensor_types"]
     assert sorted({n.rsplit(".", 2)[-2] for n in types}) == ["down_proj"]
+    assert {kind for kind in types.values()} == {"Q8_0"}
+
+    model = load_model(model_dir, dtype=torch.float32, device=torch.device("cpu"),
+                       max_model_len=64)
+    expert = model.model.layers[0].mlp.experts.expert(5)
+    assert expert.gate_up_proj.weight.dtype == torch.float32
+    assert getattr(expert.gate_up_proj, "gguf_type", None) is None
+    assert expert.down_proj.gguf_type == "Q8_0"
+    oracle = load_transformers_gguf(gguf_file, hf_dir)
+    theirs = oracle.state_dict()
+    for name, values in _loaded_experts(model_dir).items():
+        torch.testing.assert_close(values, _transformers_expert(theirs, name), atol=1e-6,
+                                   rtol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    prompts = _prompts(model_dir)
+    assert folio_greedy(model_dir, prompts, NUM_NEW_TOKENS) == [
+        hf_greedy(oracle, p, NUM_NEW_TOKENS) for p in prompts]
+
+
+def test_q4_0_experts_take_their_block_bytes(moe_file, tmp_path, monkeypatch):
+    """The "model loaded" line's expert_bytes count the experts' GGUF form (Q4_0: 4-bit
+    nibbles with an fp32 scale and offset per 32 inputs, 0.75 bytes a weight), against 4
+    bytes a weight for the same file converted with its experts dequantized."""
+    from structlog.testing import capture_logs
+
+    from executor_svc.loading.loader import load_model
+
+    _, gguf_file, raw_dir = moe_file("qwen2_moe", *QUANTIZED["qwen2_moe"])
+    monkeypatch.setattr(gguf_weights, "KEEP_EXPERTS_RAW", False)
+    float_dir = gguf_checkpoint_dir(gguf_file, tmp_path / "float-cache")
+    lines = {}
+    for form, model_dir in (("raw", raw_dir), ("float", float_dir)):
+        with capture_logs() as logs:
+            load_model(model_dir, dtype=torch.float32, device=torch.device("cpu"),
+                       max_model_len=64)
+        lines[form] = next(e for e in logs if e["event"] == "model loaded")
+    cfg = _facts(raw_dir)
+    num = cfg.num_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    assert lines["float"]["expert_bytes"] == 4 * num
+    assert 0.5 * num <= lines["raw"]["expert_bytes"] <= 0.8 * num, lines
+    assert lines["raw"]["weight_bytes"] < lines["float"]["weight_bytes"]
+
+
+def _tp_rank(rank: int, model_dir: str, refused_dir: str, out_dir: str) -> None:
+    from executor_svc.loading.loader import load_model
+    from tests.executor.parallel.test_tp_model import greedy_run
+
+    result = greedy_run(Path(model_dir))
+    try:
+        load_model(Path(refused_dir), dtype=torch.float32, device=torch.device("cpu"),
+                   max_model_len=64)
+        refusal = None
+    except CheckpointError as e:
+        refusal = str(e)
+    if rank == 0:
+        torch.save({"run": result, "refusal": refusal}, Path(out_dir) / "tp2.pt")
+
+
+def test_raw_experts_tp2_equal_tp1(moe_file, tmp_path):
+    """Each rank reads its rows of every expert's gate|up blocks and its whole blocks of
+    down's inputs (Mixtral: 128 / 2 = 64 inputs a rank, two Q4_0 blocks): TP = 2 gives the
+    TP = 1 tokens and logits. A Qwen3-MoE file whose experts are 32 wide leaves each rank 16
+    inputs of down, no whole block: refused, naming the flag and the layer."""
+    from tests.executor.parallel.test_tp_model import greedy_run
+    from tests.executor.parallel.tp_procs import run_ranks
+
+    _, _, model_dir = moe_file("mixtral", *QUANTIZED["mixtral"])
+    _, _, narrow_dir = moe_file("qwen3_moe", *QUANTIZED["qwen3_moe"])
+    expected = greedy_run(model_dir)
+    run_ranks(_tp_rank, 2, str(model_dir), str(narrow_dir), str(tmp_path))
+    got = torch.load(tmp_path / "tp2.pt")
+    assert got["run"]["tokens"] == expected["tokens"]
+    for a, b in zip(got["run"]["logits"], expected["logits"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert got["refusal"] is not None and "\n" not in got["refusal"]
+    assert re.search(r"--tensor-parallel-size 2: model\.layers\.\d+\.mlp\.experts\.\d+\."
+                     r"down_proj is stored as Q8_0 blocks of 32 inputs, and splitting its 32 "
+                     r"inputs over 2 ranks leaves 16 per rank", got["refusal"]), got["refusal"]
 
 
 def _copy_hf(hf_dir, dest, config_edit=None, drop=None):

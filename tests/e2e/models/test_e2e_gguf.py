@@ -1,13 +1,16 @@
 """`folio serve --model tiny.gguf`: the scheduler converts the file once (a subprocess), hands the
 converted directory to its executor child, and the served greedy tokens equal transformers
 loading the same GGUF. The same for a Qwen2-MoE file (merged expert tensors, a shared expert),
-dense layers served as GGUF blocks and experts dequantized at conversion; transformers reads
+dense layers and Q4_0 experts served as GGUF blocks (one linear per expert and projection,
+the executor's "model loaded" line counting their block bytes); transformers reads
 no expert sizes from a GGUF, so its oracle gets the original checkpoint's config
 (tests/checkpoints/gguf/test_convert_moe.py)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 
 import pytest
 
@@ -59,3 +62,11 @@ def test_folio_serve_a_moe_gguf_file(folio_server, tmp_path):
         log = server.log_tail(1 << 20)
     assert served == hf_greedy(load_transformers_gguf(gguf_file, hf_dir), prompts, MAX_TOKENS)
     assert "expert_tensors=36" in log and "Traceback" not in log, log[-3000:]
+    # The executor holds the experts as Q4_0 blocks (0.75 bytes a weight), not as float32.
+    loaded = re.search(r"model loaded [^\n]*", log)
+    assert loaded is not None and "quantization=gguf" in loaded.group(0), log[-3000:]
+    expert_bytes = re.search(r"expert_bytes=(\d+)", loaded.group(0))
+    config = json.loads((hf_dir / "config.json").read_text())
+    num = (config["num_hidden_layers"] * config["num_experts"] * 3 * config["hidden_size"]
+           * config["moe_intermediate_size"])
+    assert expert_bytes is not None and int(expert_bytes.group(1)) <= 0.8 * num, loaded.group(0)

@@ -6,7 +6,7 @@
   untouched, send every token to one expert, or hold one token.
 - The loader places a checkpoint's per-expert quantized tensors exactly (the dequantized
   weights equal the fixture's own reading of the files), names a missing one by its
-  checkpoint name, and refuses a GGUF MoE file.
+  checkpoint name, and refuses a float tensor a GGUF config lists as blocks.
 - Whole models greedy through the paged runner, token for token against HF transformers on
   the dequantized weights, prefill logits close; TP = 2 equals TP = 1 (int8 experts, a GPTQ
   act-order checkpoint).
@@ -206,14 +206,18 @@ def test_quantized_expert_past_the_count_is_refused(float_dirs, tmp_path):
         _load(served)
 
 
-def test_gguf_moe_is_refused_by_name(float_dirs, tmp_path):
+def test_gguf_expert_listed_but_stored_in_float_is_refused(float_dirs, tmp_path):
+    """A GGUF tensor_types entry puts that expert's layer in the per-expert form with a raw
+    block parameter for it (tests/checkpoints/gguf/test_convert_moe.py serves real ones); a
+    float tensor there is refused by name, never cast into block bytes."""
     ckpt = tmp_path / "gguf"
     shutil.copytree(float_dirs["qwen3_moe"], ckpt)
-    edit_config(ckpt, quantization_config={"quant_method": "gguf", "tensor_types": {
-        "model.layers.0.self_attn.q_proj.weight": "Q8_0"}})
-    with pytest.raises(CheckpointError, match=r"config\.json: quantization_config gguf: GGUF "
-                                              r"files of mixture-of-experts models "
-                                              r"\(Qwen3MoeForCausalLM\) are not supported"):
+    listed = "model.layers.0.mlp.experts.3.down_proj.weight"
+    edit_config(ckpt, quantization_config={"quant_method": "gguf",
+                                           "tensor_types": {listed: "Q8_0"}})
+    with pytest.raises(CheckpointError, match=rf"tensor {listed.replace('.', r'[.]')} has "
+                                              r"dtype F32, but quantization_config\."
+                                              r"tensor_types lists it as GGUF blocks"):
         _load(ckpt)
 
 
