@@ -590,17 +590,22 @@ class PackedExperts:
 
 
 def pack_moe_weights(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts:
-    """w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I] -> their slabs (`PackedExperts`)."""
+    """w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I] -> their slabs (`PackedExperts`),
+    written expert by expert: no transient copy larger than one expert."""
     e, two_i, h = w13.shape
     i = two_i // 2
     blocks, hblocks = -(-i // MOE_PACK), -(-h // MOE_PACK)
-    gate_up = w13.new_zeros((e, 2, blocks * MOE_PACK, h))
-    gate_up[:, :, :i] = w13.view(e, 2, i, h)
-    # [E, 2, nb, 16, H] -> [E, nb, 2, H, 16]
-    packed13 = gate_up.view(e, 2, blocks, MOE_PACK, h).permute(0, 2, 1, 4, 3).contiguous()
-    down = w2.new_zeros((e, hblocks * MOE_PACK, i))
-    down[:, :h] = w2
-    packed2 = down.view(e, hblocks, MOE_PACK, i).transpose(2, 3).contiguous()
+    packed13 = w13.new_zeros((e, blocks, 2, h, MOE_PACK))
+    packed2 = w2.new_zeros((e, hblocks, i, MOE_PACK))
+    for expert in range(e):
+        for part in range(2):  # gate rows, then up rows: [I, H] -> [nb, H, 16]
+            rows = w13[expert, part * i:(part + 1) * i]
+            full = rows.new_zeros((blocks * MOE_PACK, h))
+            full[:i] = rows
+            packed13[expert, :, part] = full.view(blocks, MOE_PACK, h).transpose(1, 2)
+        full = w2.new_zeros((hblocks * MOE_PACK, i))
+        full[:h] = w2[expert]
+        packed2[expert] = full.view(hblocks, MOE_PACK, i).transpose(1, 2)
     return PackedExperts(packed13.view(e, 2 * blocks, h, MOE_PACK), packed2, i)
 
 
