@@ -5,10 +5,13 @@ stream of the vLLM worker contract's SubscribeKvEvents.
     BlockStored(hashes, parent, tokens)     KvCacheEvent.stored: KvBlocksStored, one KvBlock
                                             per block (its hash, its block_size token ids,
                                             block_size, cache_level), parent_block_hash, tier,
-                                            medium, group_idx, locality LOCAL, cache_salt
+                                            medium, locality LOCAL, cache_salt
     BlockRemoved(hashes)                    KvCacheEvent.removed: KvBlocksRemoved
     AllBlocksCleared                        KvCacheEvent.cleared: KvCacheCleared
     a snapshot batch (i of n)               KvEventBatch.snapshot: KvSnapshotChunk(i, n, blocks)
+
+Only one KV group is published (sched/kv_events.py), so `group_idx` stays unset: a consumer
+reads the stream as the worker's one prefix index.
 
 A block's hash on the wire is the signed big-endian int64 of its prefix-cache key's first 8
 bytes (sha256: distinct prefixes collide with probability ~2^-64). A gateway uses it as the
@@ -56,7 +59,7 @@ def event_message(event: KvEvent, event_id: int) -> common_pb2.KvCacheEvent:
                                            token_ids=event.token_ids[i * bs:(i + 1) * bs],
                                            block_size=bs, cache_level=CACHE_LEVEL[event.tier])
                         for i, h in enumerate(event.block_hashes)],
-                tier=TIER[event.tier], medium=event.tier.value, group_idx=event.group,
+                tier=TIER[event.tier], medium=event.tier.value,
                 locality=common_pb2.KV_CACHE_LOCALITY_LOCAL)
             if event.parent_hash is not None:
                 stored.parent_block_hash = wire_hash(event.parent_hash)
@@ -67,8 +70,7 @@ def event_message(event: KvEvent, event_id: int) -> common_pb2.KvCacheEvent:
             return common_pb2.KvCacheEvent(event_id=event_id, removed=common_pb2.KvBlocksRemoved(
                 block_hashes=[wire_hash(h) for h in event.block_hashes],
                 cache_level=CACHE_LEVEL[event.tier], tier=TIER[event.tier],
-                medium=event.tier.value, group_idx=event.group,
-                locality=common_pb2.KV_CACHE_LOCALITY_LOCAL))
+                medium=event.tier.value, locality=common_pb2.KV_CACHE_LOCALITY_LOCAL))
         case AllBlocksCleared():
             return common_pb2.KvCacheEvent(event_id=event_id, cleared=common_pb2.KvCacheCleared())
     raise TypeError(f"not a KV event: {event!r}")
