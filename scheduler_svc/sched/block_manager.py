@@ -48,11 +48,6 @@ API (each call all-or-nothing: None or an exception changes nothing):
   that block.
 - `reset_prefix_cache()`: forget every cached block, as vLLM's reset: only while no table holds
   a block (False, nothing changed, otherwise).
-
-KV events (`kv_events.py`, when an `events` log is given): blocks of the first full-attention
-group (else group 0) newly keyed by `cache_blocks` are reported stored, in runs of consecutive
-positions, with their token ids (`token_ids`, the sequence's tokens) and salt; a keyed block
-evicted by allocation is reported removed; `reset_prefix_cache` reports all cleared.
 - `cached_prefix(keys)`: the longest run of leading positions a new sequence can start from:
   every full-attention group holds all of them, every windowed group those its window needs.
 - `swap_out(seqs)` / `swap_in(seqs)`: move a group of tables to the CPU pool and back; each
@@ -60,6 +55,11 @@ evicted by allocation is reported removed; `reset_prefix_cache` reports all clea
   (src, dst) pairs go in the plan.
 - `free(seq)`: drop a table (GPU or CPU). Keyed blocks whose ref count drops to 0 become
   evictable, the table's leading blocks most recently (a prefix outlives its tail).
+
+KV events (`kv_events.py`, when an `events` log is given): blocks of the first full-attention
+group (else group 0) newly keyed by `cache_blocks` are reported stored, in runs of consecutive
+positions, with their token ids (`token_ids`, the sequence's tokens) and salt; a keyed block
+evicted by allocation is reported removed; `reset_prefix_cache` reports all cleared.
 
 Invariants (`check_invariants`, asserted in tests):
 - a GPU block is in exactly one of: a table (ref > 0), `free` (ref 0, no key), `evictable`
@@ -432,9 +432,9 @@ class BlockManager:
             first = i
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (FlushCache). As vLLM's, it refuses while any table
-        holds a block (a running or preempted-by-swap-in sequence): returns False and changes
-        nothing; tables on the CPU hold no keyed block and do not count."""
+        """Forget every cached block (FlushCache). As vLLM's, it refuses while any GPU table
+        holds a block: returns False and changes nothing. Tables swapped out to the CPU hold
+        no keyed block and do not count."""
         if any(self.ref_counts):
             return False
         self._free.extend(self._evictable)
