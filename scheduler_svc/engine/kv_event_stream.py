@@ -9,10 +9,10 @@ A subscriber starts from a snapshot of the cache as published so far (AllBlocksC
 every live block, parents first, in batches of at most `snapshot_blocks` blocks) and then gets
 every batch published after it subscribed, in order. A subscriber that falls `max_batches`
 behind is disconnected, not fed with gaps: `Subscription.get` raises `SubscriberTooSlow` (the
-RPC ends with RESOURCE_EXHAUSTED), the stream counts it in `num_dropped_subscribers`, and the
-subscriber resubscribes to a fresh snapshot. Dropping batches instead would leave its view of
-the cache silently wrong, since a stream's sequence numbers are its own (the wire layer numbers
-a stream's batches consecutively). `close()` (engine shutdown) ends every subscription after
+RPC ends with RESOURCE_EXHAUSTED), the stream counts it in `num_dropped_subscribers` and logs
+a warning, and the subscriber resubscribes to a fresh snapshot. Dropping batches instead would
+leave its view of the cache silently wrong, since a stream's sequence numbers are its own (the
+wire layer numbers a stream's batches consecutively). `close()` (engine shutdown) ends every subscription after
 it has taken what was queued: `get` returns None.
 
 Invariants: every batch published while a subscription is open reaches it exactly once and in
@@ -26,8 +26,12 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import structlog
+
 from scheduler_svc.errors import Overloaded
 from scheduler_svc.sched.kv_events import BlockStored, KvEvent, KvEventLog
+
+log = structlog.get_logger("folio.scheduler.kv_events")
 
 MAX_QUEUED_BATCHES = 1024  # per subscriber: about 1024 steps' worth of events
 SNAPSHOT_BLOCKS = 256  # blocks per snapshot batch: ~4 k token ids at block size 16
@@ -140,6 +144,9 @@ class KvEventStream:
             if not sub._offer(batch):
                 self._subscribers.discard(sub)
                 self.num_dropped_subscribers += 1
+                log.warning("KV event subscriber disconnected: it fell behind",
+                            max_batches=self.max_batches,
+                            num_dropped_subscribers=self.num_dropped_subscribers)
 
     def close(self) -> None:
         """Shutdown: every subscription ends once it has taken what is queued."""
