@@ -98,8 +98,9 @@ class FolioClient:
         string or a list), include_stop_str_in_output, skip_special_tokens,
         spaces_between_special_tokens, min_tokens, repetition_penalty, presence_penalty,
         frequency_penalty, min_p, logit_bias ({token id: bias}), allowed_token_ids, bad_words,
-        logprobs, prompt_logprobs (None = server default). The last message of a sequence
-        stopped by a stop says which in its `matched_stop` oneof."""
+        logprobs, prompt_logprobs (None = server default); also `cache_salt` (prefix-cache
+        hits only between requests of the same salt). The last message of a sequence stopped
+        by a stop says which in its `matched_stop` oneof."""
         req = generate_request(prompt, token_ids=token_ids, messages=messages,
                                add_generation_prompt=add_generation_prompt,
                                request_id=request_id, **sampling)

@@ -194,13 +194,16 @@ def generate_request(
     messages: Messages | None = None,
     add_generation_prompt: bool | None = None,
     request_id: str = "",
+    cache_salt: str = "",
     **sampling,
 ) -> pb.GenerateRequest:
-    """Exactly one of `prompt` (text), `token_ids` or `messages` (chat) is the input."""
+    """Exactly one of `prompt` (text), `token_ids` or `messages` (chat) is the input;
+    `cache_salt` shares prefix-cache blocks only with requests of the same salt."""
     given = [x is not None for x in (prompt, token_ids, messages)]
     if sum(given) != 1:
         raise ValueError("pass exactly one of prompt, token_ids or messages")
-    req = pb.GenerateRequest(request_id=request_id, sampling=sampling_params(**sampling))
+    req = pb.GenerateRequest(request_id=request_id, cache_salt=cache_salt,
+                             sampling=sampling_params(**sampling))
     if prompt is not None:
         req.text = prompt
     elif token_ids is not None:

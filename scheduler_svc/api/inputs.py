@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 
 MAX_SEED = 2**63 - 1  # seeds travel as msgpack ints and feed the executor's hashed stream
 MAX_REQUEST_ID_CHARS = 256  # ids are logged and echoed in every response
+# A salt is hashed into the first block's key of every request and kept by each cached block's
+# KV event; 256 bytes hold any tenant id or a hex SHA-256 with room to spare.
+MAX_CACHE_SALT_BYTES = 256
 # Beam search asks the executor for (1 + stop ids) x beam_width logprobs per beam and ranks
 # them in Python each step, so the stop list is bounded.
 MAX_STOP_TOKEN_IDS = 32
@@ -61,6 +64,13 @@ EARLY_STOPPING = {
 def _shown(text: str, limit: int = 40) -> str:
     """A client string quoted for an error message, cut to `limit` characters."""
     return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def check_cache_salt(salt: str) -> None:
+    if (num_bytes := len(salt.encode())) > MAX_CACHE_SALT_BYTES:
+        raise InvalidRequest(f"cache_salt may have at most {MAX_CACHE_SALT_BYTES} bytes of "
+                             f"UTF-8, got {num_bytes}; use a short tenant id or a digest of "
+                             f"a longer one")
 
 
 def check_request_id(req_id: str) -> None:
@@ -217,6 +227,7 @@ def submit_params(msg: pb.GenerateRequest) -> SubmitParams:
                              f"got {len(p.stop_token_ids)}")
     check_stop_strings(p.stop)
     check_request_id(msg.request_id)
+    check_cache_salt(msg.cache_salt)
     if (structured := structured_from_proto(p, sequence.is_beam_search)) is not None:
         if p.min_tokens:  # the constraint may end the output sooner: nothing left to draw
             raise InvalidRequest(f"min_tokens ({p.min_tokens}) cannot be combined with "
@@ -234,7 +245,7 @@ def submit_params(msg: pb.GenerateRequest) -> SubmitParams:
         spaces_between_special_tokens=(p.spaces_between_special_tokens
                                        if p.HasField("spaces_between_special_tokens")
                                        else True),
-        min_tokens=p.min_tokens, bad_words=bad_words)
+        min_tokens=p.min_tokens, bad_words=bad_words, cache_salt=msg.cache_salt)
 
 
 def check_stop_strings(stop) -> None:

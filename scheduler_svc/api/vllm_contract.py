@@ -14,12 +14,12 @@ refuse the same things with the same messages. The stream is, per sequence (`ind
                    matched stop)
     stream=false:  one GenerateComplete with everything, logprobs included
 
-RPCs Folio has no counterpart for (Embed, FlushCache, StartProfile, StopProfile,
-SubscribeKvEvents) answer UNIMPLEMENTED with a reason. SubscribeKvEvents in particular: the
-gateway's cache-aware policy then routes from its own prefix tree of the requests it sent,
-which is what keeps a prompt family on one replica; exact events would need Folio's prefix
-cache to publish stored/evicted blocks under hashes the gateway can recompute, which it does
-not do yet.
+SubscribeKvEvents streams the prefix cache's blocks stored, removed and cleared
+(`kv_event_wire`: each stream starts with a snapshot, then live batches, numbered on from the
+subscriber's cursor), so the gateway's cache-aware policy routes from the replicas' real cache
+contents. FlushCache forgets every cached block once no request is in flight (waiting up to
+timeout_s), as vLLM's reset_prefix_cache. RPCs Folio has no counterpart for (Embed,
+StartProfile, StopProfile) answer UNIMPLEMENTED with a reason.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import dataclasses
 import datetime
 import hashlib
 import io
+import math
 import time
 import zipfile
 from importlib import metadata
@@ -37,15 +38,16 @@ from importlib import metadata
 from smg_grpc_proto import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import common_pb2
 
-from scheduler_svc.api import generation, inputs, vllm_fields
+from scheduler_svc.api import generation, inputs, kv_event_wire, vllm_fields
 from scheduler_svc.api.grpc_handlers import grpc_errors
 from scheduler_svc.api.prompts import PromptEncoder
 from scheduler_svc.api.structured_output import StructuredValidator
 from scheduler_svc.engine.engine import Engine
-from scheduler_svc.errors import NotSupported
+from scheduler_svc.errors import InvalidRequest, NotSupported
 from scheduler_svc.sched.request import RequestOutput
 
 VLLM_SERVICE = vpb.DESCRIPTOR.services_by_name["VllmEngine"]
+MAX_FLUSH_TIMEOUT_S = 3600.0
 TOKENIZER_CHUNK_BYTES = 64 * 1024  # the gateway's GetTokenizer client reads 64 KiB chunks
 # The model directory's files a tokenizer is rebuilt from (those scheduler_svc.text.tokenizer
 # reads), zipped flat for GetTokenizer.
@@ -225,16 +227,42 @@ class VllmEngineService:
             yield common_pb2.GetTokenizerChunk(data=data[start:end],
                                                sha256=sha256 if end >= len(data) else "")
 
+    # ---- the prefix cache ----------------------------------------------------------------
+
+    @grpc_errors
+    async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest, context):
+        """A snapshot of the cached blocks, then every change, until the server stops (the
+        stream ends OK) or this subscriber falls too far behind (RESOURCE_EXHAUSTED: subscribe
+        again). `load_records_before_first_batch` is accepted; Folio sends no load records on
+        this stream (GetLoads serves them)."""
+        kv_event_wire.check_start(request.start_sequence_number)
+        subscription = self.engine.subscribe_kv_events()
+        try:
+            # Headers now: the gateway's subscribe call returns before the first batch.
+            await context.send_initial_metadata(())
+            sequence_number, event_id = request.start_sequence_number, 0
+            while (batch := await subscription.get()) is not None:
+                sequence_number += 1
+                msg, event_id = kv_event_wire.batch_message(batch, sequence_number, event_id)
+                yield msg
+        finally:
+            subscription.cancel()
+
+    @grpc_errors
+    async def FlushCache(self, request: common_pb2.FlushCacheRequest, context
+                         ) -> common_pb2.FlushCacheResponse:
+        timeout_s = request.timeout_s
+        if not (math.isfinite(timeout_s) and 0 <= timeout_s <= MAX_FLUSH_TIMEOUT_S):
+            raise InvalidRequest(f"timeout_s must be 0 (flush only if idle now) to "
+                                 f"{MAX_FLUSH_TIMEOUT_S:g} seconds, got {timeout_s}")
+        success, message = await self.engine.flush_prefix_cache(timeout_s)
+        return common_pb2.FlushCacheResponse(success=success, message=message)
+
     # ---- not in Folio ------------------------------------------------------------------
 
     @grpc_errors
     async def Embed(self, request, context):
         raise NotSupported("Folio serves generative models only; Embed is not supported")
-
-    @grpc_errors
-    async def FlushCache(self, request, context):
-        raise NotSupported("FlushCache is not supported: Folio's prefix cache evicts blocks "
-                           "as the pool needs them (least recently used first)")
 
     @grpc_errors
     async def StartProfile(self, request, context):
@@ -243,10 +271,4 @@ class VllmEngineService:
     @grpc_errors
     async def StopProfile(self, request, context):
         raise NotSupported("profiling over gRPC is not supported by Folio")
-
-    @grpc_errors
-    async def SubscribeKvEvents(self, request, context):
-        raise NotSupported("KV cache events are not published by Folio yet; the gateway's "
-                           "cache-aware routing uses its own prefix tree instead")
-        yield  # a server-streaming handler
 

@@ -78,7 +78,8 @@ def admit(sched: Scheduler, client: ClientRequest, info: ExecutorInfo,
         return Request(req_id=seq_id, prompt_token_ids=prompt, sampling=sampling,
                        max_tokens=client.max_tokens, arrival=client.arrival,
                        eos_token_ids=eos_token_ids, stop_token_ids=stop_token_ids,
-                       ignore_eos=p.ignore_eos, min_tokens=p.min_tokens, index=index)
+                       ignore_eos=p.ignore_eos, min_tokens=p.min_tokens, index=index,
+                       cache_salt=p.cache_salt)
 
     if client.num_resumes:  # checked at submit against the executor of that time
         check_for_executor(p, info.vocab_size, info.max_model_len)

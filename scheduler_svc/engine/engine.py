@@ -42,6 +42,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine.admission import readmit_all, submit_request
 from scheduler_svc.engine.channel_reader import ChannelReader
 from scheduler_svc.engine.handshake import ExecutorInfo, answer_hello, log_connected, new_scheduler
+from scheduler_svc.engine.kv_event_stream import KvEventStream
 from scheduler_svc.engine.log_limit import LogLimiter
 from scheduler_svc.engine.metrics import RequestMetrics
 from scheduler_svc.engine.output_processor import OutputProcessor
@@ -53,6 +54,7 @@ from scheduler_svc.errors import (
     ExecutorUnavailable,
     FolioError,
 )
+from scheduler_svc.sched.kv_events import KvEventLog
 from scheduler_svc.sched.request import RequestStatus, SubmitParams
 from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.text.tokenizer import Tokenizer
@@ -94,6 +96,9 @@ class Engine:
         self._inbox = self._reader.inbox
         # Counters of schedulers retired with their executor, for cumulative ServerStats.
         self._past_totals = dict.fromkeys(COUNTERS, 0)
+        # The prefix cache's events, published once per turn of the loop (kv_event_stream.py).
+        self.kv_events = KvEventLog()
+        self.kv_event_stream = KvEventStream(self.kv_events)
 
     # ---- called by gRPC handlers -----------------------------------------------------------
 
@@ -137,6 +142,33 @@ class Engine:
         self._stopping = True
         self._wakeup.set()
 
+    def subscribe_kv_events(self):
+        """A KV-event subscription (kv_event_stream.Subscription), starting from a snapshot
+        of the cache as published so far."""
+        self.kv_event_stream.publish()  # so the snapshot and the live batches meet exactly
+        return self.kv_event_stream.subscribe()
+
+    async def flush_prefix_cache(self, timeout_s: float) -> tuple[bool, str]:
+        """FlushCache: forget every cached block once no request is in the server, waiting
+        at most `timeout_s` for that (0: only if idle now). Returns (success, why)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            sched = self.scheduler
+            if sched is None:
+                self.kv_event_stream.publish()
+                return True, "no executor connected: the prefix cache is empty"
+            idle = not len(self.registry) and not sched.has_unfinished() \
+                and not sched.num_in_flight
+            if idle and sched.block_manager.reset_prefix_cache():
+                self.kv_event_stream.publish()
+                log.info("prefix cache flushed")
+                return True, "prefix cache flushed"
+            if time.monotonic() >= deadline:
+                return False, (f"the prefix cache was not flushed: {len(self.registry)} "
+                               f"request(s) in flight hold its blocks; retry when they have "
+                               f"finished, or give timeout_s to wait for them")
+            await asyncio.sleep(0.01)
+
     # ---- the loop --------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -150,12 +182,15 @@ class Engine:
                 except Exception as e:  # a scheduler bug: scope it, keep serving
                     log.exception("engine step failed")
                     self._recover(e)
+                self.kv_event_stream.publish()
                 self.stats.maybe_log_server(self.server_stats())
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
             await self._close("the server is shutting down")
+            self.kv_event_stream.publish()
+            self.kv_event_stream.close()
 
     async def _iterate(self) -> None:
         """One turn of the loop: send a plan if one can go now; then, with the pipeline full
@@ -306,7 +341,8 @@ class Engine:
                                        self.config.max_num_batched_tokens)
         self.executor, self._hello = info, hello
         self.scheduler = new_scheduler(info, hello, self.config,
-                                       first_step_id=self._next_step_id)
+                                       first_step_id=self._next_step_id,
+                                       kv_events=self.kv_events)
         log_connected(info, hello, self.config)
         self._readmit_all()
         if self._on_executor_change is not None:
@@ -328,6 +364,7 @@ class Engine:
         if self.scheduler is not None:
             retire_counters(self._past_totals, self.scheduler)
             self._next_step_id = max(self._next_step_id, self.scheduler.next_step_id)
+            self.kv_events.cleared()  # its cache goes with it
         self.scheduler = None
 
     def _readmit_all(self) -> None:
@@ -377,7 +414,8 @@ class Engine:
         """A new Scheduler on the same executor, whose first plan drops all it holds."""
         self._retire_scheduler()
         self.scheduler = new_scheduler(self.executor, self._hello, self.config,
-                                       first_step_id=self._next_step_id, reset_executor=True)
+                                       first_step_id=self._next_step_id, reset_executor=True,
+                                       kv_events=self.kv_events)
 
     async def _close(self, reason: str) -> None:
         """Shutting down: end every request with UNAVAILABLE."""

@@ -16,6 +16,7 @@ import structlog
 from protos.plan import PROTOCOL_VERSION, Hello, Reject, Welcome
 from scheduler_svc.config import SchedulerConfig, num_speculative_tokens
 from scheduler_svc.sched.block_manager import BlockManager, longest_context
+from scheduler_svc.sched.kv_events import KvEventLog
 from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.text.tokenizer import Tokenizer
 
@@ -85,8 +86,10 @@ def check_hello(hello: Hello, tokenizer: Tokenizer) -> str | None:
 
 
 def new_scheduler(info: ExecutorInfo, hello: Hello, config: SchedulerConfig, *,
-                  first_step_id: int = 0, reset_executor: bool = False) -> Scheduler:
-    """A scheduler for the executor `info`: its KV pool and CPU swap pool, empty. Step ids
+                  first_step_id: int = 0, reset_executor: bool = False,
+                  kv_events: KvEventLog | None = None) -> Scheduler:
+    """A scheduler for the executor `info`: its KV pool and CPU swap pool, empty, its prefix
+    cache reporting to `kv_events` (which the caller has cleared). Step ids
     continue from `first_step_id`, so a late answer to an older plan never matches a new
     one; `reset_executor` makes the first plan tell the executor to drop what it holds.
     Speculative decoding runs on one rank only (ranks > 1 would each have to verify)."""
@@ -102,7 +105,7 @@ def new_scheduler(info: ExecutorInfo, hello: Hello, config: SchedulerConfig, *,
         spec_k = 0
     return Scheduler(
         BlockManager(info.num_kv_blocks, info.block_size, max(0, hello.num_swap_blocks),
-                     windows=hello.kv_windows, window_margin=spec_k),
+                     windows=hello.kv_windows, window_margin=spec_k, events=kv_events),
         config.max_num_seqs, config.max_num_batched_tokens, info.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
         preemption_mode=config.preemption_mode, first_step_id=first_step_id,

@@ -42,9 +42,12 @@ API (each call all-or-nothing: None or an exception changes nothing):
   offered to the cache, so they stay hits). Returns how many blocks became free.
 - `fork(parent, child)`: the child's table is the parent's; every block's ref count +1. The
   first of them to write into a shared, partly filled last block gets the copy.
-- `cache_blocks(seq, keys)`: offer the table's leading full, computed positions to the prefix
-  cache under their keys (`prefix_cache.extend_block_keys`), each group's block under the key
-  and its group. A key already cached in another block stays with that block.
+- `cache_blocks(seq, keys, token_ids, salt)`: offer the table's leading full, computed
+  positions to the prefix cache under their keys (`prefix_cache.extend_block_keys`), each
+  group's block under the key and its group. A key already cached in another block stays with
+  that block.
+- `reset_prefix_cache()`: forget every cached block, as vLLM's reset: only while no table holds
+  a block (False, nothing changed, otherwise).
 - `cached_prefix(keys)`: the longest run of leading positions a new sequence can start from:
   every full-attention group holds all of them, every windowed group those its window needs.
 - `swap_out(seqs)` / `swap_in(seqs)`: move a group of tables to the CPU pool and back; each
@@ -52,6 +55,11 @@ API (each call all-or-nothing: None or an exception changes nothing):
   (src, dst) pairs go in the plan.
 - `free(seq)`: drop a table (GPU or CPU). Keyed blocks whose ref count drops to 0 become
   evictable, the table's leading blocks most recently (a prefix outlives its tail).
+
+KV events (`kv_events.py`, when an `events` log is given): blocks of the first full-attention
+group (else group 0) newly keyed by `cache_blocks` are reported stored, in runs of consecutive
+positions, with their token ids (`token_ids`, the sequence's tokens) and salt; a keyed block
+evicted by allocation is reported removed; `reset_prefix_cache` reports all cleared.
 
 Invariants (`check_invariants`, asserted in tests):
 - a GPU block is in exactly one of: a table (ref > 0), `free` (ref 0, no key), `evictable`
@@ -69,7 +77,10 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from scheduler_svc.sched.kv_events import KvEventLog
 
 FREED = -1  # a table entry whose block left every window of its group and was released
 
@@ -110,7 +121,8 @@ class Allocation(NamedTuple):
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
-                 windows: Sequence[int] = (0,), window_margin: int = 0):
+                 windows: Sequence[int] = (0,), window_margin: int = 0,
+                 events: KvEventLog | None = None):
         if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0:
             raise ValueError(f"need at least one block of at least one token, got "
                              f"num_blocks={num_blocks}, block_size={block_size}, "
@@ -125,6 +137,10 @@ class BlockManager:
         self.window_margin = window_margin
         self._windowed = [(g, w) for g, w in enumerate(self.windows) if w]
         self._full_groups = [g for g, w in enumerate(self.windows) if not w]
+        self.events = events
+        self._event_group = self._full_groups[0] if self._full_groups else 0
+        if events is not None:
+            events.block_size = block_size
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # least recently used first
@@ -370,15 +386,19 @@ class BlockManager:
 
     # ---- prefix cache ----------------------------------------------------------------------
 
-    def cache_blocks(self, seq_id: str, keys: Sequence[bytes]) -> int:
+    def cache_blocks(self, seq_id: str, keys: Sequence[bytes], token_ids: Sequence[int] = (),
+                     salt: str = "") -> int:
         """Key the table's leading positions with `keys` (one per full, computed position):
-        each group's block under (key, group). Returns how many blocks became cached."""
+        each group's block under (key, group). `token_ids` and `salt` (the sequence's, whose
+        blocks the keys were made from) are needed only for KV events. Returns how many blocks
+        became cached."""
         table = self.block_tables.get(seq_id)
         if table is None:
             return 0
         G = self.num_groups
         start, end = self._num_offered.get(seq_id, 0), min(len(keys), len(table) // G)
         num_cached = 0
+        stored: list[int] = []  # positions whose event-group block became cached
         for k in range(start, end):
             for g in range(G):
                 block_id = table[k * G + g]
@@ -388,8 +408,42 @@ class BlockManager:
                 self._key_of[block_id] = key
                 self._cached[key] = block_id
                 num_cached += 1
+                if g == self._event_group:
+                    stored.append(k)
         self._num_offered[seq_id] = max(start, end)
+        if self.events is not None and stored:
+            self._report_stored(stored, keys, token_ids, salt)
         return num_cached
+
+    def _report_stored(self, positions: list[int], keys: Sequence[bytes],
+                       token_ids: Sequence[int], salt: str) -> None:
+        """One BlockStored per run of consecutive `positions` (ascending)."""
+        g, bs = self._event_group, self.block_size
+        assert len(token_ids) >= (positions[-1] + 1) * bs, "KV events need the token ids"
+        first = 0
+        for i in range(1, len(positions) + 1):
+            if i < len(positions) and positions[i] == positions[i - 1] + 1:
+                continue
+            k0, k1 = positions[first], positions[i - 1] + 1
+            self.events.stored(
+                [self._group_key(keys[k], g) for k in range(k0, k1)],
+                self._group_key(keys[k0 - 1], g) if k0 else None,
+                token_ids[k0 * bs:k1 * bs], salt, g)
+            first = i
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (FlushCache). As vLLM's, it refuses while any GPU table
+        holds a block: returns False and changes nothing. Tables swapped out to the CPU hold
+        no keyed block and do not count."""
+        if any(self.ref_counts):
+            return False
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._key_of.clear()
+        self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()
+        return True
 
     @staticmethod
     def _group_key(key: bytes, group: int) -> bytes:
@@ -477,7 +531,10 @@ class BlockManager:
             block_id = self._free.popleft()
         else:  # evict the least recently used cached block; its contents are forgotten
             block_id, _ = self._evictable.popitem(last=False)
-            del self._cached[self._key_of.pop(block_id)]
+            key = self._key_of.pop(block_id)
+            del self._cached[key]
+            if self.events is not None:
+                self.events.removed(key, self._event_group)  # a no-op for other groups' keys
         self.ref_counts[block_id] = 1
         return block_id
 

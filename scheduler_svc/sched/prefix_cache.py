@@ -79,8 +79,9 @@ def cache_computed_blocks(bm: BlockManager, req: Request) -> None:
     num_full = min(req.num_computed_tokens, req.num_tokens) // bm.block_size
     if num_full <= bm.num_offered(req.req_id):
         return  # no block filled up since the last offer (most decode steps): nothing to key
-    bm.cache_blocks(req.req_id, request_block_keys(req, req.num_computed_tokens,
-                                                   bm.block_size)[:num_full])
+    keys = request_block_keys(req, req.num_computed_tokens, bm.block_size)[:num_full]
+    bm.cache_blocks(req.req_id, keys, req.all_token_ids if bm.events is not None else (),
+                    req.cache_salt)
 
 
 def cache_computed_blocks_many(bm: BlockManager, reqs: list[Request]) -> None:

@@ -61,6 +61,8 @@ class SubmitParams:
     # Words as the client sent them; `sampling.bad_words` holds their token sequences once
     # the server has tokenized them (inputs.bad_words_token_ids).
     bad_words: tuple[str, ...] = ()
+    # Prefix-cache namespace (prefix_cache.py): hits only between requests of the same salt.
+    cache_salt: str = ""
 
 
 class TokenLogprobs(NamedTuple):
@@ -107,8 +109,8 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV the executor holds
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0  # by the scheduler, or (resumed) by the loss of an executor
-    # Prefix caching: requests share cached blocks only under the same salt (not yet in the
-    # public API). `block_keys` holds the keys of the leading full blocks of all_token_ids,
+    # Prefix caching: requests share cached blocks only under the same salt
+    # (GenerateRequest.cache_salt). `block_keys` holds the keys of the leading full blocks of all_token_ids,
     # extended only when needed (`prefix_cache.request_block_keys`), not at every token.
     cache_salt: str = ""
     block_keys: list[bytes] = field(default_factory=list)

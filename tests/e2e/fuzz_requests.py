@@ -103,11 +103,15 @@ FIELDS = {
     "request_id": (st.just("") | st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7e,
                                                       exclude_characters="/"), max_size=256),
                    st.text(max_size=20) | st.text(min_size=250, max_size=300)),
+    # any unicode: up to 64 characters is at most 256 bytes of UTF-8; the wild ones pass it
+    "cache_salt": (st.just("") | st.text(max_size=64),
+                   st.text(min_size=60, max_size=300)),
     "input": (st.sampled_from(["text", "token_ids", "chat"]),
               st.sampled_from(["huge text", "wild text", "wild token_ids", "wild chat",
                                "none"])),
 }
-SAMPLING_FIELDS = [f for f in FIELDS if f not in ("request_id", "input", "structured_output")]
+SAMPLING_FIELDS = [f for f in FIELDS
+                   if f not in ("request_id", "cache_salt", "input", "structured_output")]
 
 roles = st.sampled_from(["user", "system", "assistant"])
 chat_messages = st.lists(st.builds(pb.ChatMessage, role=roles, content=st.text(max_size=100)),
@@ -129,7 +133,8 @@ def generate_requests(draw) -> pb.GenerateRequest:
                                     if values[f] is not None})
     if values["structured_output"] is not None:
         set_structured(sampling, values["structured_output"])
-    msg = pb.GenerateRequest(request_id=values["request_id"], sampling=sampling)
+    msg = pb.GenerateRequest(request_id=values["request_id"], cache_salt=values["cache_salt"],
+                             sampling=sampling)
     match values["input"]:
         case "text":
             msg.text = draw(st.text(min_size=1, max_size=120))

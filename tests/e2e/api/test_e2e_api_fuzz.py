@@ -125,6 +125,7 @@ def broken_rule(msg: pb.GenerateRequest, m: Model) -> str | None:
         (width > 1 and (has("logprobs") or has("prompt_logprobs")), "logprobs with beams"),
         (len(msg.request_id) > 256 or not msg.request_id.isprintable()
          or "/" in msg.request_id, "request_id"),
+        (len(msg.cache_salt.encode()) > 256, "cache_salt"),
     ]
     for broken, rule in checks:
         if broken:
@@ -309,6 +310,8 @@ def with_field(field: str, marker: str) -> pb.GenerateRequest:
     match field:
         case "request_id":
             return pb.GenerateRequest(request_id=marker, text="hi")
+        case "cache_salt":
+            return pb.GenerateRequest(cache_salt=marker, text="hi")
         case "text":
             return pb.GenerateRequest(text=marker)
         case "role":
@@ -323,7 +326,7 @@ def undecodable_requests(draw) -> bytes:
     if draw(st.booleans()):  # a well-formed message with invalid UTF-8 in one string field
         bad = draw(st.binary(min_size=1, max_size=24).filter(invalid_utf8))
         marker = "\x7f" * len(bad)
-        field = draw(st.sampled_from(["request_id", "text", "role", "content"]))
+        field = draw(st.sampled_from(["request_id", "cache_salt", "text", "role", "content"]))
         return with_field(field, marker).SerializeToString().replace(marker.encode(), bad)
     data = draw(st.binary(max_size=64))  # arbitrary bytes that do not parse
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -42,6 +43,13 @@ def smg_binary() -> str:
     return str(Path(sys.executable).parent / "smg")  # the smg package's console script
 
 
+@dataclasses.dataclass
+class Gateway:
+    url: str
+    log_path: Path
+    metrics_url: str
+
+
 @contextlib.contextmanager
 def run_gateway(log_dir: Path, worker_addresses: list[str]):
     port, metrics_port = free_port(), free_port()
@@ -56,7 +64,7 @@ def run_gateway(log_dir: Path, worker_addresses: list[str]):
     try:
         base_url = f"http://127.0.0.1:{port}"
         wait_gateway(proc, base_url, log_path)
-        yield base_url
+        yield Gateway(base_url, log_path, f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         stop_process_tree(proc)
 
@@ -102,8 +110,9 @@ def replicas(folio_server, metrics_urls):
 
 @pytest.fixture(scope="module")
 def gateway(replicas, tmp_path_factory):
-    with run_gateway(tmp_path_factory.mktemp("smg"), [r.address for r in replicas]) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+    with run_gateway(tmp_path_factory.mktemp("smg"), [r.address for r in replicas]) as gw:
+        yield openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", timeout=120,
+                            max_retries=0)
 
 
 def folio_chat(server, **sampling):
@@ -211,15 +220,13 @@ def test_usage_reports_cached_tokens(gateway):
     assert 0 < cached < second.usage.prompt_tokens
 
 
-# Cache-aware routing, read from each replica's own /metrics. What smg's cache_aware policy
-# promises (its docs/concepts/routing/cache-aware.md): while the replicas' loads are balanced,
-# a prompt whose longest prefix match in the gateway's prefix tree covers more than
-# --cache-threshold (0.3) of its tokens goes to the replica that match belongs to; a prompt
-# below it goes to a least-loaded healthy replica. So a family of prompts sent one after
-# another (an idle pool: balanced) stays where its first request went. Where a new family
-# starts is not promised, so the spread over the replicas is not asserted: smg
-# 1.13.0 sent a second family, arriving while the first's stream was in flight on one replica,
-# to that same replica in one run of three, and sequential families often share a replica.
+# Cache-aware routing, read from each replica's own /metrics. Folio publishes its prefix
+# cache on SubscribeKvEvents, so smg's cache_aware policy routes from the replicas' real
+# contents (its event-driven index: the worker whose cached blocks overlap a prompt's most,
+# while loads are balanced; no overlap: a least-loaded replica). A family of prompts sent one
+# after another (an idle pool: balanced) thus stays where its first request went and its
+# blocks are cached. Where a new family starts is not promised, so the spread over the
+# replicas is not asserted.
 NUM_FAMILIES = 4
 PER_FAMILY = 3
 PREFIX_WORDS = 260  # about 370 tokens in the chat template: the suffixes are a few
@@ -262,10 +269,20 @@ def test_cache_aware_routing_keeps_each_family_on_one_replica(replicas, metrics_
                                                               tmp_path):
     # A gateway of its own: the families would otherwise weigh on where the shared gateway
     # sends the later tests' requests (its prefix trees, processed counts).
-    with run_gateway(tmp_path, [r.address for r in replicas]) as url:
-        gateway = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120,
+    with run_gateway(tmp_path, [r.address for r in replicas]) as gw:
+        gateway = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", timeout=120,
                                 max_retries=0)
         send_families(gateway, replicas, metrics_urls)
+        # The gateway subscribed to both replicas' KV events and applied what they sent.
+        log = gw.log_path.read_text()
+        assert "does not implement" not in log, log[-3000:]
+        assert log.count("KV event stream connected") >= 2, log[-3000:]
+        with urllib.request.urlopen(gw.metrics_url, timeout=5) as response:
+            metrics = response.read().decode()
+        applied = [line for line in metrics.splitlines()
+                   if line.startswith("smg_kv_event_batches_total")
+                   and 'disposition="applied"' in line and float(line.split()[-1]) > 0]
+        assert applied, [ln for ln in metrics.splitlines() if "kv_event" in ln]
 
 
 def send_families(gateway, replicas, metrics_urls) -> None:

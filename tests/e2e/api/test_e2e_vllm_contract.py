@@ -2,7 +2,8 @@
 random model), every RPC called through the contract's own generated stubs (smg-grpc-proto).
 
 Oracles: Folio's own API on the same port (folio.v1.Generator: greedy tokens, model facts,
-server stats) and the tokenizer files the contract itself streams.
+server stats, prefix-cache counters), the tokenizer files the contract itself streams, and the
+KV-event block hashes computed here from the prompt as docs/architecture.md defines them.
 """
 
 from __future__ import annotations
@@ -10,6 +11,10 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import random
+import struct
+import threading
+import time
 import zipfile
 
 import grpc
@@ -245,7 +250,6 @@ def test_loads_count_a_running_request(vllm, default_server):
 
 @pytest.mark.parametrize("call, request_msg", [
     ("Embed", vpb.EmbedRequest(tokenized=vpb.TokenizedInput(input_ids=[1, 2]))),
-    ("FlushCache", common_pb2.FlushCacheRequest()),
     ("StartProfile", common_pb2.StartProfileRequest()),
     ("StopProfile", common_pb2.StopProfileRequest()),
 ])
@@ -255,11 +259,127 @@ def test_unsupported_rpcs_say_so(vllm, call, request_msg):
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "Folio" in e.value.details()
 
 
-def test_kv_events_unimplemented_with_a_reason(vllm):
+class Subscriber:
+    """A SubscribeKvEvents stream read on a thread into the view a gateway keeps: block hash
+    -> token ids, applied event by event."""
+
+    def __init__(self, vllm):
+        self.call = vllm.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=300)
+        self.batches: list = []
+        self.view: dict[int, tuple[int, ...]] = {}
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        try:
+            for batch in self.call:
+                for event in batch.events:
+                    match event.WhichOneof("data"):
+                        case "stored":
+                            for block in event.stored.blocks:
+                                self.view[block.block_hash] = tuple(block.token_ids)
+                        case "removed":
+                            for h in event.removed.block_hashes:
+                                self.view.pop(h, None)
+                        case "cleared":
+                            self.view.clear()
+                self.batches.append(batch)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                self.error = e
+
+    def until(self, predicate, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while not predicate(self):
+            assert self.error is None, self.error
+            assert time.monotonic() < deadline, f"not seen in {timeout}s: {len(self.view)}"
+            time.sleep(0.02)
+
+    def close(self):
+        self.call.cancel()
+        self.thread.join(10)
+
+
+def block_hashes(ids, block_size, salt=""):
+    """The hashes a prompt's full blocks are published under, as docs/architecture.md states
+    them: key(k) = sha256(key(k-1) | u32 len(salt) | salt | u32 n | n x u32 token ids), little
+    endian (key(-1) empty); on the wire the signed big-endian int64 of a key's first 8 bytes."""
+    hashes, parent = [], b""
+    salt_bytes = salt.encode()
+    for k in range(len(ids) // block_size):
+        block = ids[k * block_size:(k + 1) * block_size]
+        parent = hashlib.sha256(parent + struct.pack("<I", len(salt_bytes)) + salt_bytes
+                                + struct.pack(f"<I{len(block)}I", len(block), *block)).digest()
+        hashes.append(int.from_bytes(parent[:8], "big", signed=True))
+    return hashes
+
+
+def prefix_hits(folio) -> int:
+    return folio.GetServerStats(pb.GetServerStatsRequest(), timeout=10).prefix_cache_hits
+
+
+def salted_greedy(folio, ids, salt=""):
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), cache_salt=salt,
+                                 sampling=pb.SamplingParams(temperature=0.0, max_tokens=2))
+    return list(folio.Generate(request, timeout=120))
+
+
+@pytest.fixture
+def subscriber(vllm):
+    sub = Subscriber(vllm)
+    sub.until(lambda s: s.batches)  # the snapshot is in
+    yield sub
+    sub.close()
+
+
+def test_kv_events_publish_the_prompts_blocks(vllm, folio, subscriber):
+    block_size = vllm.GetServerInfo(vpb.GetServerInfoRequest(), timeout=10).block_size
+    snapshot = subscriber.batches[0]
+    assert snapshot.snapshot.count >= 1 and snapshot.events[0].HasField("cleared")
+    ids = [random.Random(1).randrange(100, 400) for _ in range(3 * block_size + 5)]
+    generate(vllm, ids, stream=False, temperature=0.0, max_tokens=2)
+    expected = block_hashes(ids, block_size)
+    subscriber.until(lambda s: set(expected) <= set(s.view))
+    for k, h in enumerate(expected):
+        assert subscriber.view[h] == tuple(ids[k * block_size:(k + 1) * block_size])
+    numbers = [b.sequence_number for b in subscriber.batches]
+    assert numbers == list(range(1, len(numbers) + 1))
+
+
+def test_flush_cache_then_the_same_prompt_has_no_hits(vllm, folio, default_server, subscriber):
+    ids = [random.Random(2).randrange(100, 400) for _ in range(40)]
+    salted_greedy(folio, ids)
+    hits = prefix_hits(folio)
+    salted_greedy(folio, ids)
+    assert prefix_hits(folio) > hits  # cached
+    wait_idle(default_server.address)
+    response = vllm.FlushCache(common_pb2.FlushCacheRequest(timeout_s=10), timeout=30)
+    assert response.success, response.message
+    subscriber.until(lambda s: s.batches[-1].events[-1].HasField("cleared") and not s.view)
+    hits = prefix_hits(folio)
+    salted_greedy(folio, ids)
+    assert prefix_hits(folio) == hits  # nothing left to hit
+    salted_greedy(folio, ids)
+    assert prefix_hits(folio) > hits  # cached again
+
+
+def test_cache_salt_separates_tenants(folio):
+    ids = [random.Random(3).randrange(100, 400) for _ in range(40)]
+    salted_greedy(folio, ids, salt="tenant-a")
+    hits = prefix_hits(folio)
+    salted_greedy(folio, ids, salt="tenant-b")
+    salted_greedy(folio, ids)  # no salt: its own namespace
+    assert prefix_hits(folio) == hits
+    salted_greedy(folio, ids, salt="tenant-a")
+    assert prefix_hits(folio) > hits
+
+
+def test_cache_salt_over_the_limit_is_refused(folio):
     with pytest.raises(grpc.RpcError) as e:
-        list(vllm.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=10))
-    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "prefix tree" in e.value.details()
+        salted_greedy(folio, [1, 2, 3], salt="ü" * 200)  # 400 bytes of UTF-8
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cache_salt may have at most 256 bytes" in e.value.details()
 
 
 @pytest.mark.parametrize("fields, code, words", [

@@ -1,5 +1,6 @@
-"""Fuzzing the vLLM worker contract's Generate of a real `folio serve` (the tiny model): random
-contract requests over every SamplingParams field, valid and not.
+"""Fuzzing the vLLM worker contract of a real `folio serve` (the tiny model): random Generate
+requests over every SamplingParams field, valid and not, and random sequences of KV-event
+subscriptions, cancellations and FlushCache calls.
 
 Oracle: the contract's own rules and the refusals docs/architecture.md lists (what Folio does
 not do is UNIMPLEMENTED; a value out of range is INVALID_ARGUMENT with a message), and the
@@ -10,12 +11,15 @@ healthy and idle with every KV block free.
 
 from __future__ import annotations
 
+import math
+
 import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from smg_grpc_proto import vllm_engine_pb2 as vpb
 from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
+from smg_grpc_proto.generated import common_pb2
 
 from tests.e2e.e2e_util import wait_idle
 
@@ -188,5 +192,91 @@ def test_fuzz_generate_fields(vllm, vocab_size, default_server):
     assert seen.get("OK", 0) >= 10 and seen.get("INVALID_ARGUMENT", 0) >= 10, seen
     assert seen.get("UNIMPLEMENTED", 0) >= 3, seen
     assert default_server.proc.poll() is None, default_server.log_tail()
+    assert vllm.HealthCheck(vpb.HealthCheckRequest(), timeout=10).healthy
+    wait_idle(default_server.address)
+
+
+# ---- SubscribeKvEvents and FlushCache ------------------------------------------------------
+
+kv_ops = st.lists(st.one_of(
+    st.tuples(st.just("subscribe"), st.one_of(st.just(0), st.integers(1, 2**40),
+                                              st.integers(2**63, 2**64 - 1))),
+    st.tuples(st.just("cancel"), st.integers(0, 7)),
+    st.tuples(st.just("generate"), st.integers(0, 3)),  # a prompt family: shared prefixes
+    st.tuples(st.just("flush"), st.one_of(st.floats(0, 0.5, width=32), FLOAT)),
+), max_size=12)
+
+
+def test_fuzz_kv_event_subscribers_and_flushes(vllm, default_server):
+    """Random subscribe (any cursor) / cancel / generate / flush (any timeout_s) sequences.
+    Each subscription that opens numbers its batches from its cursor + 1 on, without a gap,
+    starting with a snapshot (AllBlocksCleared first); a cursor above 2^63 - 1 and a timeout
+    outside 0..3600 are INVALID_ARGUMENT; a flush of an idle server succeeds. Afterwards the
+    server is healthy and idle."""
+    block_size = vllm.GetServerInfo(vpb.GetServerInfoRequest(), timeout=10).block_size
+    seen: dict[str, int] = {}
+    unique = iter(range(10**9))
+
+    def generate(family: int) -> None:
+        prefix = [200 + family] * (2 * block_size)
+        ids = prefix + [300 + next(unique) % 1500 for _ in range(block_size + 1)]
+        request = vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=ids),
+                                      sampling_params=vpb.SamplingParams(max_tokens=1))
+        assert list(vllm.Generate(request, timeout=60))[-1].complete.finish_reason == "length"
+
+    @FUZZ
+    @given(ops=kv_ops)
+    def run(ops):
+        calls: list[tuple[object, int]] = []  # (stream, the sequence number it is at)
+        try:
+            for op, arg in ops:
+                match op:
+                    case "subscribe":
+                        call = vllm.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(
+                            start_sequence_number=arg), timeout=60)
+                        if arg > 2**63 - 1:
+                            with pytest.raises(grpc.RpcError) as e:
+                                next(call)
+                            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                            seen["bad cursor"] = seen.get("bad cursor", 0) + 1
+                            continue
+                        first = next(call)
+                        assert first.sequence_number == arg + 1
+                        assert first.snapshot.index == 0 and first.events[0].HasField("cleared")
+                        calls.append((call, arg + 1))
+                    case "cancel" if calls:
+                        calls.pop(arg % len(calls))[0].cancel()
+                    case "generate":
+                        generate(arg)
+                    case "flush":
+                        bad = not (math.isfinite(arg) and 0 <= arg <= 3600)
+                        try:
+                            response = vllm.FlushCache(common_pb2.FlushCacheRequest(
+                                timeout_s=arg), timeout=30)
+                        except grpc.RpcError as e:
+                            assert bad and e.code() == grpc.StatusCode.INVALID_ARGUMENT
+                            seen["bad timeout"] = seen.get("bad timeout", 0) + 1
+                            continue
+                        assert not bad
+                        # requests run one at a time here: the server is idle or about to be
+                        assert response.success or arg < 0.1, response.message
+            # A last, unique request stores a block every open stream must report, after
+            # whatever snapshot it is still sending: numbered on without a gap.
+            generate(4)
+            for call, number in calls:
+                while True:
+                    batch = next(call)
+                    number += 1
+                    assert batch.sequence_number == number
+                    if not batch.HasField("snapshot"):
+                        break
+                seen["streams read"] = seen.get("streams read", 0) + 1
+        finally:
+            for call, _ in calls:
+                call.cancel()
+
+    run()
+    assert seen.get("streams read", 0) >= 10 and seen.get("bad cursor", 0) >= 3, seen
+    assert seen.get("bad timeout", 0) >= 3, seen
     assert vllm.HealthCheck(vpb.HealthCheckRequest(), timeout=10).healthy
     wait_idle(default_server.address)
