@@ -19,7 +19,7 @@ import torch
 
 from kernels import cpu, kv_quant, twins
 from tests.kernels.attention_reference import poison_outside_windows, reference_attention
-from tests.kernels.conftest import PagedBatch, make_paged_batch
+from tests.kernels.conftest import DEVICE, PagedBatch, make_paged_batch
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 32, 4
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
@@ -48,6 +48,15 @@ class QuantBatch:
 
     def scales(self) -> dict:
         return dict(k_scale=self.k_scale, v_scale=self.v_scale)
+
+    def on(self, device: torch.device) -> QuantBatch:
+        """The batch and scales on `device` (Triton runs compiled on a GPU)."""
+        if device.type == "cpu":
+            return self
+        fields = {f.name: getattr(self.batch, f.name) for f in dataclasses.fields(self.batch)}
+        moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
+        return QuantBatch(PagedBatch(**moved), self.k_scale.to(device),
+                          self.v_scale.to(device), self.dequantized)
 
 
 def static_scales(num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,7 +237,9 @@ def test_triton_store_kv_writes_codes_and_scales(triton_ops, kv_name):
         pytest.skip("Triton's interpreter rounds fp32 -> e4m3 wrongly (31.0 -> 16.0)")
     key, value, k_cache, v_cache, slots, k_scale, v_scale = _store_case(kv_dtype, torch.float32)
     expected = _expected_store(key, value, slots, kv_dtype, k_scale, v_scale)
-    triton_ops.store_kv(key, value, k_cache, v_cache, slots, k_scale, v_scale)
+    args = [t.to(DEVICE) for t in (key, value, k_cache, v_cache, slots, k_scale, v_scale)]
+    triton_ops.store_kv(*args)
+    k_cache, v_cache, k_scale, v_scale = (t.cpu() for t in (args[2], args[3], args[5], args[6]))
     _check_store(k_cache, v_cache, k_scale, v_scale, expected, kv_dtype, exact=False)
 
 
@@ -300,22 +311,30 @@ def test_fused_kernels_refuse_scales_that_do_not_fit(monkeypatch):
                              b.scale, k_scale=qb.k_scale[:, :, :1], v_scale=qb.v_scale)
 
 
+# bf16 only compiled: Triton 3.9's interpreter computes tl.dot on bf16 operands wrongly.
+TRITON_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda"
+                                                   else [])
+
+
 @pytest.mark.parametrize("kv_name", KV_DTYPES)
-@pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("q_dtype", TRITON_DTYPES, ids=str)
 @pytest.mark.parametrize("name", ["plain", "window", "sinks"])
 @pytest.mark.parametrize("kind", ["decode", "mixed", "chunked"])
 def test_triton_matches_reference(triton_ops, kind, name, q_dtype, kv_name):
     qb, args, reference = _case(kind, name, q_dtype, kv_name)
+    qb = qb.on(DEVICE)
+    args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     out = torch.full_like(qb.batch.q, float("nan"))
     triton_ops.paged_attention(*qb.args(), out=out, **args, **qb.scales())
-    _check(out, q_dtype, reference)
+    _check(out.cpu(), q_dtype, reference)
 
 
 @pytest.mark.parametrize("kv_name", KV_DTYPES)
 def test_triton_split_kv_matches_reference(triton_ops, kv_name):
     qb, args, reference = _case("decode", "plain", torch.float32, kv_name)
+    qb = qb.on(DEVICE)
     out = triton_ops.paged_attention(*qb.args(), num_splits=4, min_split_len=16, **qb.scales())
-    _check(out, torch.float32, reference)
+    _check(out.cpu(), torch.float32, reference)
 
 
 @pytest.mark.parametrize("kv_name", KV_DTYPES)
