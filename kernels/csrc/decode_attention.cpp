@@ -130,6 +130,22 @@ inline void weigh_tile_any(const float* p, const T* vrows, int64_t vt, int64_t n
         acc[g * dim + j] += p[g * kTile + l] * static_cast<float>(vrows[l * vt + j]);
 }
 
+// p[hd][x] *= scale of position off + x (x < n) of head hd's KV head, for every query head: the
+// tile's n scales of a KV head gathered once, then one vector product per query head's row
+// (lanes past n multiply by 0: those rows are overwritten or zero already).
+inline void scale_tile(const KVScales& sc, int64_t blk, int64_t off, int64_t n, int64_t num_kv,
+                       int64_t group, float* p) {
+  alignas(64) float tile[kTile];
+  for (int64_t h = 0; h < num_kv; ++h) {
+    for (int64_t x = 0; x < kTile; ++x) tile[x] = x < n ? sc.at(blk, off + x, h) : 0.f;
+    for (int64_t g = 0; g < group; ++g) {
+      float* row = p + (h * group + g) * kTile;
+      for (int64_t c = 0; c < kTile; c += kV)
+        (fVec::loadu(row + c) * fVec::loadu(tile + c)).store(row + c);
+    }
+  }
+}
+
 }  // namespace
 
 template <typename T, typename KT>
@@ -212,10 +228,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
         for (int64_t hd = 0; hd < num_heads; ++hd)
           score_tile(qf.data() + hd * dim, krows + (hd / group) * kh, kt, n, dim,
                      p.data() + hd * kTile);
-        if (ks.data != nullptr) {  // each key's scale, on its scores
-          for (int64_t hd = 0; hd < num_heads; ++hd)
-            for (int64_t x = 0; x < n; ++x) p[hd * kTile + x] *= ks.at(blk, off + x, hd / group);
-        }
+        if (ks.data != nullptr) scale_tile(ks, blk, off, n, num_kv, group, p.data());
         for (int64_t hd = 0; hd < num_heads; ++hd) {  // online softmax, per query head
           float* ph = p.data() + hd * kTile;
           if (cap > 0.f) softcap_scores(ph, kTile, cap);  // before the padding's -inf
@@ -241,10 +254,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
           }
         }
         const KT* vrows = vp + blk * vb + off * vt;
-        if (vs.data != nullptr) {  // each value's scale, on its weights (l already summed)
-          for (int64_t hd = 0; hd < num_heads; ++hd)
-            for (int64_t x = 0; x < n; ++x) p[hd * kTile + x] *= vs.at(blk, off + x, hd / group);
-        }
+        // Each value's scale on its weights, after l summed them.
+        if (vs.data != nullptr) scale_tile(vs, blk, off, n, num_kv, group, p.data());
         for (int64_t h = 0; h < num_kv; ++h)
           weigh_tile_any(p.data() + h * group * kTile, vrows + h * vh, vt, n, group, dim,
                          acc.data() + h * group * dim);
