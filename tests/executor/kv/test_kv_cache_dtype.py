@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from checkpoints.quant_config import KV_CACHE_DTYPES
 from executor_svc.config import ExecutorConfig
-from executor_svc.kv.kv_cache import KVCache, bytes_per_block, num_blocks_for
+from executor_svc.kv.kv_cache import KVCache, bytes_per_block, model_kv_layout, num_blocks_for
 from executor_svc.kv.kv_scales import KVScaleError, default_scales, read_kv_scales
 from executor_svc.kv.swap import SwapPool
 from executor_svc.loading.loader import load_model
@@ -168,7 +168,10 @@ def teacher_forced_logits(model_dir, kv_dtype, prompts, continuations, chunk=5):
     cfg = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, dtype=torch.float32, device=CPU, max_model_len=256, cfg=cfg)
     lengths = [len(p) + len(c) for p, c in zip(prompts, continuations, strict=True)]
-    blocks = [-(-n // BLOCK_SIZE) for n in lengths]
+    # One block per KV group per position (kv/groups.py); none is released, so any distinct
+    # ids serve.
+    groups = model_kv_layout(cfg).num_groups
+    blocks = [groups * -(-n // BLOCK_SIZE) for n in lengths]
     scales = default_scales(cfg, 1) if kv_dtype == torch.float8_e4m3fn else None
     kv = KVCache.allocate(cfg, sum(blocks), BLOCK_SIZE, kv_dtype or torch.float32, CPU, scales)
     kv.bind(model)
@@ -226,6 +229,38 @@ def _round_trip_store(kv_dtype):
     return store
 
 
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory):
+    """Sliding-window and full layers in KV groups, logit soft-capping."""
+    return make_checkpoint("gemma2", tmp_path_factory.mktemp("kvq") / "gemma2")
+
+
+@pytest.mark.parametrize("kv_name", ["fp8", "int8"])
+def test_windowed_model_over_a_quantized_cache_is_its_round_trip(gemma2_dir, kv_name,
+                                                                 monkeypatch):
+    """KV groups and sliding windows (Gemma 2): the model over a quantized cache equals the
+    model over a plain cache holding the quantize-dequantize round trip."""
+    assert model_kv_layout(ModelConfig.from_dir(gemma2_dir)).windowed
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (3, 30, 41)]
+    continuations = [torch.randint(3, 300, (10,), generator=gen).tolist() for _ in prompts]
+    quant, round_trip = _quant_and_round_trip(gemma2_dir, kv_name, prompts, continuations,
+                                              monkeypatch)
+    spread = round_trip.std(dim=-1, keepdim=True)
+    torch.testing.assert_close(quant / spread, round_trip / spread, atol=2e-4, rtol=0)
+    assert torch.equal(quant.argmax(-1), round_trip.argmax(-1))
+
+
+def _quant_and_round_trip(model_dir, kv_name, prompts, continuations, monkeypatch):
+    quant = teacher_forced_logits(model_dir, KV[kv_name], prompts, continuations)
+    with monkeypatch.context() as m:
+        import executor_svc.step.attention as attention
+
+        m.setattr(attention, "store_kv", _round_trip_store(KV[kv_name]))
+        round_trip = teacher_forced_logits(model_dir, None, prompts, continuations)
+    return quant, round_trip
+
+
 @pytest.mark.parametrize("kv_name", ["fp8", "int8"])
 def test_model_over_a_quantized_cache(llama_dir, kv_name, monkeypatch):
     """Against two oracles: the model over a plain cache holding the quantize-dequantize
@@ -235,12 +270,8 @@ def test_model_over_a_quantized_cache(llama_dir, kv_name, monkeypatch):
     prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (1, 9, 23, 40)]
     continuations = [torch.randint(3, 300, (12,), generator=gen).tolist() for _ in prompts]
     plain = teacher_forced_logits(llama_dir, None, prompts, continuations)
-    quant = teacher_forced_logits(llama_dir, KV[kv_name], prompts, continuations)
-    with monkeypatch.context() as m:
-        import executor_svc.step.attention as attention
-
-        m.setattr(attention, "store_kv", _round_trip_store(KV[kv_name]))
-        round_trip = teacher_forced_logits(llama_dir, None, prompts, continuations)
+    quant, round_trip = _quant_and_round_trip(llama_dir, kv_name, prompts, continuations,
+                                              monkeypatch)
     assert plain.shape == quant.shape == round_trip.shape and plain.shape[0] == 4 * 12
     spread = plain.std(dim=-1, keepdim=True)
     torch.testing.assert_close(quant / spread, round_trip / spread, atol=2e-4, rtol=0)
