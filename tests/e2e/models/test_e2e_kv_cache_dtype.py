@@ -48,8 +48,9 @@ def served(folio_server, checkpoint, prompts):
     """Per --kv-cache-dtype: (model info, vLLM server info, greedy continuations)."""
     runs = {}
 
-    async def run(kv_dtype):
-        args = ["--block-size", "16", "--kv-cache-memory", MEMORY, "--kv-cache-dtype", kv_dtype]
+    async def run(kv_dtype, extra=()):
+        args = ["--block-size", "16", "--kv-cache-memory", MEMORY, "--kv-cache-dtype", kv_dtype,
+                *extra]
         with folio_server(model=checkpoint, args=args) as server:
             with FolioClient(server.address) as client:
                 info = client.model_info()
@@ -92,6 +93,17 @@ async def test_quantized_cache_agrees_with_the_plain_one(served, kv_dtype):
         MAX_TOKENS * len(plain))
     print(f"--kv-cache-dtype {kv_dtype}: greedy agreement with the plain cache {agreement:.3f}")
     assert agreement >= AGREEMENT_FLOOR[kv_dtype], agreement
+
+
+async def test_draft_speculation_over_an_int8_cache_changes_no_token(served):
+    """The draft model (the served one cut to one layer) gets a cache of the KV dtype too;
+    verification keeps the target's greedy tokens: those of the int8 run without it."""
+    run, _ = served
+    _, _, plain = await _run(served, "int8")
+    _, _, speculated = await run("int8", ["--speculative-method", "draft",
+                                          "--num-speculative-tokens", "3",
+                                          "--speculative-draft-layers", "1"])
+    assert speculated == plain
 
 
 def test_unknown_kv_cache_dtype_stops_the_server_at_start(checkpoint):
