@@ -4,7 +4,8 @@
 
 For each scheme one real `folio serve` (with `--quantization SCHEME`, none: without; a
 `LABEL=DIR` entry serves the checkpoint DIR as it is, e.g. a GPTQ or AWQ checkpoint written by
-`python -m bench.rtn_checkpoint`) on 127.0.0.1, driven over gRPC:
+`python -m bench.rtn_checkpoint`; `kv-DTYPE` serves the float weights with `--kv-cache-dtype
+DTYPE`, the quantized KV cache) on 127.0.0.1, driven over gRPC:
 - **perplexity** over a fixed text set: the English corpus Folio's default tokenizer is trained
   on (`checkpoints/tiny_random.py` CORPUS, ~6 KB of prose and dialogue, versioned with that
   file), tokenized by the served model's tokenizer and cut into windows of `--window` tokens;
@@ -15,8 +16,8 @@ For each scheme one real `folio serve` (with `--quantization SCHEME`, none: with
 - **greedy agreement** with the unquantized model: `--num-prompts` prompts (fixed, varied) x
   `--max-tokens` greedy tokens (ignore_eos); per prompt the length of the common prefix, and
   over all the share of prompts identical to the end and the mean common-prefix fraction.
-Writes quant-accuracy.json and .md to --out (the first scheme is the reference; put none
-first).
+Writes STEM.json and .md to --out (--stem, default quant-accuracy; the first scheme is the
+reference; put none first).
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ def run_scheme(model: str, scheme: str, extra: list[str], args) -> dict:
     scheme, _, checkpoint = scheme.partition("=")
     if checkpoint:  # a quantized checkpoint, served as it is
         model, flags = checkpoint, []
+    elif scheme.startswith("kv-"):  # the quantized KV cache (kernels/kv_quant.py)
+        flags = ["--kv-cache-dtype", scheme.removeprefix("kv-")]
     else:
         flags = [] if scheme == "none" else ["--quantization", scheme]
     serve = [*extra, *flags,
@@ -133,7 +136,7 @@ def write(rows: list[dict], args, out: Path) -> None:
               "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
               "commit": commit, "schemes": rows}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "quant-accuracy.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{args.stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = ["# Quantization accuracy", "",
              f"- model: {args.model or 'the default (SmolLM2-135M-Instruct GGUF)'}; commit {commit}",
              f"- perplexity: the default tokenizer's corpus (checkpoints/tiny_random.py), "
@@ -149,7 +152,7 @@ def write(rows: list[dict], args, out: Path) -> None:
         mib = f"{r['weight_bytes'] / 2**20:.1f}" if r["weight_bytes"] else "?"
         lines.append(f"| {r['scheme']} | {r['perplexity']:.3f} | {r['greedy_identical']:.0%} | "
                      f"{r['greedy_mean_prefix_fraction']:.0%} | {mib} |")
-    (out / "quant-accuracy.md").write_text("\n".join(lines) + "\n")
+    (out / f"{args.stem}.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -162,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--serve-arg", action="append", default=[],
                    help="an extra `folio serve` argument (repeatable)")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--stem", default="quant-accuracy", help="the output files' name")
     args = p.parse_args(argv)
     model = args.model
     if model is None:  # the default model's GGUF file, as `folio serve` finds it
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [run_scheme(model, s, args.serve_arg, args) for s in args.schemes.split(",")]
     summarize(rows, args.max_tokens)
     write(rows, args, args.out)
-    print((args.out / "quant-accuracy.md").read_text())
+    print((args.out / f"{args.stem}.md").read_text())
 
 
 if __name__ == "__main__":

@@ -49,6 +49,9 @@ from typing import Any
 from checkpoints.files import CheckpointError, read_json_object
 
 SCHEMES = ("int8", "fp8", "gptq", "awq", "gguf", "mxfp4")
+# --kv-cache-dtype (vLLM's names; kernels/kv_quant.py defines what each stores): auto = the
+# model's dtype, fp8 = fp8_e4m3. Here, torch-free, for both services' flag checks.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
 LOAD_TIME_SCHEMES = ("int8", "fp8")  # the schemes --quantization can apply to float weights
 # GGUF block types kept quantized (the converter writes, executor_svc/quantization/gguf_blocks.py
 # unpacks).

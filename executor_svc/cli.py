@@ -13,7 +13,7 @@ import structlog
 
 from checkpoints.files import read_weight_headers, safetensors_files
 from checkpoints.named_models import is_named, named_model_path
-from checkpoints.quant_config import SCHEMES, resolve_quant_config
+from checkpoints.quant_config import KV_CACHE_DTYPES, SCHEMES, resolve_quant_config
 from checkpoints.resolve import resolve_model_dir
 from executor_svc.config import (
     DEVICES,
@@ -87,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "load: int8 (W8A16) or fp8 (e4m3), one scale per output channel; "
                         "an fp8 checkpoint (quantization_config) loads as it is without it, "
                         "as do a converted GGUF file's raw blocks (gguf names them)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="what the KV cache stores: auto (the model's dtype), fp8 / fp8_e4m3 "
+                        "(e4m3 with static per-head scales: the checkpoint's k_scale/v_scale, "
+                        "else 1.0) or int8 (a scale per position and head, computed as it is "
+                        "stored); fp8 holds 2x the blocks of bf16, 4x of fp32 (any of: "
+                        f"{', '.join(KV_CACHE_DTYPES)})")
     p.add_argument("--num-draft-tokens", type=int, default=0,
                    help="speculative decoding: run a draft model that proposes this many "
                         "tokens per request per step (0 = none; `folio serve "
@@ -125,6 +131,7 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         num_draft_tokens=args.num_draft_tokens,
         draft_model=args.draft_model,
         draft_layers=args.draft_layers,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from checkpoints.quant_config import KV_CACHE_DTYPES
 from checkpoints.quant_config import SCHEMES as QUANTIZATION_SCHEMES
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -59,6 +60,7 @@ class ExecutorConfig:
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     tensor_parallel_size: int = 1  # ranks sharding the model (distributed.py, tp_launch.py)
     quantization: str | None = None  # int8 | fp8: quantize linear weights at load
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: what the KV cache stores (kv_quant.py)
     # Speculative decoding's draft model (draft.py): proposals per step (0 = none), its
     # checkpoint (None: the served model) and the decoder layers kept (None: all).
     num_draft_tokens: int = 0
@@ -107,6 +109,9 @@ class ExecutorConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_SCHEMES)}, "
                              f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
         if not 0 <= self.num_draft_tokens <= 16:

@@ -27,6 +27,7 @@ import torch
 from checkpoints.resolve import resolve_model_dir
 from executor_svc.config import ExecutorConfig
 from executor_svc.kv.kv_cache import KVCache, bytes_per_block, model_kv_layout, num_blocks_for
+from executor_svc.kv.kv_scales import default_scales, read_kv_scales
 from executor_svc.kv.memory import DEFAULT_GRAPH_RESERVE_BYTES, profiled_kv_budget
 from executor_svc.kv.swap import SwapPool, num_swap_blocks_for
 from executor_svc.loading.loader import (
@@ -40,6 +41,7 @@ from executor_svc.parallel.tp_worker import GroupBroken, Leader, follow
 from executor_svc.spec.draft import DraftProposer, load_draft
 from executor_svc.step.graph_runner import DecodeGraphRunner
 from executor_svc.step.runner import ModelRunner
+from kernels import kv_quant
 from protos.channel import AuthFailed, BadMessage, ExecutorEnd, SchedulerLost
 from protos.channel_keys import ChannelKeys, read_secret
 from protos.plan import (
@@ -115,29 +117,40 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
             dtype=dtype, device=device, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_num_seqs=cfg.max_num_seqs, gpu_memory_utilization=cfg.gpu_memory_utilization,
             graph_reserve_bytes=0 if cfg.enforce_eager else DEFAULT_GRAPH_RESERVE_BYTES)
+    # What the cache stores (kernels/kv_quant.py): the model's dtype, fp8 or int8; fp8 reads
+    # the checkpoint's static scales (1.0 without them).
+    kv_dtype = kv_quant.kv_cache_dtype(cfg.kv_cache_dtype, dtype)
+    static_scales = draft_scales = None
+    if kv_dtype == torch.float8_e4m3fn:
+        static_scales = (read_kv_scales(model_dir, model_cfg, tp_size(), tp_rank())
+                         or default_scales(model_cfg, tp_size()))
+        draft_scales = default_scales(draft_cfg, tp_size()) if draft_cfg is not None else None
     # Block ids are shared by every rank: the pool is the smallest rank's.
     # The draft model's KV cache has the target's blocks: the budget holds both.
-    extra = bytes_per_block(draft_cfg, cfg.block_size, dtype) if draft_cfg is not None else 0
-    num_blocks = all_reduce_min(num_blocks_for(model_cfg, cfg.block_size, dtype, device,
+    extra = bytes_per_block(draft_cfg, cfg.block_size, kv_dtype) if draft_cfg is not None else 0
+    num_blocks = all_reduce_min(num_blocks_for(model_cfg, cfg.block_size, kv_dtype, device,
                                                cfg.num_kv_blocks, cfg.kv_cache_memory, profiled,
                                                extra),
                                 device)
-    kv_cache = KVCache.allocate(model_cfg, num_blocks, cfg.block_size, dtype, device)
+    kv_cache = KVCache.allocate(model_cfg, num_blocks, cfg.block_size, kv_dtype, device,
+                                static_scales)
     kv_cache.bind(model)
     draft = None
     if draft_model is not None:
-        draft_kv = KVCache.allocate(draft_cfg, num_blocks, cfg.block_size, dtype, device)
+        draft_kv = KVCache.allocate(draft_cfg, num_blocks, cfg.block_size, kv_dtype, device,
+                                    draft_scales)
         draft_kv.bind(draft_model)
         draft = DraftProposer(draft_model, draft_kv, cfg.num_draft_tokens, max_model_len, device)
     if device.type == "cuda":  # every attention variant compiled before the first request
         from executor_svc.step.warmup import warm_attention  # imports triton: CUDA only
 
-        warm_attention(*kv_cache.per_layer()[0], model_cfg.num_heads // tp_size(),
-                       cfg.max_num_batched_tokens,  # this rank's q heads
+        warm_attention(kv_cache.per_layer()[0], model_cfg.num_heads // tp_size(),
+                       cfg.max_num_batched_tokens, dtype=dtype,  # this rank's q heads
                        softcap=model_cfg.attn_logit_softcapping > 0,
                        sinks=getattr(model, "has_sinks", False))
     num_swap_blocks = all_reduce_min(
-        num_swap_blocks_for(cfg.swap_space, bytes_per_block(model_cfg, cfg.block_size, dtype)),
+        num_swap_blocks_for(cfg.swap_space,
+                            bytes_per_block(model_cfg, cfg.block_size, kv_dtype)),
         device)
     swap_pool = SwapPool.allocate(kv_cache, num_swap_blocks) if num_swap_blocks else None
     tokenizer_json = model_dir / "tokenizer.json"  # structured output's matchers read it
@@ -171,6 +184,7 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
         tensor_parallel_size=tp_size(),
         num_draft_tokens=cfg.num_draft_tokens if draft is not None else 0,
         kv_windows=list(kv_cache.layout.windows),
+        kv_cache_dtype=str(kv_dtype).removeprefix("torch.").replace("float8_e4m3fn", "fp8_e4m3"),
     )
     return Executor(runner, hello)
 

@@ -19,13 +19,13 @@ from types import ModuleType
 
 import torch
 
-from kernels import cpu, cpu_ext, twins
+from kernels import cpu, cpu_ext, kv_quant, twins
 
 _BACKEND = os.environ.get("FOLIO_KERNELS", "auto")
 if _BACKEND not in ("auto", "torch", "triton"):
     raise ValueError(f"FOLIO_KERNELS must be auto, torch or triton, not {_BACKEND!r}")
 
-__all__ = ["cpu", "cpu_backend_active", "cpu_ext", "fused_moe", "group_quant_linear", "paged_attention", "rms_norm", "rotary", "silu_and_mul",
+__all__ = ["cpu", "cpu_backend_active", "cpu_ext", "fused_moe", "kv_quant", "group_quant_linear", "paged_attention", "rms_norm", "rotary", "silu_and_mul",
            "store_kv", "twins", "w8a16_linear"]
 
 
@@ -61,10 +61,12 @@ def _impl(x: torch.Tensor) -> ModuleType:
     return cpu if cpu_backend_active(x) else twins
 
 
-def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """Write key/value [num_tokens, num_kv_heads, head_dim] at slot_mapping (-1 = skip)."""
+def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """Write key/value [num_tokens, num_kv_heads, head_dim] at slot_mapping (-1 = skip); a
+    quantized cache (fp8, int8) with its fp32 scales [num_blocks, block_size, num_kv_heads]
+    (kernels/kv_quant.py: fp8's are read, int8's written)."""
     impl = _impl(key)
-    impl.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    impl.store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(
@@ -82,15 +84,19 @@ def paged_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks=None,
+    k_scale=None,
+    v_scale=None,
 ) -> torch.Tensor:
     """Causal attention of a varlen query batch over the paged cache -> [num_tokens, num_heads,
     head_dim]. Variants (twins.paged_attention defines them): `window` > 0 limits a query to
     the last `window` keys, `softcap` > 0 caps the scores with tanh, `sinks` ([num_heads] fp32)
-    adds one learned logit per head to the softmax."""
+    adds one learned logit per head to the softmax. A quantized cache comes with its fp32
+    scales `k_scale`, `v_scale` [num_blocks, block_size, num_kv_heads] (kernels/kv_quant.py)."""
     impl = _impl(q)
     return impl.paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         max_query_len, max_seq_len, scale, out, window=window, softcap=softcap, sinks=sinks,
+        k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
 
 

@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import kv_quant
 from kernels.attention_reduce import LOG2E, merge_splits
 
 MIN_SPLIT_LEN = 256  # shorter splits cost more in the merge than they win in parallelism
@@ -94,14 +95,18 @@ def _softcap(s, softcap_log2e):
 def _attend(
     acc, l_i, m_i, q, q_pos, row_lo, k_cache_ptr, v_cache_ptr, block_table_ptr, head_off,
     stride_cache_b, stride_cache_s, lo, gap_lo, gap_hi, hi, key_lo, scale_log2e, softcap_log2e,
+    k_scale_ptr, v_scale_ptr, stride_scale_b, stride_scale_s, head_scale_off,
     MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, EVICTION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):  # fmt: skip
     """Key tiles lo..hi less the gap gap_lo..gap_hi (multiples of BLOCK_N; the masked loop's
     tiles below and above the unmasked ones), walked as one loop over a gapless index. Masked:
     row r sees keys row_lo[r]..q_pos[r]; no key below key_lo (the first key any row sees) or
-    from hi on is read."""
+    from hi on is read. KV_QUANT: the cache holds int8/fp8 codes, widened to q's dtype; each
+    key's scale multiplies its scores and each value's its softmax weights (after the row sums),
+    so the tile computes attention over code * scale (kernels/kv_quant.py)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
@@ -123,6 +128,9 @@ def _attend(
             next_start = index + BLOCK_N
         kv_off = _kv_offsets(block_ids, start, stride_cache_b, stride_cache_s, head_off,
                              BLOCK_N, KV_BLOCK_SIZE)  # fmt: skip
+        if KV_QUANT:
+            scale_off = _kv_offsets(block_ids, start, stride_scale_b, stride_scale_s,
+                                    head_scale_off, BLOCK_N, KV_BLOCK_SIZE)  # fmt: skip
         block_ids = _block_ids(block_table_ptr, next_start, hi, BLOCK_N, KV_BLOCK_SIZE)
         kv_pos = start + offs_n  # [BLOCK_N]
         kv_valid = (kv_pos < hi) & (kv_pos >= key_lo)
@@ -136,7 +144,18 @@ def _attend(
         else:  # the unmasked loop's tiles are whole (lo and its end are multiples of BLOCK_N)
             k = tl.load(k_ptrs, eviction_policy=EVICTION)
             v = tl.load(v_ptrs, eviction_policy=EVICTION)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
+        if KV_QUANT:
+            if MASKED:
+                k_scale = tl.load(k_scale_ptr + scale_off, mask=kv_valid, other=0.0)
+                v_scale = tl.load(v_scale_ptr + scale_off, mask=kv_valid, other=0.0)
+            else:
+                k_scale = tl.load(k_scale_ptr + scale_off)
+                v_scale = tl.load(v_scale_ptr + scale_off)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * (k_scale * scale_log2e)[None, :]
+        else:
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
         if HAS_SOFTCAP:
             s = _softcap(s, softcap_log2e)
         if MASKED:
@@ -149,6 +168,8 @@ def _attend(
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_QUANT:
+            p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -177,8 +198,9 @@ PER_STEP_ARGS = ["stride_bt", "stride_lse_t", "stride_lse_h", "stride_p_t", "str
 @triton.jit(do_not_specialize=PER_STEP_ARGS)
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    out_ptr, partial_ptr, lse_ptr, sinks_ptr,
+    out_ptr, partial_ptr, lse_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
     stride_q_t, stride_q_h, stride_cache_b, stride_cache_s, stride_cache_h, stride_bt,
+    stride_scale_b, stride_scale_s, stride_scale_h,
     stride_out_t, stride_out_h, stride_p_t, stride_p_h, stride_p_s, stride_lse_t, stride_lse_h,
     num_seqs, max_splits, min_split_len, window, scale_log2e, softcap_log2e,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -186,6 +208,7 @@ def _paged_attention_kernel(
     KV_BLOCK_SIZE: tl.constexpr, SHORT_Q: tl.constexpr, LONG: tl.constexpr,
     SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, EVICTION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -256,17 +279,20 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_cache_h
+    head_scale_off = kv_head * stride_scale_h
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, q_pos, row_lo, k_cache_ptr, v_cache_ptr, block_table_ptr, head_off,
         stride_cache_b, stride_cache_s, mid_lo, mid_hi, mid_hi, mid_hi, key_lo, scale_log2e,
-        softcap_log2e, False, HAS_SOFTCAP, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE,
-        DOT_PRECISION, NUM_STAGES, EVICTION,
+        softcap_log2e, k_scale_ptr, v_scale_ptr, stride_scale_b, stride_scale_s, head_scale_off,
+        False, HAS_SOFTCAP, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE,
+        DOT_PRECISION, NUM_STAGES, EVICTION, KV_QUANT,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, q_pos, row_lo, k_cache_ptr, v_cache_ptr, block_table_ptr, head_off,
         stride_cache_b, stride_cache_s, lo, mid_lo, mid_hi, hi, key_lo, scale_log2e,
-        softcap_log2e, True, HAS_SOFTCAP, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE,
-        DOT_PRECISION, NUM_STAGES, EVICTION,
+        softcap_log2e, k_scale_ptr, v_scale_ptr, stride_scale_b, stride_scale_s, head_scale_off,
+        True, HAS_SOFTCAP, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE,
+        DOT_PRECISION, NUM_STAGES, EVICTION, KV_QUANT,
     )  # fmt: skip
 
     if SPLIT:
@@ -383,6 +409,8 @@ def paged_attention(
     window: int = 0,  # > 0: a query at position p sees keys p - window + 1 .. p only
     softcap: float = 0.0,  # > 0: scores become softcap * tanh(scores / softcap)
     sinks: torch.Tensor | None = None,  # [num_heads] fp32: a logit per head in the softmax
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32
+    v_scale: torch.Tensor | None = None,  # (int8/fp8 caches: kernels/kv_quant.py)
 ) -> torch.Tensor:
     """The variants as twins.paged_attention defines them; see the module docstring."""
     num_tokens, num_heads, head_dim = q.shape
@@ -390,7 +418,14 @@ def paged_attention(
     num_seqs = block_tables.shape[0]
     assert num_heads % num_kv_heads == 0, "GQA needs num_heads % num_kv_heads == 0"
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
-    assert k_cache.shape[3] == head_dim and k_cache.dtype == q.dtype, "cache/q head_dim or dtype"
+    quant = kv_quant.is_quantized(k_cache.dtype)
+    assert k_cache.shape[3] == head_dim and (quant or k_cache.dtype == q.dtype), (
+        "cache/q head_dim or dtype")
+    assert v_cache.dtype == k_cache.dtype
+    if quant:
+        assert k_scale is not None and v_scale is not None, "a quantized cache needs its scales"
+        assert k_scale.shape == v_scale.shape == k_cache.shape[:3]
+        assert k_scale.stride() == v_scale.stride() and k_scale.dtype == torch.float32
     assert block_size & (block_size - 1) == 0, "KV block size must be a power of two"
     assert q.stride(-1) == k_cache.stride(-1) == block_tables.stride(-1) == 1
     assert seq_lens.shape == (num_seqs,) and query_start_loc.shape == (num_seqs + 1,)
@@ -425,13 +460,15 @@ def paged_attention(
         _paged_attention_kernel[(num_blocks, num_kv_heads, num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial, lse,
             q if sinks is None else sinks,  # never read without sinks
+            k_scale if quant else q, v_scale if quant else q,  # never read unquantized
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            block_tables.stride(0), out.stride(0), out.stride(1),
+            block_tables.stride(0), *(k_scale.stride() if quant else (0, 0, 0)),
+            out.stride(0), out.stride(1),
             *(partial.stride()[:3] if split else (0, 0, 0)), *(lse.stride()[:2] if split else (0, 0)),
             num_seqs, num_splits, min_split_len, int(window), scale * math.log2(math.e),
             float(softcap) * math.log2(math.e) if softcap else 1.0,
             KV_BLOCK_SIZE=block_size, SHORT_Q=short["BLOCK_Q"], LONG=i == 1, SPLIT=split,
-            HAS_SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None and not split,
+            HAS_SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None and not split, KV_QUANT=quant,
             num_warps=num_warps, num_stages=config["NUM_STAGES"], **config,
         )  # fmt: skip
     if split:

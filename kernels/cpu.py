@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ext, twins
+from kernels import cpu_ext, kv_quant, twins
 from kernels.grouped_moe import grouped_moe
 
 
@@ -227,33 +227,42 @@ def paged_attention_planned(
     window: int = 0,  # > 0: a query at position p sees keys p - window + 1 .. p only
     softcap: float = 0.0,  # > 0: scores become softcap * tanh(scores / softcap)
     sinks: torch.Tensor | None = None,  # [num_heads]: a logit per head in the softmax
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32
+    v_scale: torch.Tensor | None = None,  # (quantized caches: kernels/kv_quant.py)
 ) -> torch.Tensor:
     """Attention for a step whose keys/values are already in the cache. `key`/`value` are
-    optional: with them a prefill without cached prefix skips the gather from the cache.
+    optional: with them a prefill without cached prefix skips the gather from the cache
+    (not with a quantized cache: the attention reads what the cache holds, as the twin does).
     The variants are twins.paged_attention's; keys below a query's window are never read."""
     assert window >= 0 and softcap >= 0.0, "window and softcap are >= 0 (0: off)"
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype)
     if sinks is not None:
         sinks = sinks.float().contiguous()
+    quantized = k_scale is not None
+    if quantized:
+        key = value = None
     variant = dict(window=window, softcap=softcap, sinks=sinks)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     if plan.decode_fused:
         ops = fused_kernels()
         if isinstance(plan.decode_rows, slice):  # written in place, through a strided view
             ops.decode_attention(out[plan.decode_rows], q[plan.decode_rows], k_cache, v_cache,
-                                 plan.decode_tables, plan.decode_seq_lens, scale, **variant)
+                                 plan.decode_tables, plan.decode_seq_lens, scale, **variant,
+                                 **scales)
         else:
             dec_out = torch.empty((plan.num_decode, *q.shape[1:]), dtype=q.dtype)
             ops.decode_attention(dec_out, q[plan.decode_rows], k_cache, v_cache,
-                                 plan.decode_tables, plan.decode_seq_lens, scale, **variant)
+                                 plan.decode_tables, plan.decode_seq_lens, scale, **variant,
+                                 **scales)
             out[plan.decode_rows] = dec_out
     elif plan.num_decode:
         out[plan.decode_rows] = _decode(q[plan.decode_rows], k_cache, v_cache, plan, scale,
-                                        **variant)
+                                        **variant, **scales)
     if plan.prefill_fused and q.shape[2] % fused_vector_width() == 0:
         fused_kernels().prefill_attention(out, q, k_cache, v_cache, plan.block_tables,
                                           plan.query_start_loc, plan.seq_lens,
-                                          plan.prefill_seq_ids, scale, **variant)
+                                          plan.prefill_seq_ids, scale, **variant, **scales)
         return out
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     block_size = k_cache.shape[1]
@@ -270,8 +279,8 @@ def paged_attention_planned(
             # block without a window), flattened to positions lo.., trimmed to seq_len.
             first = max(0, seq_len - q_len - window + 1) // block_size if window else 0
             lo = first * block_size
-            ki = k_cache[block_ids[first:]].flatten(0, 1)[:seq_len - lo]  # [seq_len - lo, ...]
-            vi = v_cache[block_ids[first:]].flatten(0, 1)[:seq_len - lo]
+            ki = _gather(k_cache, k_scale, block_ids[first:], cdt)[:seq_len - lo]  # [n, H, D]
+            vi = _gather(v_cache, v_scale, block_ids[first:], cdt)[:seq_len - lo]
         ki, vi = ki.transpose(0, 1).to(cdt), vi.transpose(0, 1).to(cdt)  # [kv_heads, n, D]
         explicit = softcap or sinks is not None  # score variants SDPA lacks
         # A fresh prompt's own keys, plain: SDPA's causal flag, no mask.
@@ -287,6 +296,18 @@ def paged_attention_planned(
             )[0]  # [num_heads, q_len, head_dim]
         out[q_start:q_end] = o.transpose(0, 1)
     return out
+
+
+def _gather(cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+            scale: torch.Tensor | None,  # [num_blocks, block_size, num_kv_heads] fp32
+            block_ids: torch.Tensor,  # [n] int64
+            cdt: torch.dtype) -> torch.Tensor:  # [n * block_size, num_kv_heads, head_dim]
+    """The blocks' rows flattened to positions: as stored, or dequantized to `cdt` (in fp32,
+    rounded once) for a quantized cache."""
+    rows = cache.index_select(0, block_ids).flatten(0, 1)
+    if scale is None:
+        return rows
+    return kv_quant.dequantize(rows, scale.index_select(0, block_ids).flatten(0, 1), cdt)
 
 
 def _visible_keys(seq_len: int, q_len: int, window: int, lo: int) -> torch.Tensor:
@@ -354,7 +375,8 @@ def _windowed(plan: AttentionPlan, window: int, block_size: int) -> WindowedDeco
 def _decode(q: torch.Tensor,  # [num_decode, num_heads, head_dim]
             k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
             scale: float, *, window: int = 0, softcap: float = 0.0,
-            sinks: torch.Tensor | None = None) -> torch.Tensor:  # [num_decode, num_heads, D]
+            sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+            v_scale: torch.Tensor | None = None) -> torch.Tensor:  # [num_decode, num_heads, D]
     num_decode, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -365,10 +387,12 @@ def _decode(q: torch.Tensor,  # [num_decode, num_heads, head_dim]
         w = _windowed(plan, window, k_cache.shape[1])
         block_ids, padding, padding_v, per_seq = w.block_ids, w.padding, w.padding_v, w.per_seq
     if per_seq:
-        return _decode_per_sequence(q, k_cache, v_cache, plan, scale, window, softcap, sinks)
+        return _decode_per_sequence(q, k_cache, v_cache, plan, scale, window, softcap, sinks,
+                                    k_scale, v_scale)
     # Whole blocks of every decode sequence, all KV heads: [num_decode, ctx, kv_heads, D].
-    k = k_cache.index_select(0, block_ids).view(num_decode, -1, num_kv_heads, head_dim).to(cdt)
-    v = v_cache.index_select(0, block_ids).view(num_decode, -1, num_kv_heads, head_dim).to(cdt)
+    k = _gather(k_cache, k_scale, block_ids, cdt).view(num_decode, -1, num_kv_heads, head_dim)
+    v = _gather(v_cache, v_scale, block_ids, cdt).view(num_decode, -1, num_kv_heads, head_dim)
+    k, v = k.to(cdt), v.to(cdt)
     # Padded positions get probability exactly 0; zeroing their values keeps 0 * NaN (stale
     # or poisoned slots) out of the sum.
     v.masked_fill_(padding_v, 0.0)
@@ -396,6 +420,8 @@ def _decode_per_sequence(q: torch.Tensor,  # [num_decode, num_heads, head_dim]
                          k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
                          scale: float, window: int = 0, softcap: float = 0.0,
                          sinks: torch.Tensor | None = None,
+                         k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None,
                          ) -> torch.Tensor:  # [num_decode, num_heads, head_dim]
     """Each decode sequence on its own: its keys trimmed to its window and length need no
     mask, and SDPA's fused kernel reads no padding (explicit matmuls for softcap, sinks)."""
@@ -412,8 +438,8 @@ def _decode_per_sequence(q: torch.Tensor,  # [num_decode, num_heads, head_dim]
         start = i * max_blocks
         block_ids = plan.decode_block_ids[start + first:start + -(-seq_len // block_size)]
         trim = slice(lo - first * block_size, seq_len - first * block_size)
-        k1 = k_cache.index_select(0, block_ids).flatten(0, 1)[trim]  # [n, kv_heads, D]
-        v1 = v_cache.index_select(0, block_ids).flatten(0, 1)[trim]
+        k1 = _gather(k_cache, k_scale, block_ids, cdt)[trim]  # [n, kv_heads, D]
+        v1 = _gather(v_cache, v_scale, block_ids, cdt)[trim]
         k1, v1 = k1.transpose(0, 1).to(cdt), v1.transpose(0, 1).to(cdt)  # [kv_heads, n, D]
         if softcap or sinks is not None:
             out[i] = _attend(qc[i], k1, v1, scale, softcap, sinks, None)[:, 0]
@@ -438,11 +464,14 @@ def paged_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The twin's signature: plans the step, then attends (keys read from the cache)."""
     plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     return paged_attention_planned(q, None, None, k_cache, v_cache, plan, scale, out,
-                                   window=window, softcap=softcap, sinks=sinks)
+                                   window=window, softcap=softcap, sinks=sinks,
+                                   k_scale=k_scale, v_scale=v_scale)
 
 
 def store_kv(
@@ -451,11 +480,13 @@ def store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding, skip
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        from kernels import twins
-
-        twins.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    if kv_quant.is_quantized(k_cache.dtype) or not (k_cache.is_contiguous()
+                                                    and v_cache.is_contiguous()):
+        # The quantizing store is the twin's: one definition of the codes (kv_quant.py).
+        twins.store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     if bool((slot_mapping < 0).any()):
         valid = slot_mapping >= 0

@@ -11,11 +11,14 @@ operation, so a fp32 CPU run is token-exact against transformers' greedy decodin
   sharp oracle.
 
 Cache layout: k_cache, v_cache are [num_blocks, block_size, num_kv_heads, head_dim] and a slot is
-block_id * block_size + offset.
+block_id * block_size + offset. A quantized cache (fp8, int8) comes with fp32 scales
+[num_blocks, block_size, num_kv_heads] per cache; kernels/kv_quant.py defines them.
 """
 
 import torch
 import torch.nn.functional as F
+
+from kernels import kv_quant
 
 
 def store_kv(
@@ -24,6 +27,8 @@ def store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding, skip
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32
+    v_scale: torch.Tensor | None = None,  # (quantized caches only: kernels/kv_quant.py)
 ) -> None:
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     valid = slot_mapping >= 0  # [num_tokens]
@@ -31,8 +36,18 @@ def store_kv(
     block_ids = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots - block_ids * block_size
     # Index with (block, offset) pairs rather than a flat view so non-contiguous caches work.
-    k_cache[block_ids, offsets] = key[valid].to(k_cache.dtype)
-    v_cache[block_ids, offsets] = value[valid].to(v_cache.dtype)
+    if not kv_quant.is_quantized(k_cache.dtype):
+        k_cache[block_ids, offsets] = key[valid].to(k_cache.dtype)
+        v_cache[block_ids, offsets] = value[valid].to(v_cache.dtype)
+        return
+    assert k_scale is not None and v_scale is not None, "a quantized cache needs its scales"
+    dynamic = kv_quant.dynamic_scales(k_cache.dtype)
+    for x, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        codes, row_scale = kv_quant.quantize_rows(
+            x[valid], cache.dtype, None if dynamic else scale[block_ids, offsets])
+        cache[block_ids, offsets] = codes
+        if dynamic:
+            scale[block_ids, offsets] = row_scale
 
 
 def paged_attention(
@@ -50,6 +65,8 @@ def paged_attention(
     window: int = 0,  # > 0: a query at position p sees keys p - window + 1 .. p only
     softcap: float = 0.0,  # > 0: scores become softcap * tanh(scores / softcap)
     sinks: torch.Tensor | None = None,  # [num_heads] fp32: a logit per head in the softmax
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32
+    v_scale: torch.Tensor | None = None,  # (quantized caches: value = code * scale)
 ) -> torch.Tensor:
     """The attention variants, as the models' HF code defines them (scores in natural-log
     units, after `scale`):
@@ -85,6 +102,9 @@ def paged_attention(
         # Gather whole blocks, flatten to positions, trim the tail of the last block.
         k = k_cache[block_ids].flatten(0, 1)[:seq_len - lo]  # [seq_len - lo, kv_heads, D]
         v = v_cache[block_ids].flatten(0, 1)[:seq_len - lo]
+        if k_scale is not None and v_scale is not None:  # dequantized in fp32
+            k = kv_quant.dequantize(k, k_scale[block_ids].flatten(0, 1)[:seq_len - lo])
+            v = kv_quant.dequantize(v, v_scale[block_ids].flatten(0, 1)[:seq_len - lo])
         qi = q[q_start:q_end].transpose(0, 1).to(compute_dtype)  # [num_heads, q_len, head_dim]
         k = k.transpose(0, 1).to(compute_dtype)  # [num_kv_heads, seq_len, head_dim]
         v = v.transpose(0, 1).to(compute_dtype)  # [num_kv_heads, seq_len, head_dim]

@@ -62,7 +62,7 @@ from protos.wire import (
     _strs,
 )
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,17 +206,20 @@ class Hello:
     # window, 0 = full attention. Block tables hold one block per group per position,
     # interleaved (scheduler_svc/sched/block_manager.py).
     kv_windows: list[int] = field(default_factory=lambda: [0])
+    # What the KV cache stores (--kv-cache-dtype): the model's dtype, "fp8_e4m3" or "int8";
+    # "" from a test's Hello means the model's.
+    kv_cache_dtype: str = ""
 
     def to_wire(self) -> list:
         return [self.TAG, self.protocol_version, self.executor_id, self.model_name,
                 self.architecture, self.vocab_size, self.max_model_len, self.block_size,
                 self.num_kv_blocks, self.num_swap_blocks, self.dtype, self.device,
                 self.random_weights, self.tensor_parallel_size, self.num_draft_tokens,
-                self.kv_windows]
+                self.kv_windows, self.kv_cache_dtype]
 
     @classmethod
     def from_wire(cls, w: list) -> Hello:
-        _list(w, 16)
+        _list(w, 17)
         kv_windows = _nats(w[15])
         if not kv_windows:
             raise TypeError("kv_windows must name at least one KV group")
@@ -225,7 +228,7 @@ class Hello:
                    block_size=_nat(w[7]), num_kv_blocks=_nat(w[8]), num_swap_blocks=_nat(w[9]),
                    dtype=_str(w[10]), device=_str(w[11]), random_weights=_bool(w[12]),
                    tensor_parallel_size=_nat(w[13]), num_draft_tokens=_nat(w[14]),
-                   kv_windows=kv_windows)
+                   kv_windows=kv_windows, kv_cache_dtype=_str(w[16]))
 
 
 @dataclass(frozen=True, kw_only=True)

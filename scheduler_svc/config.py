@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from checkpoints.quant_config import KV_CACHE_DTYPES
 from checkpoints.quant_config import SCHEMES as QUANTIZATION_SCHEMES
 
 DEFAULT_EXECUTOR_ADDRESS = "tcp://127.0.0.1:5557"
@@ -27,6 +28,7 @@ EXECUTOR_PASSTHROUGH = {
     "gpu_memory_utilization": "--gpu-memory-utilization",
     "tensor_parallel_size": "--tensor-parallel-size",
     "quantization": "--quantization",
+    "kv_cache_dtype": "--kv-cache-dtype",
 }
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 
@@ -80,6 +82,7 @@ class SchedulerConfig:
     gpu_memory_utilization: float | None = None  # CUDA share the executor may use (default 0.9)
     tensor_parallel_size: int | None = None  # executor ranks sharding the model (default 1)
     quantization: str | None = None  # see QUANTIZATION_SCHEMES (executor default: none)
+    kv_cache_dtype: str | None = None  # see KV_CACHE_DTYPES (executor default: auto)
     enforce_eager: bool = False  # the executor captures no CUDA graphs
     # ---- public API front end (scheduler_svc.api.server, scheduler_svc.api.auth) ----
     served_model_name: str | None = None  # None = the model directory's name
@@ -157,6 +160,9 @@ class SchedulerConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_SCHEMES)}, "
                              f"got {self.quantization!r}")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.device not in (None, "auto", "cpu", "cuda"):
             raise ValueError(f"--device must be one of auto, cpu, cuda, got {self.device!r}")
 
@@ -289,6 +295,11 @@ def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentPars
                    "quantized at load; fp8, gptq and awq checkpoints and a GGUF file's "
                    "Q8_0/Q4_0/Q4_1/Q4_K/Q6_K linear weights (gguf) load as they are without "
                    "the flag (it may name their scheme)")
+    g.add_argument("--kv-cache-dtype",
+                   help="what the KV cache stores: auto (the model's dtype, the default), "
+                   "fp8 / fp8_e4m3 (static per-head scales from the checkpoint, else 1.0) or "
+                   "int8 (a scale per position and head); fp8 holds 2x the KV blocks of "
+                   "bf16 in the same memory")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps: every step runs eagerly")
     add_front_end_flags(p)

@@ -5,6 +5,10 @@ Layout: one host tensor, block-major, so a pool block holds every layer's K and 
     device KVCache (per layer, k and v)  [num_blocks, block_size, num_kv_heads, head_dim]
     SwapPool.blocks                      [num_swap_blocks, 2 * num_layers, block_size,
                                           num_kv_heads, head_dim]   (k layers, then v layers)
+    SwapPool.scales (int8 KV only)       [num_swap_blocks, 2 * num_layers, block_size,
+                                          num_kv_heads] fp32        (their scales, alike)
+
+An fp8 cache's static scales belong to the layers, not to blocks, and never move.
 
 The scheduler owns both id spaces. A plan's ``swap_out`` pairs are (device block, cpu block)
 and ``swap_in`` pairs (cpu block, device block). The host never touches the pool's contents:
@@ -72,10 +76,12 @@ def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
 @dataclass
 class SwapPool:
     """Invariant: `blocks` is on the host with the device cache's dtype and block shape;
-    dim 1 holds the k layers then the v layers; block ids index dim 0."""
+    dim 1 holds the k layers then the v layers; block ids index dim 0. `scales` (an int8
+    cache's) likewise holds the k then v slots' scales of the same blocks."""
 
     blocks: torch.Tensor  # [num_swap_blocks, 2 * num_layers, block_size, num_kv_heads, head_dim]
     stream: torch.cuda.Stream | None  # the side stream (CUDA), else None
+    scales: torch.Tensor | None = None  # [num_swap_blocks, 2 * num_layers, block_size, H] fp32
 
     @classmethod
     def allocate(cls, like: KVCache, num_blocks: int) -> SwapPool:
@@ -84,13 +90,25 @@ class SwapPool:
         # Zeros like the device cache: a swapped-in slot past a request's last token must not
         # carry a NaN into a masked softmax.
         blocks = torch.zeros(shape, dtype=proto.dtype)
+        scales = torch.zeros(shape[:-1]) if like.k_scales is not None else None
         stream = None
         if proto.device.type == "cuda":
-            pin_in_place(blocks)
+            for t in (blocks, scales):
+                if t is not None:
+                    pin_in_place(t)
             stream = torch.cuda.Stream(proto.device)
-        log.info("CPU swap pool allocated", num_swap_blocks=num_blocks,
-                 bytes=blocks.numel() * blocks.element_size(), pinned=stream is not None)
-        return cls(blocks, stream)
+        size = sum(t.numel() * t.element_size() for t in (blocks, scales) if t is not None)
+        log.info("CPU swap pool allocated", num_swap_blocks=num_blocks, bytes=size,
+                 pinned=stream is not None)
+        return cls(blocks, stream, scales)
+
+    def _parts(self, kv_cache: KVCache) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+        """(host tensor, the device tensors its dim 1 holds) for the codes and the scales."""
+        parts = [(self.blocks, [*kv_cache.k_caches, *kv_cache.v_caches])]
+        if self.scales is not None:
+            assert kv_cache.k_scales is not None and kv_cache.v_scales is not None
+            parts.append((self.scales, [*kv_cache.k_scales, *kv_cache.v_scales]))
+        return parts
 
     @property
     def num_blocks(self) -> int:
@@ -123,31 +141,32 @@ class SwapPool:
         """Copy device block d into pool block c for every (d, c) in `pairs`, in every layer."""
         if not pairs:
             return
-        device_tensors = [*kv_cache.k_caches, *kv_cache.v_caches]
-        device = device_tensors[0].device
+        device = kv_cache.k_caches[0].device
         order = sorted(pairs, key=lambda p: p[1])  # by pool id, so runs are contiguous
         cpu_ids = np.array([c for _, c in order], dtype=np.int64)
         src = to_device(np.array([d for d, _ in order], np.int64), device)  # [num_moved]
         with self._on_side_stream(device):
-            gathered = torch.stack([t.index_select(0, src) for t in device_tensors], dim=1)
+            gathered = [(host, torch.stack([t.index_select(0, src) for t in tensors], dim=1))
+                        for host, tensors in self._parts(kv_cache)]
             self._compute_waits(device)  # the freed blocks may be rewritten after the gather
-            for start, first, n in _runs(cpu_ids):
-                self.blocks[first:first + n].copy_(gathered[start:start + n], non_blocking=True)
+            for host, moved in gathered:
+                for start, first, n in _runs(cpu_ids):
+                    host[first:first + n].copy_(moved[start:start + n], non_blocking=True)
 
     def swap_in(self, kv_cache: KVCache, pairs: list[tuple[int, int]]) -> None:
         """Copy pool block c into device block d for every (c, d) in `pairs`, in every layer."""
         if not pairs:
             return
-        device_tensors = [*kv_cache.k_caches, *kv_cache.v_caches]
-        device = device_tensors[0].device
+        device = kv_cache.k_caches[0].device
         order = sorted(pairs)  # by pool id
         cpu_ids = np.array([c for c, _ in order], dtype=np.int64)
         dst = to_device(np.array([d for _, d in order], np.int64), device)  # [num_moved]
         with self._on_side_stream(device):
-            staging = torch.empty((len(order), *self.blocks.shape[1:]), dtype=self.blocks.dtype,
-                                  device=device)  # [num_moved, 2 * num_layers, ...]
-            for start, first, n in _runs(cpu_ids):
-                staging[start:start + n].copy_(self.blocks[first:first + n], non_blocking=True)
-            for i, cache in enumerate(device_tensors):
-                cache.index_copy_(0, dst, staging[:, i])
+            for host, tensors in self._parts(kv_cache):
+                staging = torch.empty((len(order), *host.shape[1:]), dtype=host.dtype,
+                                      device=device)  # [num_moved, 2 * num_layers, ...]
+                for start, first, n in _runs(cpu_ids):
+                    staging[start:start + n].copy_(host[first:first + n], non_blocking=True)
+                for i, cache in enumerate(tensors):
+                    cache.index_copy_(0, dst, staging[:, i])
         self._compute_waits(device)  # the forward reads the swapped-in blocks

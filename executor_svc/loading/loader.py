@@ -48,6 +48,7 @@ from checkpoints.files import (
     safetensors_files,
 )
 from checkpoints.quant_config import resolve_quant_config
+from executor_svc.kv.kv_scales import is_kv_scale_name
 from executor_svc.loading.model_config import ModelConfig
 from executor_svc.models import model_class
 from executor_svc.models.linear import TiedHead, cpu_linear_method, use_linear_method
@@ -163,6 +164,8 @@ def plan_weights(model: nn.Module, headers: list[TensorHeader],
     unexpected: list[TensorHeader] = []
     for header in headers:
         if header.name.endswith("rotary_emb.inv_freq"):
+            continue
+        if is_kv_scale_name(header.name):  # the KV cache's, not a module's (kv/kv_scales.py)
             continue
         if tie_word_embeddings and header.name == "lm_head.weight":
             continue

@@ -17,6 +17,7 @@ the logits on rank 0 and None on the other ranks. With one rank nothing communic
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -35,6 +36,9 @@ from executor_svc.parallel import distributed
 from executor_svc.step.attention import AttentionBackend
 from executor_svc.step.batch import BatchMetadata
 from kernels import rotary
+
+if TYPE_CHECKING:
+    from executor_svc.kv.kv_cache import LayerKV
 
 
 class LlamaAttention(nn.Module):
@@ -64,6 +68,9 @@ class LlamaAttention(nn.Module):
         # whose block tables it reads), bound once by `bind_kv_cache`.
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads, head_dim]
         self.v_cache: torch.Tensor | None = None
+        # A quantized cache's scales [num_blocks, block_size, num_kv_heads] fp32 (kv_cache.py).
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
         self.kv_group = 0
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +99,8 @@ class LlamaAttention(nn.Module):
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache,
                                    batch.for_group(self.kv_group), self.scale,
                                    window=self.window, softcap=self.softcap,
-                                   sinks=self.attention_sinks())
+                                   sinks=self.attention_sinks(), k_scale=self.k_scale,
+                                   v_scale=self.v_scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
@@ -191,15 +199,16 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[LlamaAttention]:
         return [layer.self_attn for layer in self.model.layers]
 
-    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def bind_kv_cache(self, kv_caches: list[LayerKV],
                       layer_groups: Sequence[int] | None = None) -> None:
-        """Give layer i its (k_cache, v_cache) and KV group (None: all group 0); done once,
-        before the first step."""
+        """Give layer i its cache (tensors and scales, kv_cache.per_layer()) and KV group
+        (None: all group 0); done once, before the first step."""
         layers = self.attention_layers()
         assert len(kv_caches) == len(layers)
         groups = layer_groups if layer_groups is not None else [0] * len(layers)
-        for attn, (k_cache, v_cache), group in zip(layers, kv_caches, groups, strict=True):
-            attn.k_cache, attn.v_cache, attn.kv_group = k_cache, v_cache, group
+        for attn, kv, group in zip(layers, kv_caches, groups, strict=True):
+            attn.k_cache, attn.v_cache, attn.kv_group = kv.k_cache, kv.v_cache, group
+            attn.k_scale, attn.v_scale = kv.k_scale, kv.v_scale
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 batch: BatchMetadata) -> torch.Tensor | None:

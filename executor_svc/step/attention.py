@@ -25,7 +25,8 @@ class AttentionBackend(Protocol):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: BatchMetadata,
                 scale: float, *, window: int = 0, softcap: float = 0.0,
-                sinks: torch.Tensor | None = None) -> torch.Tensor: ...
+                sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class PagedKernelsBackend:
@@ -39,10 +40,13 @@ class PagedKernelsBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: BatchMetadata,
                 scale: float, *, window: int = 0, softcap: float = 0.0,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
-        # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]
-        store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        variant = dict(window=window, softcap=softcap, sinks=sinks)
+                sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        # q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim];
+        # k_scale, v_scale: a quantized cache's [num_blocks, block_size, num_kv_heads] fp32.
+        store_kv(k, v, k_cache, v_cache, batch.slot_mapping, k_scale, v_scale)
+        variant = dict(window=window, softcap=softcap, sinks=sinks, k_scale=k_scale,
+                       v_scale=v_scale)
         if cpu_backend_active(q):  # every variant; one plan serves layers of any window
             plan = self._cpu_plan(batch, k_cache.shape[1])
             return cpu.paged_attention_planned(q, k, v, k_cache, v_cache, plan, scale, **variant)

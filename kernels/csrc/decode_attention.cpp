@@ -16,6 +16,11 @@
 // the context. Variants, as twins.paged_attention defines them: softcap > 0 maps each scaled
 // score s to softcap * tanh(s / softcap) before the softmax; sinks ([num_heads] fp32) adds one
 // logit per query head to the softmax's denominator only (the max taken over it too).
+//
+// A quantized cache (KT = int8 or float8 e4m3fn, q and out 16-bit or fp32) is widened to fp32
+// on load; a key's scale (kscale[blk, off, h], fp32, any strides: static per-head scales come as
+// a stride-0 view) multiplies its scores, a value's scale its softmax weights before P.V, so
+// the result is attention over code * scale (kernels/kv_quant.py), in another rounding order.
 
 #include <atomic>
 
@@ -125,13 +130,29 @@ inline void weigh_tile_any(const float* p, const T* vrows, int64_t vt, int64_t n
         acc[g * dim + j] += p[g * kTile + l] * static_cast<float>(vrows[l * vt + j]);
 }
 
+// p[hd][x] *= scale of position off + x (x < n) of head hd's KV head, for every query head: the
+// tile's n scales of a KV head gathered once, then one vector product per query head's row
+// (lanes past n multiply by 0: those rows are overwritten or zero already).
+inline void scale_tile(const KVScales& sc, int64_t blk, int64_t off, int64_t n, int64_t num_kv,
+                       int64_t group, float* p) {
+  alignas(64) float tile[kTile];
+  for (int64_t h = 0; h < num_kv; ++h) {
+    for (int64_t x = 0; x < kTile; ++x) tile[x] = x < n ? sc.at(blk, off + x, h) : 0.f;
+    for (int64_t g = 0; g < group; ++g) {
+      float* row = p + (h * group + g) * kTile;
+      for (int64_t c = 0; c < kTile; c += kV)
+        (fVec::loadu(row + c) * fVec::loadu(tile + c)).store(row + c);
+    }
+  }
+}
+
 }  // namespace
 
-template <typename T>
+template <typename T, typename KT>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, double scale, int64_t window,
-                           double softcap, const float* sinks) {
+                           double softcap, const float* sinks, KVScales ks, KVScales vs) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv = k_cache.size(2);
   const int64_t group = num_heads / num_kv;
@@ -140,10 +161,10 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
   const int64_t sq0 = q.stride(0), sq1 = q.stride(1), so0 = out.stride(0), so1 = out.stride(1);
   const int64_t num_cache_blocks = k_cache.size(0);
-  const int64_t row_bytes = num_kv * dim * static_cast<int64_t>(sizeof(T));  // one position, all heads
+  const int64_t row_bytes = num_kv * dim * static_cast<int64_t>(sizeof(KT));  // one position, all heads
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const KT* kp = k_cache.data_ptr<KT>();
+  const KT* vp = v_cache.data_ptr<KT>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
@@ -203,10 +224,11 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
             prefetch_bytes(vp + b1 * vb + o1 * vt, row_bytes);
           }
         }
-        const T* krows = kp + blk * kb + off * kt;
+        const KT* krows = kp + blk * kb + off * kt;
         for (int64_t hd = 0; hd < num_heads; ++hd)
           score_tile(qf.data() + hd * dim, krows + (hd / group) * kh, kt, n, dim,
                      p.data() + hd * kTile);
+        if (ks.data != nullptr) scale_tile(ks, blk, off, n, num_kv, group, p.data());
         for (int64_t hd = 0; hd < num_heads; ++hd) {  // online softmax, per query head
           float* ph = p.data() + hd * kTile;
           if (cap > 0.f) softcap_scores(ph, kTile, cap);  // before the padding's -inf
@@ -231,7 +253,9 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
             for (int64_t j = 0; j < dim; ++j) a[j] *= alpha;
           }
         }
-        const T* vrows = vp + blk * vb + off * vt;
+        const KT* vrows = vp + blk * vb + off * vt;
+        // Each value's scale on its weights, after l summed them.
+        if (vs.data != nullptr) scale_tile(vs, blk, off, n, num_kv, group, p.data());
         for (int64_t h = 0; h < num_kv; ++h)
           weigh_tile_any(p.data() + h * group * kTile, vrows + h * vh, vt, n, group, dim,
                          acc.data() + h * group * dim);
@@ -282,8 +306,10 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& block_tables,
                       const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
-                      const std::optional<at::Tensor>& sinks) {
-  check_attention_operands(out, q, k_cache, v_cache);
+                      const std::optional<at::Tensor>& sinks,
+                      const std::optional<at::Tensor>& k_scale,
+                      const std::optional<at::Tensor>& v_scale) {
+  check_attention_operands(out, q, k_cache, v_cache, k_scale, v_scale);
   TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0 (0: off)");
   const float* sink = sinks_data(sinks, q.size(1));
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
@@ -291,9 +317,12 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_c
               "block_tables must be [num_seqs, max_blocks] int32");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
                   seq_lens.numel() == q.size(0), "seq_lens must be [num_seqs] int32");
+  const KVScales ks = kv_scales(k_scale), vs = kv_scales(v_scale);
   FOLIO_DISPATCH(q.scalar_type(), "decode_attention", [&] {
-    decode_attention_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                    window, softcap, sink);
+    FOLIO_DISPATCH_KV(k_cache.scalar_type(), scalar_t, [&] {
+      decode_attention_impl<scalar_t, kv_t>(out, q, k_cache, v_cache, block_tables, seq_lens,
+                                            scale, window, softcap, sink, ks, vs);
+    });
   });
 }
 

@@ -46,10 +46,11 @@ TORCH_LIBRARY(folio_cpu, m) {
   m.def("rotary(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin) -> ()");
   m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor seq_lens, float scale, int window=0, float softcap=0.0, "
-        "Tensor? sinks=None) -> ()");
+        "Tensor? sinks=None, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor seq_ids, "
-        "float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> ()");
+        "float scale, int window=0, float softcap=0.0, Tensor? sinks=None, "
+        "Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("skinny_linear_q8(Tensor x, Tensor packed, Tensor scale, Tensor? bias, "
         "int out_features) -> Tensor");

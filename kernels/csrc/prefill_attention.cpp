@@ -14,7 +14,9 @@
 // costliest first, so uneven tiles (later positions see more keys) balance across threads.
 // Variants, as twins.paged_attention defines them: softcap > 0 maps each scaled score s to
 // softcap * tanh(s / softcap) before masking; sinks ([num_heads] fp32) adds one logit per query
-// head to the softmax's denominator only (softmax_norm in vec.h).
+// head to the softmax's denominator only (softmax_norm in vec.h). A quantized cache (KT = int8
+// or float8 e4m3fn) is widened on load and each row multiplied by its scale (KVScales, vec.h):
+// the tiles hold code * scale in fp32, as kernels/kv_quant.py defines the values.
 
 #include <atomic>
 
@@ -87,12 +89,12 @@ inline void by_row_blocks(int64_t rows, Fn&& fn) {  // fn(first row, std::integr
   }
 }
 
-template <typename T>
+template <typename T, typename KT>
 void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                             const at::Tensor& seq_ids, double scale, int64_t window,
-                            double softcap, const float* sinks) {
+                            double softcap, const float* sinks, KVScales ks, KVScales vs) {
   const int64_t num_heads = q.size(1), dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv = k_cache.size(2);
   const int64_t group = num_heads / num_kv, num_cache_blocks = k_cache.size(0);
@@ -101,8 +103,8 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
   const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
   const int64_t sq0 = q.stride(0), sq1 = q.stride(1), so0 = out.stride(0), so1 = out.stride(1);
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const KT* kp = k_cache.data_ptr<KT>();
+  const KT* vp = v_cache.data_ptr<KT>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -168,11 +170,20 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tens
             const int64_t pos = k0 + t, blk = row_bt[pos / block_size];
             TORCH_CHECK(blk >= 0 && blk < num_cache_blocks, "block id ", blk, " out of range");
             const int64_t off = blk * kb + (pos % block_size) * kt;
-            const T* ksrc = kp + off + it.head * kh;
-            const T* vsrc = vp + blk * vb + (pos % block_size) * vt + it.head * vh;
-            for (int64_t j = 0; j < dim; j += kV) {
-              load_f(ksrc + j).store(kd + j);
-              load_f(vsrc + j).store(vd + j);
+            const KT* ksrc = kp + off + it.head * kh;
+            const KT* vsrc = vp + blk * vb + (pos % block_size) * vt + it.head * vh;
+            if (ks.data == nullptr) {
+              for (int64_t j = 0; j < dim; j += kV) {
+                load_f(ksrc + j).store(kd + j);
+                load_f(vsrc + j).store(vd + j);
+              }
+            } else {
+              const fVec kscale(ks.at(blk, pos % block_size, it.head));
+              const fVec vscale(vs.at(blk, pos % block_size, it.head));
+              for (int64_t j = 0; j < dim; j += kV) {
+                (load_f(ksrc + j) * kscale).store(kd + j);
+                (load_f(vsrc + j) * vscale).store(vd + j);
+              }
             }
           } else {
             std::fill(kd, kd + dim, 0.f);
@@ -240,8 +251,10 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
                        const at::Tensor& v_cache, const at::Tensor& block_tables,
                        const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                        const at::Tensor& seq_ids, double scale, int64_t window, double softcap,
-                       const std::optional<at::Tensor>& sinks) {
-  check_attention_operands(out, q, k_cache, v_cache);
+                       const std::optional<at::Tensor>& sinks,
+                       const std::optional<at::Tensor>& k_scale,
+                       const std::optional<at::Tensor>& v_scale) {
+  check_attention_operands(out, q, k_cache, v_cache, k_scale, v_scale);
   TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0 (0: off)");
   const float* sink = sinks_data(sinks, q.size(1));
   TORCH_CHECK(q.size(2) % kV == 0, "head_dim must be a multiple of ", kV);
@@ -254,9 +267,13 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
               "query_start_loc must be [num_seqs + 1] int32");
   TORCH_CHECK(seq_ids.scalar_type() == at::kInt && seq_ids.is_contiguous() && seq_ids.dim() == 1,
               "seq_ids must be [num_prefills] int32");
+  const KVScales ks = kv_scales(k_scale), vs = kv_scales(v_scale);
   FOLIO_DISPATCH(q.scalar_type(), "prefill_attention", [&] {
-    prefill_attention_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, query_start_loc,
-                                     seq_lens, seq_ids, scale, window, softcap, sink);
+    FOLIO_DISPATCH_KV(k_cache.scalar_type(), scalar_t, [&] {
+      prefill_attention_impl<scalar_t, kv_t>(out, q, k_cache, v_cache, block_tables,
+                                             query_start_loc, seq_lens, seq_ids, scale, window,
+                                             softcap, sink, ks, vs);
+    });
   });
 }
 

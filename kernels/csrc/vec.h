@@ -130,15 +130,61 @@ inline void check_inner_contiguous(const at::Tensor& t, const char* name) {
 // What both attention kernels require of q, out and the paged caches: q and out [rows, heads,
 // head_dim] alike, caches [num_blocks, block_size, num_kv_heads, head_dim], one dtype, GQA
 // groups whole, innermost dimensions contiguous.
+// A quantized cache's scales (kernels/kv_quant.py): value = code * scale[blk, off, kv_head],
+// fp32 [num_blocks, block_size, num_kv_heads] with any strides (static per-head scales are a
+// stride-0 view); data null for a cache in q's dtype.
+struct KVScales {
+  const float* data = nullptr;
+  int64_t sb = 0, st = 0, sh = 0;
+  float at(int64_t blk, int64_t off, int64_t h) const { return data[blk * sb + off * st + h * sh]; }
+};
+
+inline KVScales kv_scales(const std::optional<at::Tensor>& scale) {
+  if (!scale.has_value()) return {};
+  return {scale->data_ptr<float>(), scale->stride(0), scale->stride(1), scale->stride(2)};
+}
+
+// The cache's element type as kv_t: q's (scalar_t), int8 or float8 e4m3fn.
+#define FOLIO_DISPATCH_KV(CACHE_TYPE, Q_TYPE, ...)                        \
+  [&] {                                                                  \
+    if ((CACHE_TYPE) == at::kChar) {                                     \
+      using kv_t = int8_t;                                               \
+      return __VA_ARGS__();                                              \
+    } else if ((CACHE_TYPE) == at::kFloat8_e4m3fn) {                     \
+      using kv_t = c10::Float8_e4m3fn;                                   \
+      return __VA_ARGS__();                                              \
+    } else {                                                             \
+      using kv_t = Q_TYPE;                                               \
+      return __VA_ARGS__();                                              \
+    }                                                                    \
+  }()
+
 inline void check_attention_operands(const at::Tensor& out, const at::Tensor& q,
-                                     const at::Tensor& k_cache, const at::Tensor& v_cache) {
+                                     const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                     const std::optional<at::Tensor>& k_scale,
+                                     const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q, out must be [rows, heads, dim]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "caches must be [num_blocks, block_size, num_kv_heads, head_dim]");
   TORCH_CHECK(q.size(2) == k_cache.size(3), "head_dim must match the cache");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
-                  out.scalar_type() == q.scalar_type(), "q, caches and out must share a dtype");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "q and out share a dtype, and so do the caches");
+  const bool quantized = k_cache.scalar_type() == at::kChar ||
+                         k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(quantized || q.scalar_type() == k_cache.scalar_type(),
+              "the caches must hold q's dtype, int8 or float8_e4m3fn");
+  TORCH_CHECK(quantized == k_scale.has_value() && quantized == v_scale.has_value(),
+              "k_scale and v_scale come with an int8 or fp8 cache, and only with one");
+  if (quantized) {
+    for (const auto* sc : {&*k_scale, &*v_scale}) {
+      TORCH_CHECK(sc->device().is_cpu() && sc->scalar_type() == at::kFloat && sc->dim() == 3 &&
+                      sc->size(0) == k_cache.size(0) && sc->size(1) == k_cache.size(1) &&
+                      sc->size(2) == k_cache.size(2),
+                  "KV scales must be [num_blocks, block_size, num_kv_heads] fp32");
+    }
+  }
   check_inner_contiguous(q, "q");
   check_inner_contiguous(k_cache, "k_cache");
   check_inner_contiguous(v_cache, "v_cache");
@@ -180,12 +226,16 @@ void rotary(const at::Tensor& positions, at::Tensor q, at::Tensor k, const at::T
 void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& block_tables,
                       const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
-                      const std::optional<at::Tensor>& sinks);
+                      const std::optional<at::Tensor>& sinks,
+                      const std::optional<at::Tensor>& k_scale,
+                      const std::optional<at::Tensor>& v_scale);
 void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, const at::Tensor& block_tables,
                        const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                        const at::Tensor& seq_ids, double scale, int64_t window, double softcap,
-                       const std::optional<at::Tensor>& sinks);
+                       const std::optional<at::Tensor>& sinks,
+                       const std::optional<at::Tensor>& k_scale,
+                       const std::optional<at::Tensor>& v_scale);
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed,
                          const std::optional<at::Tensor>& bias, int64_t out_features);
 at::Tensor skinny_linear_q8(const at::Tensor& x, const at::Tensor& packed,

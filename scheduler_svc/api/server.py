@@ -128,7 +128,8 @@ class GeneratorService:
                             block_size=info.block_size, num_kv_blocks=info.num_kv_blocks,
                             dtype=info.dtype, device=info.device,
                             random_weights=info.random_weights,
-                            tensor_parallel_size=info.tensor_parallel_size)
+                            tensor_parallel_size=info.tensor_parallel_size,
+                            kv_cache_dtype=info.kv_cache_dtype)
 
     @grpc_errors
     async def GetServerStats(self, request, context) -> pb.ServerStats:

@@ -189,6 +189,7 @@ class VllmEngineService:
             data_parallel_size=1, max_num_seqs=self.max_num_seqs,
             block_size=info.block_size if info is not None else 0,
             model_dtype=info.dtype if info is not None else "",
+            kv_cache_dtype=info.kv_cache_dtype if info is not None else "",
             constrained_decoding_start="first_token")
 
     @grpc_errors

@@ -42,6 +42,7 @@ class ExecutorInfo:
     device: str
     random_weights: bool
     tensor_parallel_size: int
+    kv_cache_dtype: str = ""  # what the KV cache stores: dtype's, "fp8_e4m3" or "int8"
 
     @classmethod
     def from_hello(cls, identity: bytes, hello: Hello, max_model_len_cap: int | None,
@@ -59,7 +60,8 @@ class ExecutorInfo:
                    block_size=hello.block_size, num_kv_blocks=hello.num_kv_blocks,
                    dtype=hello.dtype, device=hello.device,
                    random_weights=bool(hello.random_weights),
-                   tensor_parallel_size=hello.tensor_parallel_size)
+                   tensor_parallel_size=hello.tensor_parallel_size,
+                   kv_cache_dtype=hello.kv_cache_dtype or hello.dtype)
 
 
 def check_hello(hello: Hello, tokenizer: Tokenizer) -> str | None:
@@ -119,7 +121,7 @@ def log_connected(info: ExecutorInfo, hello: Hello, config: SchedulerConfig) -> 
              num_kv_blocks=info.num_kv_blocks, num_swap_blocks=hello.num_swap_blocks,
              block_size=info.block_size,
              max_model_len=info.max_model_len, dtype=info.dtype, device=info.device,
-             random_weights=info.random_weights,
+             kv_cache_dtype=info.kv_cache_dtype, random_weights=info.random_weights,
              tensor_parallel_size=info.tensor_parallel_size)
     if info.max_model_len < min(hello.max_model_len, config.max_model_len or 1 << 62):
         log.warning("max_model_len capped by the KV pool", max_model_len=info.max_model_len,

@@ -75,7 +75,9 @@ def _check_pipelined(ttgir: str, config: tuple) -> None:
 
 
 def _attention(dtype: str, head_dim: int, group: int, long: bool, split: bool,
-               block_size: int = 16, softcap: bool = False, sinks: bool = False) -> int:
+               block_size: int = 16, softcap: bool = False, sinks: bool = False,
+               kv: str = "") -> int:
+    """kv: the cache's element type when quantized ("fp8e4nv", "i8"), else q's."""
     import torch
 
     from kernels import attention
@@ -85,14 +87,17 @@ def _attention(dtype: str, head_dim: int, group: int, long: bool, split: bool,
     short_q = attention.launch_config(torch_dtype, 2 * group, 2, head_dim, False)["BLOCK_Q"]
     options = {"num_warps": config.pop("num_warps"), "num_stages": config["NUM_STAGES"]}
     pointers = {name: "*" + dtype for name in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+    if kv:
+        pointers.update(k_cache_ptr="*" + kv, v_cache_ptr="*" + kv)
+    pointers.update(k_scale_ptr="*fp32", v_scale_ptr="*fp32")
     for name in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"):
         pointers[name] = "*i32"
     pointers.update(partial_ptr="*fp32", lse_ptr="*fp32", sinks_ptr="*fp32")
     constexprs = dict(config, KV_BLOCK_SIZE=block_size, SHORT_Q=short_q, LONG=long, SPLIT=split,
-                      HAS_SOFTCAP=softcap, HAS_SINKS=sinks)
+                      HAS_SOFTCAP=softcap, HAS_SINKS=sinks, KV_QUANT=bool(kv))
     kernel = _compile(attention._paged_attention_kernel, pointers, constexprs,
                       floats=["scale_log2e", "softcap_log2e"], **options)  # fmt: skip
-    case = (dtype, head_dim, group, long, split, block_size, softcap, sinks)
+    case = (dtype, head_dim, group, long, split, block_size, softcap, sinks, kv)
     _check_pipelined(kernel.asm["ttgir"], case)
     regs, spills = _registers_and_spills(kernel)
     # Decode tiles (one warp for 16-bit): <= 224 registers keeps 9 programs resident per SM.
@@ -114,13 +119,22 @@ def main() -> None:
                    ("bf16", 128, 4, True, False), ("fp16", 64, 7, False, True, 128),
                    ("fp16", 64, 7, True, False), ("bf16", 80, 1, False, True, 32),
                    ("fp32", 128, 8, True, False), ("bf16", 128, 4, False, False, 16, True, True),
-                   ("bf16", 128, 4, True, False, 16, True, True)]:  # fmt: skip
+                   ("bf16", 128, 4, True, False, 16, True, True),
+                   # Quantized caches (kernels/kv_quant.py): fp8 and int8, decode and prefill.
+                   ("bf16", 128, 4, False, True, 16, False, False, "fp8e4nv"),
+                   ("bf16", 128, 4, True, False, 16, False, False, "fp8e4nv"),
+                   ("bf16", 128, 4, False, False, 16, False, False, "i8"),
+                   ("fp16", 64, 7, True, False, 16, False, False, "i8")]:  # fmt: skip
         shared = _attention(*config)
         assert shared <= 227 * 1024, f"{config} needs {shared} bytes of shared memory"
     dt = "*bf16"
     names = ("key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr")
-    _compile(kv_cache._store_kv_kernel, {**dict.fromkeys(names, dt), "slot_mapping_ptr": "*i64"},
-             dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128))  # fmt: skip
+    scales = {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    for quant, cache in ((0, dt), (1, "*fp8e4nv"), (2, "*i8")):
+        _compile(kv_cache._store_kv_kernel,
+                 {**dict.fromkeys(names, dt), "k_cache_ptr": cache, "v_cache_ptr": cache,
+                  "slot_mapping_ptr": "*i64", **scales},
+                 dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128, QUANT=quant))  # fmt: skip
     names = ("x_ptr", "residual_ptr", "weight_ptr", "out_ptr", "new_residual_ptr")
     _compile(norm._rms_norm_kernel, dict.fromkeys(names, dt), dict(HAS_RESIDUAL=True, BLOCK=4096),
              floats=["eps"], num_warps=16)  # fmt: skip

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FUSED_KERNEL_TESTS = ["tests/kernels/test_cpu_ext.py", "tests/kernels/test_cpu_kernels.py",
                       "tests/kernels/test_skinny_linear.py",
                       "tests/kernels/test_skinny_linear_quant.py",
-                      "tests/kernels/test_fused_moe.py"]
+                      "tests/kernels/test_fused_moe.py", "tests/kernels/test_kv_quant.py"]
 # Together under pytest's 600 s, so a hung child reports its own output.
 BUILD_TIMEOUT_S, TESTS_TIMEOUT_S = 300, 240
 

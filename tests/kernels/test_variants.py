@@ -95,11 +95,14 @@ def test_the_window_is_never_specialized_on():
         assert kernel.params[kernel.arg_names.index("window")].do_not_specialize
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn, torch.int8],
+                         ids=["auto", "fp8", "int8"])
 @pytest.mark.parametrize("softcap, sinks", [(False, False), (True, True), (False, True)])
-def test_warm_up_compiles_every_launch_of_a_models_steps(monkeypatch, softcap, sinks):
+def test_warm_up_compiles_every_launch_of_a_models_steps(monkeypatch, softcap, sinks, kv_dtype):
     """What steps of a model with these flags launch (any max_query_len, window, split count)
     is what the warm-up launched: the same constexprs, launch options and pointer dtypes."""
     pytest.importorskip("triton")
+    from executor_svc.kv.kv_cache import LayerKV
     from executor_svc.step.warmup import warm_attention
     from kernels import attention, attention_reduce
 
@@ -118,9 +121,13 @@ def test_warm_up_compiles_every_launch_of_a_models_steps(monkeypatch, softcap, s
     monkeypatch.setattr(attention, "_paged_attention_kernel", Recorder("attention"))
     monkeypatch.setattr(attention_reduce, "_merge_splits_kernel", Recorder("merge"))
     heads, kv_heads, dim, budget = 8, 2, 64, 40
-    k_cache = torch.zeros((4, 16, kv_heads, dim), dtype=torch.float16)
-    warm_attention(k_cache, k_cache.clone(), heads, budget, show_progress=False,
-                   softcap=softcap, sinks=sinks)  # fmt: skip
+    k_cache = torch.zeros((4, 16, kv_heads, dim), dtype=kv_dtype or torch.float16)
+    scales = {}
+    if kv_dtype is not None:  # a quantized cache (kernels/kv_quant.py) and its scales
+        scales = dict(k_scale=torch.ones(4, 16, kv_heads), v_scale=torch.ones(4, 16, kv_heads))
+    warm_attention(LayerKV(k_cache, k_cache.clone(), *scales.values()), heads, budget,
+                   show_progress=False, dtype=torch.float16, softcap=softcap,
+                   sinks=sinks)  # fmt: skip
     warmed, seen = seen, set()
     variant = dict(softcap=30.0 if softcap else 0.0,
                    sinks=torch.randn(heads) if sinks else None)  # fmt: skip
@@ -131,5 +138,6 @@ def test_warm_up_compiles_every_launch_of_a_models_steps(monkeypatch, softcap, s
                 attention.paged_attention(
                     q, k_cache, k_cache, torch.zeros((1, 4), dtype=torch.int32),
                     torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32),
-                    n, n, 0.125, num_splits=splits, window=window, **variant)  # fmt: skip
+                    n, n, 0.125, num_splits=splits, window=window, **variant,
+                    **scales)  # fmt: skip
     assert seen == warmed

@@ -78,3 +78,17 @@ def test_bad_flag_exits_with_usage(capsys):
     with pytest.raises(SystemExit):
         config_from_argv(["--max-num-seqs", "0"])
     assert "--max-num-seqs must be at least 1" in capsys.readouterr().err
+
+
+def test_kv_cache_dtype_passes_through_to_the_executor():
+    config = config_from_argv(["--kv-cache-dtype", "fp8"])
+    assert "--kv-cache-dtype" in config.executor_flags()
+    from executor_svc.cli import build_parser, config_from_args
+
+    executor = config_from_args(build_parser().parse_args(["--model", "/m",
+                                                           *config.executor_flags()]))
+    assert executor.kv_cache_dtype == "fp8"
+    assert config_from_argv([]).kv_cache_dtype is None  # the executor's default, auto
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, fp8, "
+                                         "fp8_e4m3, int8, got 'e5m2'"):
+        SchedulerConfig(kv_cache_dtype="e5m2")

@@ -236,7 +236,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "dtype", "device", "random_weights", "tensor_parallel_size")
+    __slots__ = ("model_name", "architecture", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "dtype", "device", "random_weights", "tensor_parallel_size", "kv_cache_dtype")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +247,7 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     RANDOM_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     max_model_len: int
@@ -257,7 +258,8 @@ class ModelInfo(_message.Message):
     device: str
     random_weights: bool
     tensor_parallel_size: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., random_weights: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., random_weights: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class GetServerStatsRequest(_message.Message):
     __slots__ = ()

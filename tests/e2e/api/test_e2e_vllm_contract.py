@@ -229,6 +229,8 @@ def test_server_info_and_loads(vllm, folio):
     assert info.server_type == "folio-grpc" and info.uptime_seconds > 0
     assert info.data_parallel_size == 1 and info.max_num_seqs > 0
     assert info.block_size == folio_info.block_size and info.model_dtype == folio_info.dtype
+    # --kv-cache-dtype auto: the KV cache holds the model's dtype.
+    assert info.kv_cache_dtype == folio_info.kv_cache_dtype == folio_info.dtype
     response = vllm.GetLoads(vpb.GetLoadsRequest(), timeout=10)
     assert response.dp_rank_count == 1 and response.timestamp
     (load,) = response.loads

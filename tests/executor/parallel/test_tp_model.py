@@ -21,6 +21,7 @@ from checkpoints.files import (
     safetensors_files,
 )
 from executor_svc.kv.kv_cache import KVCache
+from executor_svc.kv.kv_scales import default_scales
 from executor_svc.loading.loader import (
     effective_max_model_len,
     load_model,
@@ -60,16 +61,21 @@ def tp1_results(tp_checkpoints) -> dict[str, dict]:
     return {name: greedy_run(Path(d)) for name, d in tp_checkpoints.items()}
 
 
-def greedy_run(model_dir: Path, quantization: str | None = None) -> dict | None:
+def greedy_run(model_dir: Path, quantization: str | None = None,
+               kv_dtype: torch.dtype | None = None) -> dict | None:
     """Prefill (one prompt chunked) and NUM_DECODE greedy decode steps over the paged cache,
     calling the model directly. Rank 0 (or a lone rank): {"tokens": {req_id: ids}, "logits":
-    [per step]}; other ranks None. Rank 0's greedy ids reach the others by broadcast."""
+    [per step]}; other ranks None. Rank 0's greedy ids reach the others by broadcast.
+    `kv_dtype`: a quantized KV cache (fp8 at its default scales, or int8)."""
     cfg = ModelConfig.from_dir(model_dir)
     max_len = effective_max_model_len(cfg, None)
     cpu = torch.device("cpu")
     model = load_model(model_dir, dtype=torch.float32, device=cpu, max_model_len=max_len, cfg=cfg,
                        quantization=quantization)
-    kv_cache = KVCache.allocate(cfg, NUM_BLOCKS, BLOCK_SIZE, torch.float32, cpu)
+    scales = (default_scales(cfg, distributed.tp_size()) if kv_dtype == torch.float8_e4m3fn
+              else None)
+    kv_cache = KVCache.allocate(cfg, NUM_BLOCKS, BLOCK_SIZE, kv_dtype or torch.float32, cpu,
+                                scales)
     assert kv_cache.k_caches[0].shape[2] == local_kv_heads(cfg, distributed.tp_size())
     kv_cache.bind(model)
     runner = ModelRunner(model, kv_cache, BLOCK_SIZE, max_len, cfg.vocab_size, cpu)
@@ -127,6 +133,31 @@ def test_tp_greedy_matches_tp1(tp, tp_checkpoints, tp1_results, tmp_path):
         assert len(got["tokens"]["r2"]) == NUM_DECODE  # the chunked prompt sampled from step 1
         for step, (a, b) in enumerate(zip(got["logits"], expected["logits"], strict=True)):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m, n=name, s=step: f"{n} step {s}: {m}")
+
+
+KV_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+KV_CASES = ("llama2", "gqa_kv1")  # KV heads split over the ranks, and one replicated
+
+
+def _kv_rank(rank: int, checkpoints: dict[str, str], kv_name: str, out_dir: str) -> None:
+    for name in KV_CASES:
+        result = greedy_run(Path(checkpoints[name]), kv_dtype=KV_DTYPES[kv_name])
+        if rank == 0:
+            torch.save(result, Path(out_dir) / f"{name}.pt")
+
+
+@pytest.mark.parametrize("kv_name", KV_DTYPES)
+def test_tp2_over_a_quantized_kv_cache_matches_tp1(kv_name, tp_checkpoints, tmp_path):
+    """Each rank quantizes its own KV heads' rows (int8: a scale per position and head) with
+    the same values one rank would: the same tokens and logits."""
+    run_ranks(_kv_rank, 2, tp_checkpoints, kv_name, str(tmp_path))
+    for name in KV_CASES:
+        expected = greedy_run(Path(tp_checkpoints[name]), kv_dtype=KV_DTYPES[kv_name])
+        got = torch.load(tmp_path / f"{name}.pt")
+        assert got["tokens"] == expected["tokens"], name
+        for step, (a, b) in enumerate(zip(got["logits"], expected["logits"], strict=True)):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4,
                                        msg=lambda m, n=name, s=step: f"{n} step {s}: {m}")
 
 

@@ -127,10 +127,11 @@ def test_a_step_syncs_the_host_once(tmp_path):
 
 
 def test_warm_up_compiles_every_attention_variant():
+    from executor_svc.kv.kv_cache import LayerKV
     from executor_svc.step.warmup import warm_attention
 
     k = torch.zeros((4, 16, 8, 128), dtype=torch.bfloat16, device=CUDA)
-    num = warm_attention(k, k.clone(), num_heads=32, max_num_batched_tokens=2048,
-                         show_progress=False)
+    num = warm_attention(LayerKV(k, k.clone()), num_heads=32, max_num_batched_tokens=2048,
+                         show_progress=False, dtype=torch.bfloat16)
     assert num >= 2
     torch.cuda.synchronize()
