@@ -26,6 +26,7 @@ import torch
 
 from checkpoints.resolve import resolve_model_dir
 from executor_svc.config import ExecutorConfig
+from executor_svc.host_memory import return_freed_memory
 from executor_svc.kv.kv_cache import KVCache, bytes_per_block, model_kv_layout, num_blocks_for
 from executor_svc.kv.kv_scales import default_scales, read_kv_scales
 from executor_svc.kv.memory import DEFAULT_GRAPH_RESERVE_BYTES, profiled_kv_budget
@@ -109,6 +110,9 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
                      if cfg.draft_model else model_dir)
         draft_model, draft_cfg = load_draft(draft_dir, model_cfg, cfg.draft_layers, dtype=dtype,
                                             device=device, max_model_len=max_model_len)
+    if device.type == "cpu":
+        # What loading freed below the weights (host_memory.py).
+        log.info("freed load-time memory returned", released=return_freed_memory())
     # Measured after the weights are in place, by a step of the largest shape (memory.py).
     profiled = None
     if device.type == "cuda" and cfg.num_kv_blocks is None and cfg.kv_cache_memory is None:

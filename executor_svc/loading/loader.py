@@ -48,6 +48,7 @@ from checkpoints.files import (
     safetensors_files,
 )
 from checkpoints.quant_config import resolve_quant_config
+from executor_svc.host_memory import return_freed_memory
 from executor_svc.kv.kv_scales import is_kv_scale_name
 from executor_svc.loading.model_config import ModelConfig
 from executor_svc.models import model_class
@@ -459,7 +460,8 @@ def prepare_for_device(model: nn.Module, device: torch.device, dtype: torch.dtyp
              dtype=str(dtype), native_bf16=kernels.cpu.has_native_bf16())
     if kernels.cpu.fused_kernels() is not None:  # MoE experts into the fused kernel's slabs
         with torch.no_grad():
-            num_experts = use_experts_method(model, PackedCpuExperts(keep_plain_weights))
+            num_experts = use_experts_method(model, PackedCpuExperts(keep_plain_weights),
+                                             return_freed_memory)
         if num_experts:
             log.info("cpu experts packed", layers=num_experts)
     # Built (or loaded from its cache) now, before the first step rather than inside it.

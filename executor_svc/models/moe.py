@@ -31,6 +31,7 @@ load by name like any fused projection's (`linear_target`).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -139,13 +140,17 @@ class PackedCpuExperts:
                                             **layer.moe_options())
 
 
-def use_experts_method(model: nn.Module, method: ExpertsMethod) -> int:
+def use_experts_method(model: nn.Module, method: ExpertsMethod,
+                       after_each: Callable[[], object] | None = None) -> int:
     """Give every `Experts` layer still on `DENSE_EXPERTS` the `method` (a quantized layer keeps
-    its own); returns how many took it."""
+    its own); returns how many took it. `after_each` runs after each layer's weights are
+    processed (the executor returns the memory a layer's replaced weights held)."""
     layers = [m for m in model.modules() if isinstance(m, Experts) and m.method is DENSE_EXPERTS]
     for layer in layers:
         layer.method = method
         method.process_weights(layer)
+        if after_each is not None:
+            after_each()
     return len(layers)
 
 

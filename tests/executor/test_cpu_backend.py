@@ -228,3 +228,24 @@ def test_malloc_reuses_freed_memory_instead_of_faulting_fresh_pages(keep):
     faults = int(done.stdout.splitlines()[-1])
     pages = 80_000_000 // 4096  # of one tensor
     assert faults < pages // 2 if keep else faults > 3 * pages
+
+
+
+def test_freed_memory_below_live_tensors_goes_back_to_the_os():
+    """With keep_freed_memory, a large tensor freed below one still alive (plain weights
+    replaced by packed ones at load) stays resident until return_freed_memory hands it back."""
+    code = ("import torch\n"
+            "from executor_svc.host_memory import keep_freed_memory, return_freed_memory\n"
+            "assert keep_freed_memory()\n"
+            "anon = lambda: next(int(line.split()[1]) for line in open('/proc/self/status')\n"
+            "                    if line.startswith('RssAnon')) * 1024\n"
+            "plain = torch.ones(50_000_000)\n"  # 200 MB, low in the heap
+            "packed = torch.ones(50_000_000)\n"  # above it, alive
+            "del plain\n"
+            "held = anon()\n"
+            "assert return_freed_memory()\n"
+            "print(held - anon())\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.splitlines()[-1]) > 150_000_000  # most of the 200 MB returned
