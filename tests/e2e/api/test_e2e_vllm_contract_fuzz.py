@@ -258,8 +258,13 @@ def test_fuzz_kv_event_subscribers_and_flushes(vllm, default_server):
                             seen["bad timeout"] = seen.get("bad timeout", 0) + 1
                             continue
                         assert not bad
-                        # requests run one at a time here: the server is idle or about to be
-                        assert response.success or arg < 0.1, response.message
+                        # Requests run one at a time here: the server is idle or about to be
+                        # (the last one's blocks are freed a loop turn after its stream ends,
+                        # later on a loaded machine); given the time, the flush succeeds.
+                        if not response.success:
+                            assert "in flight hold its blocks" in response.message
+                            assert vllm.FlushCache(common_pb2.FlushCacheRequest(timeout_s=30),
+                                                   timeout=60).success
             # A last, unique request stores a block every open stream must report, after
             # whatever snapshot it is still sending: numbered on without a gap.
             generate(4)
