@@ -26,6 +26,7 @@ import torch
 
 from checkpoints.resolve import resolve_model_dir
 from executor_svc.config import ExecutorConfig
+from executor_svc.kv.host_tier import available_host_bytes, check_host_memory, num_host_blocks_for
 from executor_svc.kv.kv_cache import KVCache, bytes_per_block, model_kv_layout, num_blocks_for
 from executor_svc.kv.memory import DEFAULT_GRAPH_RESERVE_BYTES, profiled_kv_budget
 from executor_svc.kv.swap import SwapPool, num_swap_blocks_for
@@ -91,6 +92,7 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
         structlog.contextvars.bind_contextvars(rank=rank)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
+    check_host_memory(cfg.kv_offloading_size, cfg.swap_space, available_host_bytes())
     model_cfg = ModelConfig.from_dir(model_dir)
     max_model_len = effective_max_model_len(model_cfg, cfg.max_model_len)
     model = load_model(model_dir, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -140,6 +142,12 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
         num_swap_blocks_for(cfg.swap_space, bytes_per_block(model_cfg, cfg.block_size, dtype)),
         device)
     swap_pool = SwapPool.allocate(kv_cache, num_swap_blocks) if num_swap_blocks else None
+    num_host_blocks = all_reduce_min(
+        num_host_blocks_for(cfg.kv_offloading_size,
+                            bytes_per_block(model_cfg, cfg.block_size, dtype)),
+        device)
+    host_tier = (SwapPool.allocate(kv_cache, num_host_blocks, what="prefix cache host tier")
+                 if num_host_blocks else None)
     tokenizer_json = model_dir / "tokenizer.json"  # structured output's matchers read it
     graph_runner = None
     # After the KV cache: graphs bind it. A model may opt out (MoE: its expert routing reads
@@ -154,7 +162,7 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
     runner = ModelRunner(model, kv_cache, cfg.block_size, max_model_len,
                          model_cfg.vocab_size, device, swap_pool,
                          tokenizer_json if tokenizer_json.is_file() else None, graph_runner,
-                         draft)
+                         draft, host_tier)
     hello = Hello(
         protocol_version=PROTOCOL_VERSION,
         executor_id=f"{socket.gethostname()}-{os.getpid()}",
@@ -171,6 +179,7 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
         tensor_parallel_size=tp_size(),
         num_draft_tokens=cfg.num_draft_tokens if draft is not None else 0,
         kv_windows=list(kv_cache.layout.windows),
+        num_host_blocks=num_host_blocks,
     )
     return Executor(runner, hello)
 

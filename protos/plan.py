@@ -24,9 +24,12 @@ A StepPlan is a diff against what the executor already holds:
   decode step sends no token ids at all.
 - ``finished_req_ids`` / ``preempted_req_ids``: drop these requests' state (their blocks now
   belong to the scheduler again).
-- ``block_copies``, ``swap_out``, ``swap_in``: (src, dst) block pairs the executor performs
-  before the forward pass (copy-on-write, and swapping between the GPU and the CPU pool), in
-  this order: swap_out, then swap_in, then block_copies.
+- ``block_copies``, ``swap_out``, ``swap_in``, ``offload_out``, ``offload_in``: (src, dst) block
+  pairs the executor performs before the forward pass (copy-on-write, swapping between the GPU
+  and the CPU swap pool, and copies to and from the prefix cache's host tier), in this order:
+  offload_out, swap_out, swap_in, offload_in, block_copies. Every device read (offload_out,
+  swap_out) comes before every device write (swap_in, offload_in, block_copies, the forward
+  pass), so the scheduler may hand a block it copies out to a new owner in the same plan.
 
 Decoding is strict: every field's type is checked (``from_wire`` raises TypeError or
 ValueError, which the codec turns into ``channel.ProtocolError``), so a malformed message is
@@ -62,7 +65,7 @@ from protos.wire import (
     _strs,
 )
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,17 +209,19 @@ class Hello:
     # window, 0 = full attention. Block tables hold one block per group per position,
     # interleaved (scheduler_svc/sched/block_manager.py).
     kv_windows: list[int] = field(default_factory=lambda: [0])
+    # The prefix cache's host tier (--kv-offloading-size), in blocks (0 = none).
+    num_host_blocks: int = 0
 
     def to_wire(self) -> list:
         return [self.TAG, self.protocol_version, self.executor_id, self.model_name,
                 self.architecture, self.vocab_size, self.max_model_len, self.block_size,
                 self.num_kv_blocks, self.num_swap_blocks, self.dtype, self.device,
                 self.random_weights, self.tensor_parallel_size, self.num_draft_tokens,
-                self.kv_windows]
+                self.kv_windows, self.num_host_blocks]
 
     @classmethod
     def from_wire(cls, w: list) -> Hello:
-        _list(w, 16)
+        _list(w, 17)
         kv_windows = _nats(w[15])
         if not kv_windows:
             raise TypeError("kv_windows must name at least one KV group")
@@ -225,7 +230,7 @@ class Hello:
                    block_size=_nat(w[7]), num_kv_blocks=_nat(w[8]), num_swap_blocks=_nat(w[9]),
                    dtype=_str(w[10]), device=_str(w[11]), random_weights=_bool(w[12]),
                    tensor_parallel_size=_nat(w[13]), num_draft_tokens=_nat(w[14]),
-                   kv_windows=kv_windows)
+                   kv_windows=kv_windows, num_host_blocks=_nat(w[16]))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -276,6 +281,9 @@ class StepPlan:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src gpu, dst gpu)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
+    # The prefix cache's host tier: blocks written through to it, and hits copied back.
+    offload_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, host slot)
+    offload_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, gpu block)
     # Drop every request the executor holds before applying this plan: the scheduler rebuilt
     # its state (after an internal error) and re-sends what still runs as new requests.
     reset: bool = False
@@ -292,11 +300,13 @@ class StepPlan:
                 self.finished_req_ids, self.preempted_req_ids,
                 [list(p) for p in self.block_copies],
                 [list(p) for p in self.swap_out],
-                [list(p) for p in self.swap_in], self.reset]
+                [list(p) for p in self.swap_in], self.reset,
+                [list(p) for p in self.offload_out],
+                [list(p) for p in self.offload_in]]
 
     @classmethod
     def from_wire(cls, w: list) -> StepPlan:
-        _list(w, 10)
+        _list(w, 12)
         return cls(
             step_id=_nat(w[1]),
             new_reqs=[NewRequest.from_wire(r) for r in _list(w[2])],
@@ -307,6 +317,8 @@ class StepPlan:
             swap_out=_pairs(w[7]),
             swap_in=_pairs(w[8]),
             reset=_bool(w[9]),
+            offload_out=_pairs(w[10]),
+            offload_in=_pairs(w[11]),
         )
 
 

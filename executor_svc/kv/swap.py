@@ -78,7 +78,7 @@ class SwapPool:
     stream: torch.cuda.Stream | None  # the side stream (CUDA), else None
 
     @classmethod
-    def allocate(cls, like: KVCache, num_blocks: int) -> SwapPool:
+    def allocate(cls, like: KVCache, num_blocks: int, what: str = "CPU swap pool") -> SwapPool:
         proto = like.k_caches[0]
         shape = (num_blocks, 2 * len(like.k_caches), *proto.shape[1:])
         # Zeros like the device cache: a swapped-in slot past a request's last token must not
@@ -88,7 +88,7 @@ class SwapPool:
         if proto.device.type == "cuda":
             pin_in_place(blocks)
             stream = torch.cuda.Stream(proto.device)
-        log.info("CPU swap pool allocated", num_swap_blocks=num_blocks,
+        log.info(f"{what} allocated", num_blocks=num_blocks,
                  bytes=blocks.numel() * blocks.element_size(), pinned=stream is not None)
         return cls(blocks, stream)
 

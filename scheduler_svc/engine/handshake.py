@@ -105,7 +105,10 @@ def new_scheduler(info: ExecutorInfo, hello: Hello, config: SchedulerConfig, *,
         spec_k = 0
     return Scheduler(
         BlockManager(info.num_kv_blocks, info.block_size, max(0, hello.num_swap_blocks),
-                     windows=hello.kv_windows, window_margin=spec_k, events=kv_events),
+                     windows=hello.kv_windows, window_margin=spec_k, events=kv_events,
+                     # The tier holds prefix-cache blocks only: nothing to hold without it.
+                     num_host_blocks=hello.num_host_blocks if config.enable_prefix_caching
+                     else 0),
         config.max_num_seqs, config.max_num_batched_tokens, info.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
         preemption_mode=config.preemption_mode, first_step_id=first_step_id,
@@ -117,7 +120,7 @@ def log_connected(info: ExecutorInfo, hello: Hello, config: SchedulerConfig) -> 
     """Log a connected executor, with a hint for each way it serves less than was asked."""
     log.info("executor connected", executor_id=hello.executor_id, model=hello.model_name,
              num_kv_blocks=info.num_kv_blocks, num_swap_blocks=hello.num_swap_blocks,
-             block_size=info.block_size,
+             num_host_blocks=hello.num_host_blocks, block_size=info.block_size,
              max_model_len=info.max_model_len, dtype=info.dtype, device=info.device,
              random_weights=info.random_weights,
              tensor_parallel_size=info.tensor_parallel_size)

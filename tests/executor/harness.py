@@ -152,7 +152,8 @@ def save_checkpoint(model, path: Path, **save_kwargs) -> Path:
 
 def make_runner(model_dir: Path, num_blocks: int = NUM_BLOCKS, num_swap_blocks: int = 0,
                 keep_plain_weights: bool = False,
-                device: torch.device = torch.device("cpu")) -> ModelRunner:  # noqa: B008
+                device: torch.device = torch.device("cpu"),  # noqa: B008
+                num_host_blocks: int = 0) -> ModelRunner:
     cfg = ModelConfig.from_dir(model_dir)
     max_len = effective_max_model_len(cfg, None)
     model = load_model(model_dir, dtype=torch.float32, device=device, max_model_len=max_len,
@@ -160,7 +161,9 @@ def make_runner(model_dir: Path, num_blocks: int = NUM_BLOCKS, num_swap_blocks: 
     kv_cache = KVCache.allocate(cfg, num_blocks, BLOCK_SIZE, torch.float32, device)
     kv_cache.bind(model)
     swap_pool = SwapPool.allocate(kv_cache, num_swap_blocks) if num_swap_blocks else None
-    return ModelRunner(model, kv_cache, BLOCK_SIZE, max_len, cfg.vocab_size, device, swap_pool)
+    host_tier = SwapPool.allocate(kv_cache, num_host_blocks) if num_host_blocks else None
+    return ModelRunner(model, kv_cache, BLOCK_SIZE, max_len, cfg.vocab_size, device, swap_pool,
+                       host_tier=host_tier)
 
 
 class PlanDriver:

@@ -19,9 +19,10 @@ def test_defaults_match_the_brief():
 
 def test_memory_flags():
     config = config_from_argv(["--no-prefix-caching", "--preemption-mode", "swap",
-                               "--swap-space", "0.5"])
+                               "--swap-space", "0.5", "--kv-offloading-size", "2"])
     assert (config.enable_prefix_caching, config.preemption_mode) == (False, "swap")
-    assert config.executor_flags() == ["--swap-space", "0.5", "--max-num-seqs", "256",
+    assert config.executor_flags() == ["--swap-space", "0.5", "--kv-offloading-size", "2.0",
+                                       "--max-num-seqs", "256",
                                        "--max-num-batched-tokens", "2048"]
     assert config_from_argv(["--prefix-caching"]).enable_prefix_caching
 
@@ -59,6 +60,8 @@ def test_executor_flags_pass_through():
     (dict(stall_timeout_s=float("nan")), "--stall-timeout must be a number of seconds >= 0"),
     (dict(preemption_mode="evict"), "--preemption-mode must be one of"),
     (dict(swap_space=-1.0), "--swap-space must be >= 0"),
+    (dict(kv_offloading_size=-1.0), "--kv-offloading-size must be >= 0"),
+    (dict(kv_offloading_size=float("inf")), "--kv-offloading-size must be >= 0"),
     (dict(gpu_memory_utilization=0.0), "--gpu-memory-utilization must be in"),
     (dict(gpu_memory_utilization=float("nan")), "--gpu-memory-utilization must be in"),
     (dict(gpu_memory_utilization=1.5), "--gpu-memory-utilization must be in"),

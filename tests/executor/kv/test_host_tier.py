@@ -1,0 +1,71 @@
+"""The prefix cache's host tier, with the real scheduler driving the real runner: blocks
+evicted from a small device pool stay hits in the host tier, are copied back instead of
+recomputed, and the continuations are HF transformers' token for token, also when the
+requests that hit the tier are preempted (by recompute and by swap). A tier whose contents are
+wiped between the runs changes the tokens, so the copies are what the model reads."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.sched.block_manager import BlockManager
+from tests.e2e.hf_oracle import hf_greedy, load_hf_model, random_prompts
+from tests.executor.harness import BLOCK_SIZE, make_runner
+from tests.fixtures.checkpoints import make_checkpoint
+from tests.fixtures.scheduled_runner import run_scheduled
+
+NUM_BLOCKS = 40  # 160 tokens: one family's requests fit, two families evict the first
+NUM_HOST_BLOCKS = 200
+PREFIX = 48  # 12 blocks shared by a family
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    path = make_checkpoint("qwen2", tmp_path_factory.mktemp("qwen2"))
+    return path, load_hf_model(path)
+
+
+def families(vocab_size: int) -> list[list[list[int]]]:
+    """Three families of prompts: a shared 48-token prefix, then 4..10 tokens of their own."""
+    prefixes = random_prompts(vocab_size, (PREFIX,) * 3, seed=11)
+    tails = random_prompts(vocab_size, (4, 7, 10, 5, 9, 6) * 3, seed=12)
+    return [[prefix + tail for tail in tails[6 * f:6 * f + 6]]
+            for f, prefix in enumerate(prefixes)]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_evicted_prefix_hits_the_host_tier_and_decodes_as_hf(qwen2, mode):
+    model_dir, hf = qwen2
+    swap = NUM_BLOCKS if mode == "swap" else 0
+    runner = make_runner(model_dir, num_blocks=NUM_BLOCKS, num_swap_blocks=swap,
+                         num_host_blocks=NUM_HOST_BLOCKS)
+    bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE, swap, num_host_blocks=NUM_HOST_BLOCKS)
+    a, b, c = families(hf.config.vocab_size)
+    run_scheduled(runner, bm, a[:2], MAX_TOKENS, preemption_mode=mode)
+    run_scheduled(runner, bm, b[:2] + c[:2], MAX_TOKENS, preemption_mode=mode)
+    first_key = bm._cached.get(bm._host_key_of[0])  # slot 0: family a's first block
+    assert first_key is None, "family a's prefix should have left the device pool"
+    # Six requests at once, decoding longer, need more blocks than the pool has: preemption.
+    again = a[2:6] + c[2:4]
+    outputs, sched = run_scheduled(runner, bm, again, 4 * MAX_TOKENS, preemption_mode=mode)
+    assert outputs == hf_greedy(hf, again, 4 * MAX_TOKENS)
+    assert sched.counters.num_preemptions > 0
+    # The first admission found the whole prefix in the host tier, not on the device.
+    assert sched.counters.prefix_cache_host_hits >= PREFIX
+    assert bm.num_cached_host_blocks > 0
+
+
+def test_the_copies_are_what_the_model_reads(qwen2):
+    """Wiping the tier between the runs (the scheduler still believes it) changes the tokens:
+    the oracle above could fail."""
+    model_dir, hf = qwen2
+    runner = make_runner(model_dir, num_blocks=NUM_BLOCKS, num_host_blocks=NUM_HOST_BLOCKS)
+    bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE, num_host_blocks=NUM_HOST_BLOCKS)
+    a, b, c = families(hf.config.vocab_size)
+    run_scheduled(runner, bm, a[:2], MAX_TOKENS)
+    run_scheduled(runner, bm, b[:2] + c[:2], MAX_TOKENS)
+    runner.host_tier.blocks.normal_()
+    outputs, sched = run_scheduled(runner, bm, a[2:3], MAX_TOKENS)
+    assert sched.counters.prefix_cache_host_hits >= PREFIX
+    assert outputs != hf_greedy(hf, a[2:3], MAX_TOKENS)
