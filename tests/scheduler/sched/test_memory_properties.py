@@ -244,14 +244,18 @@ op = st.one_of(
        bs=st.sampled_from([2, 4]),
        num_cpu_blocks=st.integers(0, 8), mode=st.sampled_from(["auto", "recompute", "swap"]),
        caching=st.booleans(), max_num_seqs=st.integers(2, 4), extra_budget=st.integers(0, 12),
-       overlap=st.booleans(), windows=st.sampled_from([(0,), (3,), (0, 2), (5, 0, 1)]))
+       overlap=st.booleans(), windows=st.sampled_from([(0,), (3,), (0, 2), (5, 0, 1)]),
+       num_host_blocks=st.sampled_from([0, 0, 2, 6, 30]))
 def test_random_workloads_finish_exactly_and_leak_nothing(ops, num_blocks, bs, num_cpu_blocks,
                                                           mode, caching, max_num_seqs,
-                                                          extra_budget, overlap, windows):
+                                                          extra_budget, overlap, windows,
+                                                          num_host_blocks):
     max_model_len = num_blocks * bs  # every request fits the pool alone
     G = len(windows)  # KV groups: a block of each per position
     num_blocks, num_cpu_blocks = num_blocks * G, num_cpu_blocks * G
-    sched = Scheduler(BlockManager(num_blocks, bs, num_cpu_blocks, windows=windows), max_num_seqs,
+    bm = BlockManager(num_blocks, bs, num_cpu_blocks, windows=windows,
+                      num_host_blocks=num_host_blocks * G)
+    sched = Scheduler(bm, max_num_seqs,
                       max_num_seqs + extra_budget, max_model_len,
                       enable_prefix_caching=caching, preemption_mode=mode)
     mirror = PlanMirror(block_size=bs, sample=null_sample, windows=windows)
@@ -306,3 +310,6 @@ def test_random_workloads_finish_exactly_and_leak_nothing(ops, num_blocks, bs, n
     assert bm.num_free_blocks == num_blocks and bm.num_free_cpu_blocks == num_cpu_blocks
     assert bm.ref_counts == [0] * num_blocks and bm.cpu_ref_counts == [0] * num_cpu_blocks
     assert not sched.queues.running and not sched.queues.swapped and not sched.queues.waiting
+    if mirror.num_offloaded_in:
+        event("blocks copied back from the host tier")  # hypothesis' statistics show the share
+    assert sched.counters.prefix_cache_host_hits <= sched.counters.prefix_cache_hits
