@@ -54,7 +54,7 @@ from scheduler_svc.errors import (
     ExecutorUnavailable,
     FolioError,
 )
-from scheduler_svc.sched.kv_events import KvEventLog
+from scheduler_svc.sched.kv_events import KvEventLog, Tier
 from scheduler_svc.sched.request import RequestStatus, SubmitParams
 from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.text.tokenizer import Tokenizer
@@ -98,7 +98,8 @@ class Engine:
         self._past_totals = dict.fromkeys(COUNTERS, 0)
         # The prefix cache's events, published once per turn of the loop (kv_event_stream.py).
         self.kv_events = KvEventLog()
-        self.kv_event_stream = KvEventStream(self.kv_events)
+        self.host_kv_events = KvEventLog(Tier.HOST)  # the host tier's (--kv-offloading-size)
+        self.kv_event_stream = KvEventStream(self.kv_events, self.host_kv_events)
 
     # ---- called by gRPC handlers -----------------------------------------------------------
 
@@ -342,7 +343,8 @@ class Engine:
         self.executor, self._hello = info, hello
         self.scheduler = new_scheduler(info, hello, self.config,
                                        first_step_id=self._next_step_id,
-                                       kv_events=self.kv_events)
+                                       kv_events=self.kv_events,
+                                       host_kv_events=self.host_kv_events)
         log_connected(info, hello, self.config)
         self._readmit_all()
         if self._on_executor_change is not None:
@@ -364,7 +366,8 @@ class Engine:
         if self.scheduler is not None:
             retire_counters(self._past_totals, self.scheduler)
             self._next_step_id = max(self._next_step_id, self.scheduler.next_step_id)
-            self.kv_events.cleared()  # its cache goes with it
+            self.kv_events.cleared()  # its cache goes with it, the host tier's too
+            self.host_kv_events.cleared()
         self.scheduler = None
 
     def _readmit_all(self) -> None:
@@ -415,7 +418,8 @@ class Engine:
         self._retire_scheduler()
         self.scheduler = new_scheduler(self.executor, self._hello, self.config,
                                        first_step_id=self._next_step_id, reset_executor=True,
-                                       kv_events=self.kv_events)
+                                       kv_events=self.kv_events,
+                                       host_kv_events=self.host_kv_events)
 
     async def _close(self, reason: str) -> None:
         """Shutting down: end every request with UNAVAILABLE."""
