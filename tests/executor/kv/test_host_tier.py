@@ -2,15 +2,17 @@
 evicted from a small device pool stay hits in the host tier, are copied back instead of
 recomputed, and the continuations are HF transformers' token for token, also when the
 requests that hit the tier are preempted (by recompute and by swap). A tier whose contents are
-wiped between the runs changes the tokens, so the copies are what the model reads."""
+wiped between the runs changes the tokens, so the copies are what the model reads. The runner
+runs a plan's tier copies in the protocol's order and refuses pairs outside its pools."""
 
 from __future__ import annotations
 
 import pytest
 
+from executor_svc.step.plan_validation import PlanError
 from scheduler_svc.sched.block_manager import BlockManager
 from tests.e2e.hf_oracle import hf_greedy, load_hf_model, random_prompts
-from tests.executor.harness import BLOCK_SIZE, make_runner
+from tests.executor.harness import BLOCK_SIZE, PlanDriver, make_runner
 from tests.fixtures.checkpoints import make_checkpoint
 from tests.fixtures.scheduled_runner import run_scheduled
 
@@ -69,3 +71,50 @@ def test_the_copies_are_what_the_model_reads(qwen2):
     outputs, sched = run_scheduled(runner, bm, a[2:3], MAX_TOKENS)
     assert sched.counters.prefix_cache_host_hits >= PREFIX
     assert outputs != hf_greedy(hf, a[2:3], MAX_TOKENS)
+
+
+def _fill(runner) -> None:
+    """Device block b holds b everywhere, host slot s holds 100 + s."""
+    for t in (*runner.kv_cache.k_caches, *runner.kv_cache.v_caches):
+        for b in range(t.shape[0]):
+            t[b] = b
+    for s in range(runner.host_tier.num_blocks):
+        runner.host_tier.blocks[s] = 100 + s
+
+
+def test_copies_run_in_the_protocols_order(qwen2):
+    """offload_out reads the device before offload_in writes it; a slot written by a copy-out
+    is read by a copy-in of the same plan after it."""
+    model_dir, _ = qwen2
+    runner = make_runner(model_dir, num_blocks=8, num_host_blocks=4)
+    _fill(runner)
+    runner.execute(PlanDriver().plan(offload_out=[(1, 0), (2, 2)],
+                                     offload_in=[(1, 1), (2, 3)]))
+    host, kv = runner.host_tier, runner.kv_cache
+    assert (host.blocks[0] == 1).all() and (host.blocks[2] == 2).all()
+    for t in (*kv.k_caches, *kv.v_caches):
+        assert (t[1] == 101).all()  # block 1 went out first, then slot 1 came in
+        assert (t[3] == 2).all()  # slot 2, just written from block 2
+        assert all((t[b] == b).all() for b in (0, 2, 4, 5, 6, 7))
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(offload_out=[(0, 4)]), r"offload out \(0, 4\) names host block 4, outside 0..3"),
+    (dict(offload_in=[(0, 8)]), r"offload in \(0, 8\) names device block 8, outside 0..7"),
+    (dict(offload_out=[(0, 1), (2, 1)]), r"offload out writes host block 1 more than once"),
+    (dict(offload_in=[(0, 5), (1, 5)]), r"offload in writes device block 5 more than once"),
+])
+def test_bad_tier_pairs_fail_clearly_and_move_nothing(qwen2, fields, message):
+    model_dir, _ = qwen2
+    runner = make_runner(model_dir, num_blocks=8, num_host_blocks=4)
+    _fill(runner)
+    with pytest.raises(PlanError, match=message):
+        runner.execute(PlanDriver().plan(**fields))
+    assert all((runner.host_tier.blocks[s] == 100 + s).all() for s in range(4))
+
+
+def test_a_plan_for_a_tier_the_executor_lacks_is_refused(qwen2):
+    model_dir, _ = qwen2
+    runner = make_runner(model_dir, num_blocks=8)
+    with pytest.raises(PlanError, match="a host tier, but this executor has none"):
+        runner.execute(PlanDriver().plan(offload_in=[(0, 1)]))
