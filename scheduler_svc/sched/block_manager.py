@@ -106,7 +106,7 @@ evictable block and drops its key, so a request never reads a block that was rea
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -557,6 +557,29 @@ class BlockManager:
         out, into = self._offload_out, self._offload_in
         self._offload_out, self._offload_in, self._host_busy = [], [], set()
         return out, into
+
+    def host_index(self) -> dict[int, bytes]:
+        """Slot -> key of every keyed host slot, least recently used first: what the tier
+        promises (a copy-out in a plan the executor never ran included; the tier file's
+        records tell which promises were kept)."""
+        return {slot: self._host_key_of[slot] for slot in self._host_lru}
+
+    def adopt_host_blocks(self, index: Mapping[int, bytes]) -> None:
+        """Start the host tier with `index` (slot -> key, least recently used first: a
+        retired BlockManager's `host_index`, less what the tier file could not vouch for),
+        on a new executor that maps the same tier. Published host blocks not adopted are
+        reported removed."""
+        assert not self._host_key_of and not self._offload_out, "adopting into a used tier"
+        for slot, key in index.items():
+            assert 0 <= slot < self.num_host_blocks and key not in self._host_cached, slot
+            self._host_key_of[slot] = key
+            self._host_cached[key] = slot
+            self._host_lru[slot] = None
+        self._host_free = deque(s for s in range(self.num_host_blocks)
+                                if s not in self._host_key_of)
+        if self.host_events is not None:
+            for key in [k for k in self.host_events.live if k not in self._host_cached]:
+                self.host_events.removed(key, self._event_group)
 
     def forget_host_blocks(self, slots: Iterable[int]) -> None:
         """Forget what these host slots hold (the plan that would have written them failed).

@@ -147,3 +147,35 @@ def test_windowed_groups_copy_back_what_their_windows_need():
     # The full group needs all 3 positions; the window of 2 only the last.
     assert hits[0::2] == [host_entry(s) for s in (0, 2, 4)]
     assert hits[1::2] == [FREED, FREED, host_entry(5)]
+
+
+def test_a_new_block_manager_adopts_what_the_tier_vouches_for():
+    """After an executor crash: the retired manager's index, less the slots the tier file could
+    not vouch for, seeds the next one; its hits are copy-ins, its LRU order is kept, and the
+    published host blocks it dropped are reported removed."""
+    host = KvEventLog(Tier.HOST)
+    old = BlockManager(num_blocks=8, block_size=BS, num_host_blocks=4, host_events=host)
+    cached_seq(old, "a", [1, 2, 3])  # slot 0
+    cached_seq(old, "b", [5, 6, 7])  # slot 1
+    cached_seq(old, "c", [8, 9, 9])  # slot 2: say its copy-out never ran
+    old.take_tier_copies()
+    index = old.host_index()
+    assert list(index) == [0, 1, 2]
+    host.drain()
+    del index[2]  # the tier file's record for slot 2 failed its checks
+    new = BlockManager(num_blocks=8, block_size=BS, num_host_blocks=4, host_events=host)
+    new.adopt_host_blocks(index)
+    new.check_invariants()
+    assert host.drain() == [BlockRemoved(block_hashes=(keys_of([8, 9])[0],), group=0,
+                                         tier=Tier.HOST)]
+    assert new.cached_prefix(keys_of([1, 2])) == [host_entry(0)]
+    assert new.cached_prefix(keys_of([8, 9])) == []
+    assert new.allocate_new("a", 3, [host_entry(0)]) == [0, 1]
+    assert new.take_tier_copies() == ([], [(0, 0)])
+    cached_seq(new, "d", [4, 4, 4])  # the free slots first (2, 3), then the LRU: slot 1
+    cached_seq(new, "e", [3, 3, 3])
+    cached_seq(new, "f", [2, 2, 2])
+    # Slot 0 was hit after the adoption: slot 1 is the least recently used.
+    assert [slot for _, slot in new.take_tier_copies()[0]] == [2, 3, 1]
+    assert new.host_index()[0] == keys_of([1, 2])[0]
+    new.check_invariants()
