@@ -284,6 +284,17 @@ class StepPlan:
     # The prefix cache's host tier: blocks written through to it, and hits copied back.
     offload_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, host slot)
     offload_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, gpu block)
+    # The prefix-cache key (hex) of each offload_out block, in order: what the executor
+    # records beside the slot in a shared tier file, so that a tier read back after a crash
+    # is checked against the keys the scheduler expects (protos/kv_tier_file.py).
+    offload_keys: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if len(self.offload_keys) != len(self.offload_out):
+            raise ValueError(f"{len(self.offload_keys)} offload keys for "
+                             f"{len(self.offload_out)} offloaded blocks")
+        if any(not 0 < len(k) <= 80 or len(k) % 2 for k in self.offload_keys):
+            raise ValueError("an offload key is not the hex of a prefix-cache key")
     # Drop every request the executor holds before applying this plan: the scheduler rebuilt
     # its state (after an internal error) and re-sends what still runs as new requests.
     reset: bool = False
@@ -302,11 +313,11 @@ class StepPlan:
                 [list(p) for p in self.swap_out],
                 [list(p) for p in self.swap_in], self.reset,
                 [list(p) for p in self.offload_out],
-                [list(p) for p in self.offload_in]]
+                [list(p) for p in self.offload_in], self.offload_keys]
 
     @classmethod
     def from_wire(cls, w: list) -> StepPlan:
-        _list(w, 12)
+        _list(w, 13)
         return cls(
             step_id=_nat(w[1]),
             new_reqs=[NewRequest.from_wire(r) for r in _list(w[2])],
@@ -319,6 +330,7 @@ class StepPlan:
             reset=_bool(w[9]),
             offload_out=_pairs(w[10]),
             offload_in=_pairs(w[11]),
+            offload_keys=_strs(w[12]),
         )
 
 

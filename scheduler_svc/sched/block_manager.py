@@ -558,6 +558,10 @@ class BlockManager:
         self._offload_out, self._offload_in, self._host_busy = [], [], set()
         return out, into
 
+    def host_key(self, slot: int) -> bytes:
+        """The key host slot `slot` holds (or, named by a pending copy-out, will hold)."""
+        return self._host_key_of[slot]
+
     def host_index(self) -> dict[int, bytes]:
         """Slot -> key of every keyed host slot, least recently used first: what the tier
         promises (a copy-out in a plan the executor never ran included; the tier file's

@@ -172,10 +172,12 @@ class Scheduler:
             # next plan (no copy-in is pending: only an admission makes one).
             return None
         offload_out, offload_in = self.block_manager.take_tier_copies()
+        host_key = self.block_manager.host_key
         return executor_view.make_plan(new_reqs=step.new_reqs, cached_reqs=step.cached_reqs,
                                        block_copies=step.block_copies, swap_out=step.swap_out,
                                        swap_in=step.swap_in, swapped_out=step.swapped_out,
-                                       offload_out=offload_out, offload_in=offload_in)
+                                       offload_out=offload_out, offload_in=offload_in,
+                                       offload_keys=[host_key(s).hex() for _, s in offload_out])
 
     # ---- results, and plans that fail ------------------------------------------------------
 

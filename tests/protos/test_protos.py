@@ -76,6 +76,7 @@ MESSAGES = [
         swap_in=[(1, 10)],
         offload_out=[(4, 300), (5, 301)],
         offload_in=[(12, 9)],
+        offload_keys=["0f" * 32, "a1" * 34],
     ),
     # Structured output, and a resume: tokens past num_prompt_tokens were generated.
     StepPlan(step_id=18, new_reqs=[
@@ -187,7 +188,7 @@ def test_bad_frames_are_refused(frame, match):
 
 
 def _columns_plan(cached: list) -> bytes:
-    return msgpack.packb([StepPlan.TAG, 1, [], cached, [], [], [], [], [], False, [], []])
+    return msgpack.packb([StepPlan.TAG, 1, [], cached, [], [], [], [], [], False, [], [], []])
 
 
 def _columns_result(sampled: list) -> bytes:

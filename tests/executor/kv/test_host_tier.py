@@ -20,6 +20,7 @@ NUM_BLOCKS = 40  # 160 tokens: one family's requests fit, two families evict the
 NUM_HOST_BLOCKS = 200
 PREFIX = 48  # 12 blocks shared by a family
 MAX_TOKENS = 8
+KEY = "ab" * 32  # a prefix-cache key in hex, as plans carry it
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def test_copies_run_in_the_protocols_order(qwen2):
     model_dir, _ = qwen2
     runner = make_runner(model_dir, num_blocks=8, num_host_blocks=4)
     _fill(runner)
-    runner.execute(PlanDriver().plan(offload_out=[(1, 0), (2, 2)],
+    runner.execute(PlanDriver().plan(offload_out=[(1, 0), (2, 2)], offload_keys=[KEY, KEY],
                                      offload_in=[(1, 1), (2, 3)]))
     host, kv = runner.host_tier, runner.kv_cache
     assert (host.blocks[0] == 1).all() and (host.blocks[2] == 2).all()
@@ -99,9 +100,11 @@ def test_copies_run_in_the_protocols_order(qwen2):
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(offload_out=[(0, 4)]), r"offload out \(0, 4\) names host block 4, outside 0..3"),
+    (dict(offload_out=[(0, 4)], offload_keys=[KEY]),
+     r"offload out \(0, 4\) names host block 4, outside 0..3"),
     (dict(offload_in=[(0, 8)]), r"offload in \(0, 8\) names device block 8, outside 0..7"),
-    (dict(offload_out=[(0, 1), (2, 1)]), r"offload out writes host block 1 more than once"),
+    (dict(offload_out=[(0, 1), (2, 1)], offload_keys=[KEY, KEY]),
+     r"offload out writes host block 1 more than once"),
     (dict(offload_in=[(0, 5), (1, 5)]), r"offload in writes device block 5 more than once"),
 ])
 def test_bad_tier_pairs_fail_clearly_and_move_nothing(qwen2, fields, message):
