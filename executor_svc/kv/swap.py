@@ -92,6 +92,38 @@ class SwapPool:
                  bytes=blocks.numel() * blocks.element_size(), pinned=stream is not None)
         return cls(blocks, stream)
 
+    @classmethod
+    def in_buffer(cls, like: KVCache, buffer: memoryview, what: str) -> SwapPool:
+        """A pool whose blocks are a view of `buffer` (a tier file's shared memory, exactly
+        num_blocks whole blocks), contents as they are."""
+        proto = like.k_caches[0]
+        block_shape = (2 * len(like.k_caches), *proto.shape[1:])
+        elems = proto.element_size() * torch.Size(block_shape).numel()
+        if len(buffer) % elems:
+            raise ValueError(f"{what}: {len(buffer)} bytes are not whole KV blocks of "
+                             f"{elems} bytes")
+        blocks = torch.frombuffer(buffer, dtype=proto.dtype).view(-1, *block_shape)
+        stream = None
+        if proto.device.type == "cuda":
+            pin_in_place(blocks)
+            stream = torch.cuda.Stream(proto.device)
+        log.info(f"{what} mapped", num_blocks=blocks.shape[0], pinned=stream is not None)
+        return cls(blocks, stream)
+
+    @staticmethod
+    def block_bytes(like: KVCache) -> int:
+        """Bytes one pool block takes: every layer's K and V of one device block."""
+        proto = like.k_caches[0]
+        return 2 * len(like.k_caches) * proto[0].numel() * proto.element_size()
+
+    def copy_done_event(self) -> torch.cuda.Event | None:
+        """An event completing with every copy queued so far (None on the CPU: they are done)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
     @property
     def num_blocks(self) -> int:
         return self.blocks.shape[0]

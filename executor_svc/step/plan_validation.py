@@ -55,6 +55,11 @@ class PlanValidator:
         if (plan.offload_out or plan.offload_in) and self.num_host_blocks is None:
             raise PlanError("the plan copies blocks to or from a host tier, but this executor "
                             "has none (started with --kv-offloading-size 0)")
+        for key in plan.offload_keys:
+            try:
+                bytes.fromhex(key)
+            except ValueError:
+                raise PlanError(f"offload key {key[:80]!r} is not hex") from None
         num_gpu, num_cpu = self.num_blocks, self.num_swap_blocks or 0
         num_host = self.num_host_blocks or 0
         for what, pairs, src_space, dst_space in (

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from executor_svc.kv.kv_cache import KVCache, to_device
+from executor_svc.kv.host_tier import TierRecords
 from executor_svc.kv.swap import SwapPool
 from executor_svc.parallel.tp_worker import collectives, share_sampled
 from executor_svc.sample.sampler import (
@@ -98,12 +99,14 @@ class ModelRunner:
                  max_model_len: int, vocab_size: int, device: torch.device,
                  swap_pool: SwapPool | None = None, tokenizer_json: Path | None = None,
                  graph_runner: DecodeGraphRunner | None = None,
-                 draft: DraftProposer | None = None, host_tier: SwapPool | None = None):
+                 draft: DraftProposer | None = None, host_tier: SwapPool | None = None,
+                 host_tier_records: TierRecords | None = None):
         self.model = model
         self.vocab_size = vocab_size
         self.kv_cache = kv_cache
         self.swap_pool = swap_pool
         self.host_tier = host_tier  # the prefix cache's host tier (kv/host_tier.py)
+        self.host_tier_records = host_tier_records  # its records, when it is a tier file
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.device = device
@@ -214,13 +217,27 @@ class ModelRunner:
         """offload_out, swap_out, swap_in, offload_in, then copy-on-write: the order the
         protocol promises (every device read before every device write)."""
         if self.host_tier is not None:
-            self.host_tier.swap_out(self.kv_cache, plan.offload_out)
+            self._offload_out(plan)
         if self.swap_pool is not None:
             self.swap_pool.swap_out(self.kv_cache, plan.swap_out)
             self.swap_pool.swap_in(self.kv_cache, plan.swap_in)
         if self.host_tier is not None:
             self.host_tier.swap_in(self.kv_cache, plan.offload_in)
         self.kv_cache.copy_blocks(plan.block_copies)
+
+    def _offload_out(self, plan: StepPlan) -> None:
+        """The plan's copies into the host tier, with a tier file's records kept true around
+        them (kv/host_tier.py)."""
+        records = self.host_tier_records
+        if records is None:
+            self.host_tier.swap_out(self.kv_cache, plan.offload_out)
+            return
+        records.commit_completed()  # earlier plans' copies that have landed since
+        slots = [slot for _, slot in plan.offload_out]
+        records.before_copy(slots)
+        self.host_tier.swap_out(self.kv_cache, plan.offload_out)
+        keys = [bytes.fromhex(k) for k in plan.offload_keys]  # hex checked by the validator
+        records.after_copy(list(zip(slots, keys, strict=True)), self.host_tier.copy_done_event())
 
     def prepare(self, scheduled: Scheduled) -> StepInputs:
         """The step's flattened inputs on the device, gathered from the scheduled rows."""

@@ -11,6 +11,7 @@ import pytest
 
 from executor_svc.step.plan_validation import PlanError
 from scheduler_svc.sched.block_manager import BlockManager
+from scheduler_svc.sched.prefix_cache import extend_block_keys
 from tests.e2e.hf_oracle import hf_greedy, load_hf_model, random_prompts
 from tests.executor.harness import BLOCK_SIZE, PlanDriver, make_runner
 from tests.fixtures.checkpoints import make_checkpoint
@@ -121,3 +122,35 @@ def test_a_plan_for_a_tier_the_executor_lacks_is_refused(qwen2):
     runner = make_runner(model_dir, num_blocks=8)
     with pytest.raises(PlanError, match="a host tier, but this executor has none"):
         runner.execute(PlanDriver().plan(offload_in=[(0, 1)]))
+
+
+def test_a_restarted_executor_starts_warm_from_the_tier_file(qwen2, tmp_path):
+    """The tier in a file: every block the scheduler promised is vouched for by its record;
+    a new runner (a restarted executor: empty device cache) mapping the same file and a new
+    block manager adopting the promises the file keeps copy the family's prefix back, HF-exact;
+    a slot damaged in between is dropped, not read."""
+    model_dir, hf = qwen2
+    path = tmp_path / "tier"
+    runner = make_runner(model_dir, num_blocks=NUM_BLOCKS, num_host_blocks=NUM_HOST_BLOCKS,
+                         tier_file=path)
+    bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE, num_host_blocks=NUM_HOST_BLOCKS)
+    a, b, _ = families(hf.config.vocab_size)
+    run_scheduled(runner, bm, a[:2] + b[:2], MAX_TOKENS)
+    promised = bm.host_index()
+    tier = runner.host_tier_records.tier
+    assert tier.valid_slots(promised) == promised and len(promised) >= 2 * PREFIX // BLOCK_SIZE
+    # A value in one of family b's slots changes while no executor runs.
+    a_keys = set(extend_block_keys([], a[2], BLOCK_SIZE))
+    b_slot = next(slot for slot, key in promised.items() if key not in a_keys)
+    del runner
+    restarted = make_runner(model_dir, num_blocks=NUM_BLOCKS, num_host_blocks=NUM_HOST_BLOCKS,
+                            tier_file=path)
+    assert all((t == 0).all() for t in restarted.kv_cache.k_caches)  # nothing on the device
+    restarted.host_tier.blocks[b_slot].view(-1)[0] += 1.0
+    kept = restarted.host_tier_records.tier.valid_slots(promised)
+    assert b_slot not in kept and len(kept) == len(promised) - 1
+    fresh = BlockManager(NUM_BLOCKS, BLOCK_SIZE, num_host_blocks=NUM_HOST_BLOCKS)
+    fresh.adopt_host_blocks(kept)
+    outputs, sched = run_scheduled(restarted, fresh, a[2:4], MAX_TOKENS)
+    assert outputs == hf_greedy(hf, a[2:4], MAX_TOKENS)
+    assert sched.counters.prefix_cache_host_hits >= PREFIX
