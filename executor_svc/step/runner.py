@@ -45,8 +45,8 @@ import structlog
 import torch
 from torch import nn
 
-from executor_svc.kv.kv_cache import KVCache, to_device
 from executor_svc.kv.host_tier import TierRecords
+from executor_svc.kv.kv_cache import KVCache, to_device
 from executor_svc.kv.swap import SwapPool
 from executor_svc.parallel.tp_worker import collectives, share_sampled
 from executor_svc.sample.sampler import (

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from executor_svc.kv.kv_cache import KVCache
 from executor_svc.kv.host_tier import TierRecords
+from executor_svc.kv.kv_cache import KVCache
 from executor_svc.kv.swap import SwapPool
 from executor_svc.loading.loader import effective_max_model_len, load_model
 from executor_svc.loading.model_config import ModelConfig
