@@ -26,7 +26,13 @@ import torch
 
 from checkpoints.resolve import resolve_model_dir
 from executor_svc.config import ExecutorConfig
-from executor_svc.kv.host_tier import available_host_bytes, check_host_memory, num_host_blocks_for
+from executor_svc.kv.host_tier import (
+    TierRecords,
+    available_host_bytes,
+    check_host_memory,
+    num_host_blocks_for,
+    open_tier_file,
+)
 from executor_svc.kv.kv_cache import KVCache, bytes_per_block, model_kv_layout, num_blocks_for
 from executor_svc.kv.memory import DEFAULT_GRAPH_RESERVE_BYTES, profiled_kv_budget
 from executor_svc.kv.swap import SwapPool, num_swap_blocks_for
@@ -43,6 +49,7 @@ from executor_svc.step.graph_runner import DecodeGraphRunner
 from executor_svc.step.runner import ModelRunner
 from protos.channel import AuthFailed, BadMessage, ExecutorEnd, SchedulerLost
 from protos.channel_keys import ChannelKeys, read_secret
+from protos.kv_tier_file import TierIdentity
 from protos.plan import (
     PROTOCOL_VERSION,
     ExecutorError,
@@ -146,8 +153,17 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
         num_host_blocks_for(cfg.kv_offloading_size,
                             bytes_per_block(model_cfg, cfg.block_size, dtype)),
         device)
-    host_tier = (SwapPool.allocate(kv_cache, num_host_blocks, what="prefix cache host tier")
-                 if num_host_blocks else None)
+    host_tier = host_tier_records = None
+    if num_host_blocks and cfg.kv_offloading_path is not None:
+        tier = open_tier_file(cfg.kv_offloading_path, TierIdentity(
+            model_name=model_dir.name, architecture=model_cfg.architecture,
+            dtype=str(dtype).removeprefix("torch."), block_size=cfg.block_size,
+            block_bytes=SwapPool.block_bytes(kv_cache), num_slots=num_host_blocks,
+            tensor_parallel_size=tp_size(), kv_windows=tuple(kv_cache.layout.windows)))
+        host_tier = SwapPool.in_buffer(kv_cache, tier.data(tp_rank()), "host tier file")
+        host_tier_records = TierRecords(tier, tp_rank())
+    elif num_host_blocks:
+        host_tier = SwapPool.allocate(kv_cache, num_host_blocks, what="prefix cache host tier")
     tokenizer_json = model_dir / "tokenizer.json"  # structured output's matchers read it
     graph_runner = None
     # After the KV cache: graphs bind it. A model may opt out (MoE: its expert routing reads
@@ -162,7 +178,7 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
     runner = ModelRunner(model, kv_cache, cfg.block_size, max_model_len,
                          model_cfg.vocab_size, device, swap_pool,
                          tokenizer_json if tokenizer_json.is_file() else None, graph_runner,
-                         draft, host_tier)
+                         draft, host_tier, host_tier_records)
     hello = Hello(
         protocol_version=PROTOCOL_VERSION,
         executor_id=f"{socket.gethostname()}-{os.getpid()}",

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import structlog
 import torch
 
-from protos.kv_tier_file import TierFile
+from protos.kv_tier_file import TierFile, TierIdentity
+
+log = structlog.get_logger(__name__)
 
 GIB = 1 << 30
 
@@ -101,3 +104,16 @@ class TierRecords:
             for slot, key in written:
                 self.tier.commit(self.rank, slot, key)
             self._pending.pop(0)
+
+
+def open_tier_file(path: str | Path, identity: TierIdentity) -> TierFile:
+    """The tier file at `path` if it holds blocks of exactly `identity` (a restarted executor:
+    its records say what is still valid), else a fresh, empty one in its place."""
+    tier = TierFile.open(path, identity)
+    if tier is None:
+        tier = TierFile.create(path, identity)
+        log.info("host tier file created", path=str(path), num_slots=identity.num_slots)
+    else:
+        log.info("host tier file reopened", path=str(path),
+                 num_committed=len(tier.committed_slots()))
+    return tier
