@@ -24,6 +24,7 @@ EXECUTOR_PASSTHROUGH = {
     "max_model_len": "--max-model-len",
     "swap_space": "--swap-space",
     "kv_offloading_size": "--kv-offloading-size",
+    "kv_offloading_path": "--kv-offloading-path",
     "cpu_threads": "--cpu-threads",
     "gpu_memory_utilization": "--gpu-memory-utilization",
     "tensor_parallel_size": "--tensor-parallel-size",
@@ -78,6 +79,9 @@ class SchedulerConfig:
     device: str | None = None
     swap_space: float | None = None  # GiB of CPU swap pool
     kv_offloading_size: float | None = None  # GiB of the prefix cache's host tier
+    # Its tier file (shared memory), so that it outlives an executor; serve picks one in
+    # /dev/shm when --kv-offloading-size is given without it.
+    kv_offloading_path: str | None = None
     cpu_threads: int | None = None  # the executor's torch threads (executor default: all cores)
     gpu_memory_utilization: float | None = None  # CUDA share the executor may use (default 0.9)
     tensor_parallel_size: int | None = None  # executor ranks sharding the model (default 1)
@@ -285,6 +289,10 @@ def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentPars
                    help="GiB of host memory for the prefix cache's host tier: evicted blocks "
                    "stay hits there and are copied back instead of recomputed (executor "
                    "default 0: none)")
+    g.add_argument("--kv-offloading-path",
+                   help="the host tier's file in shared memory (serve: one in /dev/shm by "
+                   "default, removed at exit): an executor restarted after a crash reads the "
+                   "prefix cache back from it")
     g.add_argument("--cpu-threads", type=int,
                    help="the executor's CPU threads (executor default: every usable core)")
     g.add_argument("--gpu-memory-utilization", type=float,

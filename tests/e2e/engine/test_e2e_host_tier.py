@@ -1,0 +1,62 @@
+"""The host tier outliving the executor, with real processes: `folio serve --kv-offloading-size`
+keeps the tier in a file in shared memory it owns; the executor is killed with SIGKILL under 16
+streams that share a long prefix; the restarted executor maps the same file, the scheduler
+carries over the blocks the file still vouches for, and the resumed streams read their prefix
+back from the tier (prefix_cache_host_hits grows) and equal an unbroken run token for token.
+The file is gone once the server stops."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import re
+import signal
+
+import pytest
+
+from client import AsyncFolioClient
+from tests.e2e.engine.test_e2e_faults import executor_pid, run_all, wait_health
+from tests.e2e.hf_oracle import random_prompts
+from tests.fixtures.checkpoints import make_checkpoint
+
+NUM_STREAMS = 16
+PREFIX = 96
+MAX_TOKENS = 48
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint("llama3", tmp_path_factory.mktemp("ckpt-host-tier"))
+
+
+async def test_killed_executor_resumes_from_the_host_tier(folio_server, checkpoint):
+    (prefix,) = random_prompts(256, (PREFIX,), seed=21)
+    tails = random_prompts(256, [3 + i % 5 for i in range(NUM_STREAMS)], seed=22)
+    reqs = [dict(token_ids=prefix + tail, temperature=0.0, max_tokens=MAX_TOKENS,
+                 ignore_eos=True) for tail in tails]
+    before = set(glob.glob("/dev/shm/folio-kv-tier-*"))
+    with folio_server(model=checkpoint, args=["--block-size", "16",
+                                              "--kv-offloading-size", "0.05"]) as server:
+        tier_files = set(glob.glob("/dev/shm/folio-kv-tier-*")) - before
+        assert len(tier_files) == 1 or not os.path.isdir("/dev/shm")
+        reference = await run_all(server.address, reqs, "ref", [0])
+        async with AsyncFolioClient(server.address) as client:
+            hits_before = (await client.stats())["prefix_cache_host_hits"]
+            progress = [0]
+            streams = asyncio.ensure_future(run_all(server.address, reqs, "run", progress))
+            while progress[0] < NUM_STREAMS and not streams.done():
+                await asyncio.sleep(0.01)
+            os.kill(executor_pid(server.proc.pid), signal.SIGKILL)
+            await wait_health(client, "NOT_SERVING", 10)
+            results = await streams
+            stats = await client.stats()
+        log = server.log_tail(200_000)
+    assert results == reference
+    (carried,) = re.findall(r"host tier carried over\s+num_kept=(\d+) num_promised=(\d+)", log)
+    assert int(carried[0]) >= PREFIX // 16 and int(carried[1]) >= int(carried[0])
+    # Every resumed stream found the whole shared prefix in the tier instead of recomputing it.
+    assert stats["prefix_cache_host_hits"] - hits_before >= NUM_STREAMS * PREFIX
+    assert not (set(glob.glob("/dev/shm/folio-kv-tier-*")) - before), "tier file left behind"
