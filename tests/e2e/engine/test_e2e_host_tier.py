@@ -3,7 +3,9 @@ keeps the tier in a file in shared memory it owns; the executor is killed with S
 streams that share a long prefix; the restarted executor maps the same file, the scheduler
 carries over the blocks the file still vouches for, and the resumed streams read their prefix
 back from the tier (prefix_cache_host_hits grows) and equal an unbroken run token for token.
-The file is gone once the server stops."""
+A tier file damaged while no executor runs (its header, or every block) is detected and
+ignored: the streams recompute and still equal the unbroken run. The file is gone once the
+server stops."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import signal
 import pytest
 
 from client import AsyncFolioClient
+from protos.kv_tier_file import HEADER_BYTES, TierFile, read_identity
 from tests.e2e.engine.test_e2e_faults import executor_pid, run_all, wait_health
 from tests.e2e.hf_oracle import random_prompts
 from tests.fixtures.checkpoints import make_checkpoint
@@ -60,3 +63,48 @@ async def test_killed_executor_resumes_from_the_host_tier(folio_server, checkpoi
     # Every resumed stream found the whole shared prefix in the tier instead of recomputing it.
     assert stats["prefix_cache_host_hits"] - hits_before >= NUM_STREAMS * PREFIX
     assert not (set(glob.glob("/dev/shm/folio-kv-tier-*")) - before), "tier file left behind"
+
+
+def damage(path: str, where: str) -> None:
+    """Flip bytes of the tier file: in its header, or the first of every slot's block."""
+    with open(path, "rb") as f:
+        identity = read_identity(f.read(HEADER_BYTES))
+    tier = TierFile.open(path, identity)
+    slots = [tier.slot_offset(0, s) for s in range(identity.num_slots)]
+    tier.close()
+    with open(path, "r+b") as f:
+        for at in [20] if where == "header" else slots:
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0x5A]))
+
+
+@pytest.mark.parametrize("where", ["header", "blocks"])
+async def test_a_damaged_tier_file_is_ignored(folio_server, checkpoint, where):
+    (prefix,) = random_prompts(256, (PREFIX,), seed=23)
+    tails = random_prompts(256, [3 + i % 5 for i in range(NUM_STREAMS)], seed=24)
+    reqs = [dict(token_ids=prefix + tail, temperature=0.0, max_tokens=MAX_TOKENS,
+                 ignore_eos=True) for tail in tails]
+    before = set(glob.glob("/dev/shm/folio-kv-tier-*"))
+    with folio_server(model=checkpoint, args=["--block-size", "16",
+                                              "--kv-offloading-size", "0.05"]) as server:
+        (path,) = set(glob.glob("/dev/shm/folio-kv-tier-*")) - before
+        reference = await run_all(server.address, reqs, "ref", [0])
+        async with AsyncFolioClient(server.address) as client:
+            hits_before = (await client.stats())["prefix_cache_host_hits"]
+            progress = [0]
+            streams = asyncio.ensure_future(run_all(server.address, reqs, "run", progress))
+            while progress[0] < NUM_STREAMS and not streams.done():
+                await asyncio.sleep(0.01)
+            os.kill(executor_pid(server.proc.pid), signal.SIGKILL)
+            damage(path, where)  # before the restarted executor (seconds away) says Hello
+            results = await streams
+            stats = await client.stats()
+        log = server.log_tail(200_000)
+    assert results == reference
+    assert stats["prefix_cache_host_hits"] == hits_before  # nothing read back from the tier
+    if where == "header":  # the executor replaced it; the scheduler finds no promise kept
+        assert "host tier file created" in log
+    (carried,) = re.findall(r"host tier carried over\s+num_kept=(\d+)", log)
+    assert carried == "0"
