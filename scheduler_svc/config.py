@@ -157,6 +157,9 @@ class SchedulerConfig:
         if self.kv_offloading_size is not None and not 0 <= self.kv_offloading_size < 1 << 20:
             raise ValueError("--kv-offloading-size must be >= 0 GiB (and finite), got "
                              f"{self.kv_offloading_size:g}")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ValueError("--kv-offloading-size holds prefix-cache blocks: it needs prefix "
+                             "caching (drop --no-prefix-caching)")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization:g}")
