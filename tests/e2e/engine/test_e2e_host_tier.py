@@ -5,7 +5,8 @@ carries over the blocks the file still vouches for, and the resumed streams read
 back from the tier (prefix_cache_host_hits grows) and equal an unbroken run token for token.
 A tier file damaged while no executor runs (its header, or every block) is detected and
 ignored: the streams recompute and still equal the unbroken run. The file is gone once the
-server stops."""
+server stops. With TP = 2 (private host tiers, one per rank) an evicted prefix comes back from
+the tier under preemption, HF-exact."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ import pytest
 from client import AsyncFolioClient
 from protos.kv_tier_file import HEADER_BYTES, TierFile, read_identity
 from tests.e2e.engine.test_e2e_faults import executor_pid, run_all, wait_health
-from tests.e2e.hf_oracle import random_prompts
+from tests.e2e.hf_oracle import hf_greedy, load_hf_model, random_prompts
+from tests.e2e.models.test_e2e_greedy import MAX_TOKENS as MAX_GREEDY
+from tests.e2e.models.test_e2e_greedy import generate_all
 from tests.fixtures.checkpoints import make_checkpoint
 
 NUM_STREAMS = 16
@@ -108,3 +111,28 @@ async def test_a_damaged_tier_file_is_ignored(folio_server, checkpoint, where):
         assert "host tier file created" in log
     (carried,) = re.findall(r"host tier carried over\s+num_kept=(\d+)", log)
     assert carried == "0"
+
+
+async def test_tensor_parallel_host_tier_hits_decode_as_hf(folio_server, checkpoint):
+    """TP = 2 (each rank a private host tier of its KV heads): a family's prefix evicted from a
+    24-block device pool by two other families comes back from the tier, with preemption, and
+    every stream is HF's greedy answer."""
+    model = load_hf_model(checkpoint)
+    prefixes = random_prompts(model.config.vocab_size, (PREFIX,) * 3, seed=25)
+    tails = random_prompts(model.config.vocab_size, (4, 7, 10, 5, 9, 6), seed=26)
+    a, b, c = ([p + t for t in tails] for p in prefixes)
+    with folio_server(model=checkpoint, args=["--block-size", "16", "--num-kv-blocks", "24",
+                                              "--tensor-parallel-size", "2",
+                                              "--kv-offloading-size", "0.05"]) as server:
+        async with AsyncFolioClient(server.address) as client:
+            for prompts in (a[:2], b[:2] + c[:2]):
+                got = await generate_all(server.address, prompts)
+                assert got == hf_greedy(model, prompts, MAX_GREEDY)
+            before = await client.stats()
+            again = a[2:6] + c[2:4]
+            got = await generate_all(server.address, again)
+            stats = await client.stats()
+    assert got == hf_greedy(model, again, MAX_GREEDY)
+    assert stats["prefix_cache_host_hits"] - before["prefix_cache_host_hits"] >= PREFIX
+    assert stats["num_preemptions"] > before["num_preemptions"]
+    assert stats["host_kv_blocks_total"] > 0
