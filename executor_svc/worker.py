@@ -257,6 +257,7 @@ def serve(end: ExecutorEnd, runner: ModelRunner, leader: Leader) -> int | None:
         match msg:
             case None:
                 leader.heartbeat()
+                runner.settle_host_tier()
             case StepPlan():
                 idle_s = 0.0 if result_sent_at is None else time.perf_counter() - result_sent_at
                 if msg.reset:

@@ -225,6 +225,12 @@ class ModelRunner:
             self.host_tier.swap_in(self.kv_cache, plan.offload_in)
         self.kv_cache.copy_blocks(plan.block_copies)
 
+    def settle_host_tier(self) -> None:
+        """Commit the tier file's records of copies that have landed since the last plan (the
+        worker calls this while idle, so a crash then loses none of them)."""
+        if self.host_tier_records is not None:
+            self.host_tier_records.commit_completed()
+
     def _offload_out(self, plan: StepPlan) -> None:
         """The plan's copies into the host tier, with a tier file's records kept true around
         them (kv/host_tier.py)."""
