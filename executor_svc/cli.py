@@ -56,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--swap-space", type=float, default=0.0,
                    help="GiB of host memory for swapped-out KV blocks, e.g. 4 (default 0: "
                         "no swap pool; the scheduler preempts by recompute only)")
+    p.add_argument("--kv-offloading-size", type=float, default=0.0,
+                   help="GiB of host memory for the prefix cache's host tier, e.g. 16: full "
+                        "blocks are written through to it and a prefix found there is copied "
+                        "back instead of recomputed (default 0: no host tier)")
+    p.add_argument("--kv-offloading-path",
+                   help="keep the host tier in this file (shared memory, e.g. under /dev/shm, "
+                        "owned by the serving process) so that it outlives this executor; a "
+                        "file of another model or layout, or damaged, is replaced")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="auto = float32 on the CPU, bfloat16 on CUDA")
     p.add_argument("--device", choices=DEVICES, default="auto")
@@ -119,6 +127,8 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         swap_space=args.swap_space,
+        kv_offloading_size=args.kv_offloading_size,
+        kv_offloading_path=args.kv_offloading_path,
         dtype=args.dtype,
         device=args.device,
         cpu_threads=args.cpu_threads,

@@ -48,6 +48,11 @@ class ExecutorConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     swap_space: float = 0.0  # GiB of host memory for the CPU KV swap pool; 0 = no swapping
+    # GiB of host memory for the prefix cache's host tier (kv/host_tier.py); 0 = none.
+    kv_offloading_size: float = 0.0
+    # Where the host tier lives: a tier file in shared memory that the serving process owns
+    # (protos/kv_tier_file.py), so that it outlives this executor; None: private memory.
+    kv_offloading_path: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     cpu_threads: int | None = None  # torch intra-op threads; None = cpu_threads.default_cpu_threads
@@ -91,6 +96,12 @@ class ExecutorConfig:
                              f"{self.max_num_batched_tokens}")
         if not 0 <= self.swap_space < 1 << 20:  # also refuses NaN and inf
             raise ValueError(f"--swap-space must be >= 0 GiB (and finite), got {self.swap_space}")
+        if not 0 <= self.kv_offloading_size < 1 << 20:
+            raise ValueError("--kv-offloading-size must be >= 0 GiB (and finite), got "
+                             f"{self.kv_offloading_size}")
+        if self.kv_offloading_path is not None and self.tensor_parallel_size > 1:
+            raise ValueError("--kv-offloading-path needs --tensor-parallel-size 1 for now (each "
+                             "rank would map its own part of the tier file)")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in DEVICES:

@@ -27,6 +27,13 @@ import torch
 from checkpoints.resolve import resolve_model_dir
 from executor_svc.config import ExecutorConfig
 from executor_svc.host_memory import return_freed_memory
+from executor_svc.kv.host_tier import (
+    TierRecords,
+    available_host_bytes,
+    check_host_memory,
+    num_host_blocks_for,
+    open_tier_file,
+)
 from executor_svc.kv.kv_cache import KVCache, bytes_per_block, model_kv_layout, num_blocks_for
 from executor_svc.kv.kv_scales import default_scales, read_kv_scales
 from executor_svc.kv.memory import DEFAULT_GRAPH_RESERVE_BYTES, profiled_kv_budget
@@ -45,6 +52,7 @@ from executor_svc.step.runner import ModelRunner
 from kernels import kv_quant
 from protos.channel import AuthFailed, BadMessage, ExecutorEnd, SchedulerLost
 from protos.channel_keys import ChannelKeys, read_secret
+from protos.kv_tier_file import TierIdentity
 from protos.plan import (
     PROTOCOL_VERSION,
     ExecutorError,
@@ -94,6 +102,7 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
         structlog.contextvars.bind_contextvars(rank=rank)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
+    check_host_memory(cfg.kv_offloading_size, cfg.swap_space, available_host_bytes())
     model_cfg = ModelConfig.from_dir(model_dir)
     max_model_len = effective_max_model_len(model_cfg, cfg.max_model_len)
     model = load_model(model_dir, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -157,6 +166,29 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
                             bytes_per_block(model_cfg, cfg.block_size, kv_dtype)),
         device)
     swap_pool = SwapPool.allocate(kv_cache, num_swap_blocks) if num_swap_blocks else None
+    num_host_blocks = all_reduce_min(
+        num_host_blocks_for(cfg.kv_offloading_size,
+                            bytes_per_block(model_cfg, cfg.block_size, kv_dtype)),
+        device)
+    host_tier = host_tier_records = None
+    tier_path = cfg.kv_offloading_path
+    if num_host_blocks and tier_path is not None and kv_cache.k_scales is not None:
+        # The tier file holds whole blocks of codes; an int8 cache's per-position scales live
+        # beside them, which the file format does not carry yet.
+        log.warning("the host tier file does not hold an int8 KV cache's scales: the host "
+                    "tier stays private to this executor (not kept across a crash)",
+                    kv_offloading_path=str(tier_path))
+        tier_path = None
+    if num_host_blocks and tier_path is not None:
+        tier = open_tier_file(tier_path, TierIdentity(
+            model_name=model_dir.name, architecture=model_cfg.architecture,
+            dtype=kv_dtype_name(kv_dtype), block_size=cfg.block_size,
+            block_bytes=SwapPool.block_bytes(kv_cache), num_slots=num_host_blocks,
+            tensor_parallel_size=tp_size(), kv_windows=tuple(kv_cache.layout.windows)))
+        host_tier = SwapPool.in_buffer(kv_cache, tier.data(tp_rank()), "host tier file")
+        host_tier_records = TierRecords(tier, tp_rank())
+    elif num_host_blocks:
+        host_tier = SwapPool.allocate(kv_cache, num_host_blocks, what="prefix cache host tier")
     tokenizer_json = model_dir / "tokenizer.json"  # structured output's matchers read it
     graph_runner = None
     # After the KV cache: graphs bind it. A model may opt out (MoE: its expert routing reads
@@ -171,7 +203,7 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
     runner = ModelRunner(model, kv_cache, cfg.block_size, max_model_len,
                          model_cfg.vocab_size, device, swap_pool,
                          tokenizer_json if tokenizer_json.is_file() else None, graph_runner,
-                         draft)
+                         draft, host_tier, host_tier_records)
     hello = Hello(
         protocol_version=PROTOCOL_VERSION,
         executor_id=f"{socket.gethostname()}-{os.getpid()}",
@@ -188,7 +220,8 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
         tensor_parallel_size=tp_size(),
         num_draft_tokens=cfg.num_draft_tokens if draft is not None else 0,
         kv_windows=list(kv_cache.layout.windows),
-        kv_cache_dtype=str(kv_dtype).removeprefix("torch.").replace("float8_e4m3fn", "fp8_e4m3"),
+        kv_cache_dtype=kv_dtype_name(kv_dtype),
+        num_host_blocks=num_host_blocks,
     )
     return Executor(runner, hello)
 
@@ -250,6 +283,7 @@ def serve(end: ExecutorEnd, runner: ModelRunner, leader: Leader) -> int | None:
         match msg:
             case None:
                 leader.heartbeat()
+                runner.settle_host_tier()
             case StepPlan():
                 idle_s = 0.0 if result_sent_at is None else time.perf_counter() - result_sent_at
                 if msg.reset:
@@ -400,3 +434,9 @@ def run(cfg: ExecutorConfig, model_dir: Path) -> int:
         log.error("a tensor-parallel rank failed; ending this executor so it is restarted",
                   error=str(e)[:500])
         return EXIT_FAILED
+
+
+def kv_dtype_name(kv_dtype: torch.dtype) -> str:
+    """What the KV cache stores, as Hello.kv_cache_dtype and the host tier file name it: the
+    model's dtype ("bfloat16"...), "fp8_e4m3" or "int8"."""
+    return str(kv_dtype).removeprefix("torch.").replace("float8_e4m3fn", "fp8_e4m3")

@@ -24,9 +24,12 @@ A StepPlan is a diff against what the executor already holds:
   decode step sends no token ids at all.
 - ``finished_req_ids`` / ``preempted_req_ids``: drop these requests' state (their blocks now
   belong to the scheduler again).
-- ``block_copies``, ``swap_out``, ``swap_in``: (src, dst) block pairs the executor performs
-  before the forward pass (copy-on-write, and swapping between the GPU and the CPU pool), in
-  this order: swap_out, then swap_in, then block_copies.
+- ``block_copies``, ``swap_out``, ``swap_in``, ``offload_out``, ``offload_in``: (src, dst) block
+  pairs the executor performs before the forward pass (copy-on-write, swapping between the GPU
+  and the CPU swap pool, and copies to and from the prefix cache's host tier), in this order:
+  offload_out, swap_out, swap_in, offload_in, block_copies. Every device read (offload_out,
+  swap_out) comes before every device write (swap_in, offload_in, block_copies, the forward
+  pass), so the scheduler may hand a block it copies out to a new owner in the same plan.
 
 Decoding is strict: every field's type is checked (``from_wire`` raises TypeError or
 ValueError, which the codec turns into ``channel.ProtocolError``), so a malformed message is
@@ -62,7 +65,7 @@ from protos.wire import (
     _strs,
 )
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,17 +212,19 @@ class Hello:
     # What the KV cache stores (--kv-cache-dtype): the model's dtype, "fp8_e4m3" or "int8";
     # "" from a test's Hello means the model's.
     kv_cache_dtype: str = ""
+    # The prefix cache's host tier (--kv-offloading-size), in blocks (0 = none).
+    num_host_blocks: int = 0
 
     def to_wire(self) -> list:
         return [self.TAG, self.protocol_version, self.executor_id, self.model_name,
                 self.architecture, self.vocab_size, self.max_model_len, self.block_size,
                 self.num_kv_blocks, self.num_swap_blocks, self.dtype, self.device,
                 self.random_weights, self.tensor_parallel_size, self.num_draft_tokens,
-                self.kv_windows, self.kv_cache_dtype]
+                self.kv_windows, self.kv_cache_dtype, self.num_host_blocks]
 
     @classmethod
     def from_wire(cls, w: list) -> Hello:
-        _list(w, 17)
+        _list(w, 18)
         kv_windows = _nats(w[15])
         if not kv_windows:
             raise TypeError("kv_windows must name at least one KV group")
@@ -228,7 +233,8 @@ class Hello:
                    block_size=_nat(w[7]), num_kv_blocks=_nat(w[8]), num_swap_blocks=_nat(w[9]),
                    dtype=_str(w[10]), device=_str(w[11]), random_weights=_bool(w[12]),
                    tensor_parallel_size=_nat(w[13]), num_draft_tokens=_nat(w[14]),
-                   kv_windows=kv_windows, kv_cache_dtype=_str(w[16]))
+                   kv_windows=kv_windows, kv_cache_dtype=_str(w[16]),
+                   num_host_blocks=_nat(w[17]))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,6 +285,20 @@ class StepPlan:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src gpu, dst gpu)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
+    # The prefix cache's host tier: blocks written through to it, and hits copied back.
+    offload_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, host slot)
+    offload_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, gpu block)
+    # The prefix-cache key (hex) of each offload_out block, in order: what the executor
+    # records beside the slot in a shared tier file, so that a tier read back after a crash
+    # is checked against the keys the scheduler expects (protos/kv_tier_file.py).
+    offload_keys: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if len(self.offload_keys) != len(self.offload_out):
+            raise ValueError(f"{len(self.offload_keys)} offload keys for "
+                             f"{len(self.offload_out)} offloaded blocks")
+        if any(not 0 < len(k) <= 80 or len(k) % 2 for k in self.offload_keys):
+            raise ValueError("an offload key is not the hex of a prefix-cache key")
     # Drop every request the executor holds before applying this plan: the scheduler rebuilt
     # its state (after an internal error) and re-sends what still runs as new requests.
     reset: bool = False
@@ -295,11 +315,13 @@ class StepPlan:
                 self.finished_req_ids, self.preempted_req_ids,
                 [list(p) for p in self.block_copies],
                 [list(p) for p in self.swap_out],
-                [list(p) for p in self.swap_in], self.reset]
+                [list(p) for p in self.swap_in], self.reset,
+                [list(p) for p in self.offload_out],
+                [list(p) for p in self.offload_in], self.offload_keys]
 
     @classmethod
     def from_wire(cls, w: list) -> StepPlan:
-        _list(w, 10)
+        _list(w, 13)
         return cls(
             step_id=_nat(w[1]),
             new_reqs=[NewRequest.from_wire(r) for r in _list(w[2])],
@@ -310,6 +332,9 @@ class StepPlan:
             swap_out=_pairs(w[7]),
             swap_in=_pairs(w[8]),
             reset=_bool(w[9]),
+            offload_out=_pairs(w[10]),
+            offload_in=_pairs(w[11]),
+            offload_keys=_strs(w[12]),
         )
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
 import sys
+import tempfile
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -163,6 +165,11 @@ async def _serve_until(config: SchedulerConfig, spawn_executor: bool, stop: asyn
         log.error("cannot bind the executor address", address=address, error=str(e))
         return 1
     supervisor = None
+    owned_tier = None  # a tier file this process made, and removes at exit
+    if spawn_executor and config.kv_offloading_size and config.kv_offloading_path is None \
+            and (config.tensor_parallel_size or 1) == 1:  # a tier file: one rank for now
+        owned_tier = default_tier_path()
+        config = replace(config, kv_offloading_path=str(owned_tier))
     if spawn_executor:
         supervisor = ExecutorSupervisor(str(model_dir), channel.address, config.executor_flags(),
                                         secret, config.executor_max_restarts,
@@ -194,7 +201,18 @@ async def _serve_until(config: SchedulerConfig, spawn_executor: bool, stop: asyn
         if supervisor is not None:
             await supervisor.stop()
         channel.close()
+        if owned_tier is not None:
+            owned_tier.unlink(missing_ok=True)
         log.info("scheduler stopped")
+
+
+def default_tier_path() -> Path:
+    """Where `folio serve` keeps the host tier's file: shared memory (/dev/shm) where the
+    system has it, else the temporary directory; named for this process, so two servers on a
+    host never share one."""
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return base / f"folio-kv-tier-{os.getpid()}"
 
 
 async def _load_tokenizer(config: SchedulerConfig) -> tuple[str, Path, Tokenizer]:

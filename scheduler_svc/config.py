@@ -24,6 +24,8 @@ EXECUTOR_PASSTHROUGH = {
     "device": "--device",
     "max_model_len": "--max-model-len",
     "swap_space": "--swap-space",
+    "kv_offloading_size": "--kv-offloading-size",
+    "kv_offloading_path": "--kv-offloading-path",
     "cpu_threads": "--cpu-threads",
     "gpu_memory_utilization": "--gpu-memory-utilization",
     "tensor_parallel_size": "--tensor-parallel-size",
@@ -78,6 +80,10 @@ class SchedulerConfig:
     dtype: str | None = None
     device: str | None = None
     swap_space: float | None = None  # GiB of CPU swap pool
+    kv_offloading_size: float | None = None  # GiB of the prefix cache's host tier
+    # Its tier file (shared memory), so that it outlives an executor; serve picks one in
+    # /dev/shm when --kv-offloading-size is given without it.
+    kv_offloading_path: str | None = None
     cpu_threads: int | None = None  # the executor's torch threads (executor default: all cores)
     gpu_memory_utilization: float | None = None  # CUDA share the executor may use (default 0.9)
     tensor_parallel_size: int | None = None  # executor ranks sharding the model (default 1)
@@ -151,6 +157,12 @@ class SchedulerConfig:
                              f"between 1 and 16, got {self.num_speculative_tokens}")
         if self.swap_space is not None and not self.swap_space >= 0:
             raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space:g}")
+        if self.kv_offloading_size is not None and not 0 <= self.kv_offloading_size < 1 << 20:
+            raise ValueError("--kv-offloading-size must be >= 0 GiB (and finite), got "
+                             f"{self.kv_offloading_size:g}")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ValueError("--kv-offloading-size holds prefix-cache blocks: it needs prefix "
+                             "caching (drop --no-prefix-caching)")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization:g}")
@@ -282,6 +294,14 @@ def build_parser(prog: str = "python -m scheduler_svc") -> argparse.ArgumentPars
     g.add_argument("--device")
     g.add_argument("--swap-space", type=float,
                    help="GiB of CPU memory for swapped-out KV blocks (executor default 0)")
+    g.add_argument("--kv-offloading-size", type=float,
+                   help="GiB of host memory for the prefix cache's host tier: evicted blocks "
+                   "stay hits there and are copied back instead of recomputed (executor "
+                   "default 0: none)")
+    g.add_argument("--kv-offloading-path",
+                   help="the host tier's file in shared memory (serve: one in /dev/shm by "
+                   "default, removed at exit): an executor restarted after a crash reads the "
+                   "prefix cache back from it")
     g.add_argument("--cpu-threads", type=int,
                    help="the executor's CPU threads (executor default: every usable core)")
     g.add_argument("--gpu-memory-utilization", type=float,

@@ -84,7 +84,7 @@ class SwapPool:
     scales: torch.Tensor | None = None  # [num_swap_blocks, 2 * num_layers, block_size, H] fp32
 
     @classmethod
-    def allocate(cls, like: KVCache, num_blocks: int) -> SwapPool:
+    def allocate(cls, like: KVCache, num_blocks: int, what: str = "CPU swap pool") -> SwapPool:
         proto = like.k_caches[0]
         shape = (num_blocks, 2 * len(like.k_caches), *proto.shape[1:])
         # Zeros like the device cache: a swapped-in slot past a request's last token must not
@@ -98,7 +98,7 @@ class SwapPool:
                     pin_in_place(t)
             stream = torch.cuda.Stream(proto.device)
         size = sum(t.numel() * t.element_size() for t in (blocks, scales) if t is not None)
-        log.info("CPU swap pool allocated", num_swap_blocks=num_blocks, bytes=size,
+        log.info(f"{what} allocated", num_blocks=num_blocks, bytes=size,
                  pinned=stream is not None)
         return cls(blocks, stream, scales)
 
@@ -109,6 +109,38 @@ class SwapPool:
             assert kv_cache.k_scales is not None and kv_cache.v_scales is not None
             parts.append((self.scales, [*kv_cache.k_scales, *kv_cache.v_scales]))
         return parts
+
+    @classmethod
+    def in_buffer(cls, like: KVCache, buffer: memoryview, what: str) -> SwapPool:
+        """A pool whose blocks are a view of `buffer` (a tier file's shared memory, exactly
+        num_blocks whole blocks), contents as they are."""
+        proto = like.k_caches[0]
+        block_shape = (2 * len(like.k_caches), *proto.shape[1:])
+        elems = proto.element_size() * torch.Size(block_shape).numel()
+        if len(buffer) % elems:
+            raise ValueError(f"{what}: {len(buffer)} bytes are not whole KV blocks of "
+                             f"{elems} bytes")
+        blocks = torch.frombuffer(buffer, dtype=proto.dtype).view(-1, *block_shape)
+        stream = None
+        if proto.device.type == "cuda":
+            pin_in_place(blocks)
+            stream = torch.cuda.Stream(proto.device)
+        log.info(f"{what} mapped", num_blocks=blocks.shape[0], pinned=stream is not None)
+        return cls(blocks, stream)
+
+    @staticmethod
+    def block_bytes(like: KVCache) -> int:
+        """Bytes one pool block takes: every layer's K and V of one device block."""
+        proto = like.k_caches[0]
+        return 2 * len(like.k_caches) * proto[0].numel() * proto.element_size()
+
+    def copy_done_event(self) -> torch.cuda.Event | None:
+        """An event completing with every copy queued so far (None on the CPU: they are done)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
 
     @property
     def num_blocks(self) -> int:

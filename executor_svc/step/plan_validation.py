@@ -35,12 +35,14 @@ class PlanValidator:
     """
 
     def __init__(self, batch: InputBatch, verifier: SpecVerifier, *, vocab_size: int,
-                 num_blocks: int, num_swap_blocks: int | None):
+                 num_blocks: int, num_swap_blocks: int | None,
+                 num_host_blocks: int | None = None):
         self.batch = batch
         self.verifier = verifier
         self.vocab_size = vocab_size
         self.num_blocks = num_blocks  # the device KV cache's
         self.num_swap_blocks = num_swap_blocks  # the CPU swap pool's; None: no pool
+        self.num_host_blocks = num_host_blocks  # the prefix cache's host tier; None: none
 
     # ---- a plan's block moves -------------------------------------------------------------
 
@@ -50,8 +52,19 @@ class PlanValidator:
         if (plan.swap_out or plan.swap_in) and self.num_swap_blocks is None:
             raise PlanError("the plan swaps blocks, but this executor has no CPU swap pool "
                             "(started with --swap-space 0; num_swap_blocks = 0)")
+        if (plan.offload_out or plan.offload_in) and self.num_host_blocks is None:
+            raise PlanError("the plan copies blocks to or from a host tier, but this executor "
+                            "has none (started with --kv-offloading-size 0)")
+        for key in plan.offload_keys:
+            try:
+                bytes.fromhex(key)
+            except ValueError:
+                raise PlanError(f"offload key {key[:80]!r} is not hex") from None
         num_gpu, num_cpu = self.num_blocks, self.num_swap_blocks or 0
+        num_host = self.num_host_blocks or 0
         for what, pairs, src_space, dst_space in (
+                ("offload out", plan.offload_out, ("device", num_gpu), ("host", num_host)),
+                ("offload in", plan.offload_in, ("host", num_host), ("device", num_gpu)),
                 ("swap out", plan.swap_out, ("device", num_gpu), ("cpu", num_cpu)),
                 ("swap in", plan.swap_in, ("cpu", num_cpu), ("device", num_gpu)),
                 ("block copy", plan.block_copies, ("device", num_gpu), ("device", num_gpu))):

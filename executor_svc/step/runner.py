@@ -27,7 +27,8 @@ Invariants (checked every step by the validator, a violation fails the step with
   keeps.
 
 Order within a step, after the plan is validated and request state updated:
-``swap_out`` (device -> CPU pool), then ``swap_in`` (CPU pool -> device), then ``block_copies``
+``offload_out`` (device -> the prefix cache's host tier), ``swap_out`` (device -> CPU pool),
+``swap_in`` (CPU pool -> device), ``offload_in`` (host tier -> device), then ``block_copies``
 (copy-on-write), then the forward pass. A swapped-in request arrives as a NewRequest with all its
 token ids, its new block table and ``num_computed_tokens > 0`` (its state was dropped at
 swap-out through ``preempted_req_ids``).
@@ -44,6 +45,7 @@ import structlog
 import torch
 from torch import nn
 
+from executor_svc.kv.host_tier import TierRecords
 from executor_svc.kv.kv_cache import KVCache, to_device
 from executor_svc.kv.swap import SwapPool
 from executor_svc.parallel.tp_worker import collectives, share_sampled
@@ -97,11 +99,14 @@ class ModelRunner:
                  max_model_len: int, vocab_size: int, device: torch.device,
                  swap_pool: SwapPool | None = None, tokenizer_json: Path | None = None,
                  graph_runner: DecodeGraphRunner | None = None,
-                 draft: DraftProposer | None = None):
+                 draft: DraftProposer | None = None, host_tier: SwapPool | None = None,
+                 host_tier_records: TierRecords | None = None):
         self.model = model
         self.vocab_size = vocab_size
         self.kv_cache = kv_cache
         self.swap_pool = swap_pool
+        self.host_tier = host_tier  # the prefix cache's host tier (kv/host_tier.py)
+        self.host_tier_records = host_tier_records  # its records, when it is a tier file
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.device = device
@@ -113,7 +118,8 @@ class ModelRunner:
         self.validator = PlanValidator(
             self.input_batch, self.verifier, vocab_size=vocab_size,
             num_blocks=kv_cache.num_blocks,
-            num_swap_blocks=swap_pool.num_blocks if swap_pool is not None else None)
+            num_swap_blocks=swap_pool.num_blocks if swap_pool is not None else None,
+            num_host_blocks=host_tier.num_blocks if host_tier is not None else None)
         # Replays pure-decode steps from captured graphs (None: every step eager).
         self.graph_runner = graph_runner
         # Speculative decoding's draft model: proposals after each step (None: no draft).
@@ -208,11 +214,36 @@ class ModelRunner:
         return row
 
     def _move_blocks(self, plan: StepPlan) -> None:
-        """swap_out, then swap_in, then copy-on-write: the order the protocol promises."""
+        """offload_out, swap_out, swap_in, offload_in, then copy-on-write: the order the
+        protocol promises (every device read before every device write)."""
+        if self.host_tier is not None:
+            self._offload_out(plan)
         if self.swap_pool is not None:
             self.swap_pool.swap_out(self.kv_cache, plan.swap_out)
             self.swap_pool.swap_in(self.kv_cache, plan.swap_in)
+        if self.host_tier is not None:
+            self.host_tier.swap_in(self.kv_cache, plan.offload_in)
         self.kv_cache.copy_blocks(plan.block_copies)
+
+    def settle_host_tier(self) -> None:
+        """Commit the tier file's records of copies that have landed since the last plan (the
+        worker calls this while idle, so a crash then loses none of them)."""
+        if self.host_tier_records is not None:
+            self.host_tier_records.commit_completed()
+
+    def _offload_out(self, plan: StepPlan) -> None:
+        """The plan's copies into the host tier, with a tier file's records kept true around
+        them (kv/host_tier.py)."""
+        records = self.host_tier_records
+        if records is None:
+            self.host_tier.swap_out(self.kv_cache, plan.offload_out)
+            return
+        records.commit_completed()  # earlier plans' copies that have landed since
+        slots = [slot for _, slot in plan.offload_out]
+        records.before_copy(slots)
+        self.host_tier.swap_out(self.kv_cache, plan.offload_out)
+        keys = [bytes.fromhex(k) for k in plan.offload_keys]  # hex checked by the validator
+        records.after_copy(list(zip(slots, keys, strict=True)), self.host_tier.copy_done_event())
 
     def prepare(self, scheduled: Scheduled) -> StepInputs:
         """The step's flattened inputs on the device, gathered from the scheduled rows."""

@@ -42,6 +42,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine.admission import readmit_all, submit_request
 from scheduler_svc.engine.channel_reader import ChannelReader
 from scheduler_svc.engine.handshake import ExecutorInfo, answer_hello, log_connected, new_scheduler
+from scheduler_svc.engine.host_tier import surviving_host_blocks
 from scheduler_svc.engine.kv_event_stream import KvEventStream
 from scheduler_svc.engine.log_limit import LogLimiter
 from scheduler_svc.engine.metrics import RequestMetrics
@@ -54,7 +55,7 @@ from scheduler_svc.errors import (
     ExecutorUnavailable,
     FolioError,
 )
-from scheduler_svc.sched.kv_events import KvEventLog
+from scheduler_svc.sched.kv_events import KvEventLog, Tier
 from scheduler_svc.sched.request import RequestStatus, SubmitParams
 from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.text.tokenizer import Tokenizer
@@ -97,8 +98,10 @@ class Engine:
         # Counters of schedulers retired with their executor, for cumulative ServerStats.
         self._past_totals = dict.fromkeys(COUNTERS, 0)
         # The prefix cache's events, published once per turn of the loop (kv_event_stream.py).
+        self._host_index: dict[int, bytes] = {}  # a retired scheduler's host tier promises
         self.kv_events = KvEventLog()
-        self.kv_event_stream = KvEventStream(self.kv_events)
+        self.host_kv_events = KvEventLog(Tier.HOST)  # the host tier's (--kv-offloading-size)
+        self.kv_event_stream = KvEventStream(self.kv_events, self.host_kv_events)
 
     # ---- called by gRPC handlers -----------------------------------------------------------
 
@@ -342,8 +345,10 @@ class Engine:
         self.executor, self._hello = info, hello
         self.scheduler = new_scheduler(info, hello, self.config,
                                        first_step_id=self._next_step_id,
-                                       kv_events=self.kv_events)
+                                       kv_events=self.kv_events,
+                                       host_kv_events=self.host_kv_events)
         log_connected(info, hello, self.config)
+        self._adopt_host_tier(hello)
         self._readmit_all()
         if self._on_executor_change is not None:
             await self._on_executor_change(True, "connected")
@@ -365,7 +370,23 @@ class Engine:
             retire_counters(self._past_totals, self.scheduler)
             self._next_step_id = max(self._next_step_id, self.scheduler.next_step_id)
             self.kv_events.cleared()  # its cache goes with it
+            bm = self.scheduler.block_manager
+            # A host tier in a tier file may outlive the executor: keep what it promised
+            # for the next scheduler to check against the file (host_tier.py).
+            self._host_index = bm.host_index() if self.config.kv_offloading_path else {}
+            if not self._host_index:
+                self.host_kv_events.cleared()
         self.scheduler = None
+
+    def _adopt_host_tier(self, hello: Hello) -> None:
+        """Start the new scheduler's host tier with what the tier file still vouches for."""
+        promised, self._host_index = self._host_index, {}
+        if not promised:
+            return
+        bm = self.scheduler.block_manager
+        kept = (surviving_host_blocks(self.config.kv_offloading_path, hello, promised)
+                if bm.num_host_blocks else {})
+        bm.adopt_host_blocks(kept)
 
     def _readmit_all(self) -> None:
         """Queue every unfinished request on the new Scheduler, in arrival order."""
@@ -415,7 +436,9 @@ class Engine:
         self._retire_scheduler()
         self.scheduler = new_scheduler(self.executor, self._hello, self.config,
                                        first_step_id=self._next_step_id, reset_executor=True,
-                                       kv_events=self.kv_events)
+                                       kv_events=self.kv_events,
+                                       host_kv_events=self.host_kv_events)
+        self._adopt_host_tier(self._hello)
 
     async def _close(self, reason: str) -> None:
         """Shutting down: end every request with UNAVAILABLE."""

@@ -89,9 +89,11 @@ def check_hello(hello: Hello, tokenizer: Tokenizer) -> str | None:
 
 def new_scheduler(info: ExecutorInfo, hello: Hello, config: SchedulerConfig, *,
                   first_step_id: int = 0, reset_executor: bool = False,
-                  kv_events: KvEventLog | None = None) -> Scheduler:
-    """A scheduler for the executor `info`: its KV pool and CPU swap pool, empty, its prefix
-    cache reporting to `kv_events` (which the caller has cleared). Step ids
+                  kv_events: KvEventLog | None = None,
+                  host_kv_events: KvEventLog | None = None) -> Scheduler:
+    """A scheduler for the executor `info`: its KV pool, CPU swap pool and host tier, empty,
+    its prefix cache reporting to `kv_events` and its host tier to `host_kv_events` (which the
+    caller has cleared). Step ids
     continue from `first_step_id`, so a late answer to an older plan never matches a new
     one; `reset_executor` makes the first plan tell the executor to drop what it holds.
     Speculative decoding runs on one rank only (ranks > 1 would each have to verify)."""
@@ -107,7 +109,10 @@ def new_scheduler(info: ExecutorInfo, hello: Hello, config: SchedulerConfig, *,
         spec_k = 0
     return Scheduler(
         BlockManager(info.num_kv_blocks, info.block_size, max(0, hello.num_swap_blocks),
-                     windows=hello.kv_windows, window_margin=spec_k, events=kv_events),
+                     windows=hello.kv_windows, window_margin=spec_k, events=kv_events,
+                     # The tier holds prefix-cache blocks only: nothing to hold without it.
+                     num_host_blocks=hello.num_host_blocks if config.enable_prefix_caching
+                     else 0, host_events=host_kv_events),
         config.max_num_seqs, config.max_num_batched_tokens, info.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
         preemption_mode=config.preemption_mode, first_step_id=first_step_id,
@@ -119,7 +124,7 @@ def log_connected(info: ExecutorInfo, hello: Hello, config: SchedulerConfig) -> 
     """Log a connected executor, with a hint for each way it serves less than was asked."""
     log.info("executor connected", executor_id=hello.executor_id, model=hello.model_name,
              num_kv_blocks=info.num_kv_blocks, num_swap_blocks=hello.num_swap_blocks,
-             block_size=info.block_size,
+             num_host_blocks=hello.num_host_blocks, block_size=info.block_size,
              max_model_len=info.max_model_len, dtype=info.dtype, device=info.device,
              kv_cache_dtype=info.kv_cache_dtype, random_weights=info.random_weights,
              tensor_parallel_size=info.tensor_parallel_size)

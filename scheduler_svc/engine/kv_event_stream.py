@@ -5,8 +5,11 @@ to any number of subscribers, each through a bounded queue of its own.
                                (one batch per turn      one per subscriber; the loop never
                                 of the loop with events) waits on a subscriber
 
-A subscriber starts from a snapshot of the cache as published so far (AllBlocksCleared, then
-every live block, parents first, in batches of at most `snapshot_blocks` blocks) and then gets
+The stream carries the device tier's log and, with a host tier, the host tier's (`Tier.HOST`
+events): each batch holds the device's pending events, then the host's. A subscriber starts
+from a snapshot of the cache as published so far (AllBlocksCleared, then every live block of
+each tier, parents first, in batches of at most `snapshot_blocks` blocks; the wire's "cleared"
+names no tier, so only the first one is sent) and then gets
 every batch published after it subscribed, in order. A subscriber that falls `max_batches`
 behind is disconnected, not fed with gaps: `Subscription.get` raises `SubscriberTooSlow` (the
 RPC ends with RESOURCE_EXHAUSTED), the stream counts it in `num_dropped_subscribers` and logs
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 import structlog
 
 from scheduler_svc.errors import Overloaded
-from scheduler_svc.sched.kv_events import BlockStored, KvEvent, KvEventLog
+from scheduler_svc.sched.kv_events import AllBlocksCleared, BlockStored, KvEvent, KvEventLog
 
 log = structlog.get_logger("folio.scheduler.kv_events")
 
@@ -96,12 +99,13 @@ class Subscription:
 
 
 class KvEventStream:
-    def __init__(self, log: KvEventLog, max_batches: int = MAX_QUEUED_BATCHES,
-                 snapshot_blocks: int = SNAPSHOT_BLOCKS):
+    def __init__(self, log: KvEventLog, host_log: KvEventLog | None = None,
+                 max_batches: int = MAX_QUEUED_BATCHES, snapshot_blocks: int = SNAPSHOT_BLOCKS):
         if max_batches < 1 or snapshot_blocks < 1:
             raise ValueError(f"need max_batches >= 1 and snapshot_blocks >= 1, got "
                              f"{max_batches} and {snapshot_blocks}")
         self.log = log
+        self.host_log = host_log
         self.max_batches = max_batches
         self.snapshot_blocks = snapshot_blocks
         self._subscribers: set[Subscription] = set()
@@ -118,6 +122,8 @@ class KvEventStream:
         `publish` first so that the snapshot does not leave out pending events."""
         sub = Subscription(self, self.max_batches)
         events = self.log.snapshot(self.snapshot_blocks)
+        if self.host_log is not None:  # its own AllBlocksCleared would clear the device's
+            events += self.host_log.snapshot(self.snapshot_blocks)[1:]
         num_blocks = sum(len(e.block_hashes) for e in events if isinstance(e, BlockStored))
         # AllBlocksCleared rides with the first run of blocks: one batch per Stored event.
         chunks = [events[:2], *([e] for e in events[2:])]
@@ -136,6 +142,11 @@ class KvEventStream:
     def publish(self) -> None:
         """Send the log's pending events, if any, to every subscriber as one batch."""
         events = self.log.drain()
+        if self.host_log is not None:
+            # The host tier is cleared only with the device (reset, a retired scheduler), whose
+            # AllBlocksCleared went first; a second, tierless on the wire, would wipe the
+            # device blocks stored between them.
+            events += [e for e in self.host_log.drain() if not isinstance(e, AllBlocksCleared)]
         if not events:
             return
         batch = KvEventBatch(timestamp=time.time(), events=tuple(events))

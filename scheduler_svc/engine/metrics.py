@@ -61,6 +61,9 @@ COUNTERS = (
      "prefix_cache_queries"),
     ("vllm:prefix_cache_hits", "Of the looked-up prompt tokens, those found in the prefix "
      "cache.", "prefix_cache_hits"),
+    ("folio:prefix_cache_host_hits", "Of the prefix-cache hits, the tokens found in the host "
+     "tier (--kv-offloading-size) and copied back instead of recomputed.",
+     "prefix_cache_host_hits"),
     ("vllm:num_preemptions", "Requests preempted (by recompute or by swap) to free KV blocks.",
      "num_preemptions"),
     ("vllm:prompt_tokens", "Prompt tokens computed (prefix-cache hits are not; a recompute "
@@ -128,6 +131,8 @@ class _ServerStatsCollector(Collector):
              "(1 = all).", kv_cache_usage(stats)),
             ("folio:kv_blocks_windowed", "KV blocks held by layers with a sliding window "
              "(bounded by the windows, not the context).", stats["kv_blocks_windowed"]),
+            ("folio:host_kv_blocks_cached", "Blocks of the prefix cache's host tier holding a "
+             "cached block.", stats["host_kv_blocks_cached"]),
         )
         for name, doc, value in gauges:
             family = GaugeMetricFamily(name, doc, labels=LABEL_NAMES)

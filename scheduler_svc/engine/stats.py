@@ -40,6 +40,8 @@ def server_stats(s: Scheduler | None, past_totals: dict[str, int], executor_conn
                 swap_blocks_free=bm.num_free_cpu_blocks if bm else 0,
                 kv_groups=bm.num_groups if bm else 0,
                 kv_blocks_windowed=bm.num_windowed_blocks if bm else 0,
+                host_kv_blocks_total=bm.num_host_blocks if bm else 0,
+                host_kv_blocks_cached=bm.num_cached_host_blocks if bm else 0,
                 prefix_cache_hit_rate=totals["prefix_cache_hits"] / queries if queries else 0.0,
                 executor_connected=executor_connected, **totals)
 

@@ -49,17 +49,44 @@ API (each call all-or-nothing: None or an exception changes nothing):
 - `reset_prefix_cache()`: forget every cached block, as vLLM's reset: only while no table holds
   a block (False, nothing changed, otherwise).
 - `cached_prefix(keys)`: the longest run of leading positions a new sequence can start from:
-  every full-attention group holds all of them, every windowed group those its window needs.
+  every full-attention group holds all of them, every windowed group those its window needs;
+  an entry < FREED is a hit in the host tier (`host_slot(entry)`), which `allocate_new`
+  copies back into a fresh block.
 - `swap_out(seqs)` / `swap_in(seqs)`: move a group of tables to the CPU pool and back; each
   distinct block moves once (shared blocks stay shared), FREED entries stay FREED, and the
   (src, dst) pairs go in the plan.
+- `take_tier_copies()`: the host-tier copies the next plan carries; `forget_host_blocks(slots)`
+  drops what a failed plan would have written.
 - `free(seq)`: drop a table (GPU or CPU). Keyed blocks whose ref count drops to 0 become
   evictable, the table's leading blocks most recently (a prefix outlives its tail).
+
+The host tier (`num_host_blocks` > 0): a second, larger pool of KV blocks in host memory
+behind the device pool, holding prefix-cache blocks only. Every block `cache_blocks` keys is
+written through to it (so a block evicted from the device keeps its key there, and, later, the
+tier can outlive the executor); a prefix hit found only in the tier is copied back into a fresh
+device block before the step that reads it, instead of being recomputed::
+
+    device keyed:  k0 k1 k2          (tables, evictable; the device's LRU)
+    host keyed:    k0 k1 k2 k3 k4    (k3, k4: evicted from the device, still hits)
+    a new request with k0..k4:  table [b0 b1 b2 d3 d4], offload_in [(h3, d3), (h4, d4)]
+
+One LRU across the tiers: a device hit and a device eviction move the key's host slot to the
+tier's most recently used end, so the tier drops the blocks least recently used anywhere.
+Copies are collected between plans and taken by `take_tier_copies` for the next plan, whose
+executor runs `offload_out` (device -> host) before anything else and `offload_in` (host ->
+device) after the swaps, before copy-on-write and the forward pass. So a device block a pending
+copy-out reads may be handed out again in the same plan (it is read first), and a slot written
+by a copy-out may be read by a copy-in of the same plan; but a slot a pending copy names
+(`_host_busy`) is never reused before its plan is built, and a copy into a table freed before
+then is dropped. A block copied in is keyed on the device only by `cache_blocks` after its
+step, like any computed block.
 
 KV events (`kv_events.py`, when an `events` log is given): blocks of the first full-attention
 group (else group 0) newly keyed by `cache_blocks` are reported stored, in runs of consecutive
 positions, with their token ids (`token_ids`, the sequence's tokens) and salt; a keyed block
-evicted by allocation is reported removed; `reset_prefix_cache` reports all cleared.
+evicted by allocation is reported removed; `reset_prefix_cache` reports all cleared. The host
+tier reports the same to `host_events` (a `Tier.HOST` log): written-through blocks stored,
+slots reused removed, all cleared on reset.
 
 Invariants (`check_invariants`, asserted in tests):
 - a GPU block is in exactly one of: a table (ref > 0), `free` (ref 0, no key), `evictable`
@@ -69,6 +96,9 @@ Invariants (`check_invariants`, asserted in tests):
 - a table holds G * blocks_for(n) entries, n = the tokens it was sized for; FREED entries sit
   only in windowed groups, below the positions their windows still need; a sequence's table is
   on the GPU or on the CPU, never both; CPU ref counts likewise count CPU table entries.
+- host slots are free or keyed (`_host_key_of` / `_host_cached` inverse, every keyed slot in
+  the host LRU); the pending copies name distinct host slots (copy-outs) and distinct device
+  blocks (copy-ins), from keyed slots into held blocks, and exactly they are `_host_busy`.
 Allocation takes a never-cached free block first, else evicts the least recently used
 evictable block and drops its key, so a request never reads a block that was reassigned.
 """
@@ -76,13 +106,23 @@ evictable block and drops its key, so a request never reads a block that was rea
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from scheduler_svc.sched.kv_events import KvEventLog
 
 FREED = -1  # a table entry whose block left every window of its group and was released
+
+
+def host_entry(slot: int) -> int:
+    """A `cached_prefix` entry naming host-tier slot `slot` (every such entry is < FREED)."""
+    return -2 - slot
+
+
+def host_slot(entry: int) -> int:
+    """The host-tier slot a `cached_prefix` entry < FREED names."""
+    return -2 - entry
 
 
 def blocks_to_hold(num_tokens: int, chunk: int, block_size: int, windows: Sequence[int],
@@ -122,11 +162,12 @@ class Allocation(NamedTuple):
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
                  windows: Sequence[int] = (0,), window_margin: int = 0,
-                 events: KvEventLog | None = None):
-        if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0:
+                 events: KvEventLog | None = None, num_host_blocks: int = 0,
+                 host_events: KvEventLog | None = None):
+        if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0 or num_host_blocks < 0:
             raise ValueError(f"need at least one block of at least one token, got "
                              f"num_blocks={num_blocks}, block_size={block_size}, "
-                             f"num_cpu_blocks={num_cpu_blocks}")
+                             f"num_cpu_blocks={num_cpu_blocks}, num_host_blocks={num_host_blocks}")
         if not windows or any(w < 0 for w in windows) or window_margin < 0:
             raise ValueError(f"KV groups need windows >= 0 (0: full attention) and a margin "
                              f">= 0, got windows={list(windows)}, margin={window_margin}")
@@ -154,6 +195,18 @@ class BlockManager:
         self.cpu_ref_counts = [0] * num_cpu_blocks
         self._cpu_free: deque[int] = deque(range(num_cpu_blocks))
         self.cpu_tables: dict[str, list[int]] = {}
+        # The host tier of the prefix cache (see the module docstring).
+        self.num_host_blocks = num_host_blocks
+        self.host_events = host_events
+        if host_events is not None:
+            host_events.block_size = block_size
+        self._host_free: deque[int] = deque(range(num_host_blocks))
+        self._host_lru: OrderedDict[int, None] = OrderedDict()  # keyed slots, LRU first
+        self._host_key_of: dict[int, bytes] = {}
+        self._host_cached: dict[bytes, int] = {}
+        self._offload_out: list[tuple[int, int]] = []  # (device, host) copies for the next plan
+        self._offload_in: list[tuple[int, int]] = []  # (host, device) copies for the next plan
+        self._host_busy: set[int] = set()  # host slots the pending copies name
 
     # ---- sizes -----------------------------------------------------------------------------
 
@@ -168,6 +221,10 @@ class BlockManager:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    @property
+    def num_cached_host_blocks(self) -> int:
+        return len(self._host_cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Block positions (one block of each group at each) that hold `num_tokens` tokens."""
@@ -305,7 +362,7 @@ class BlockManager:
         G, bs = self.num_groups, self.block_size
         hits: list[list[int | None]] = []  # per position, per group: the cached block or None
         for key in keys:
-            row = [self._cached.get(self._group_key(key, g)) for g in range(G)]
+            row = [self._lookup(self._group_key(key, g)) for g in range(G)]
             if any(row[g] is None for g in self._full_groups):
                 break
             hits.append(row)
@@ -327,6 +384,19 @@ class BlockManager:
                 return table
         return []
 
+    def _lookup(self, key: bytes) -> int | None:
+        """The device block cached under `key`, else its host-tier slot as a `host_entry`."""
+        block_id = self._cached.get(key)
+        if block_id is None and (slot := self._host_cached.get(key)) is not None:
+            return host_entry(slot)
+        return block_id
+
+    def num_host_hit_positions(self, cached_block_ids: Sequence[int]) -> int:
+        """Positions of a `cached_prefix` table that some group reads from the host tier."""
+        G = self.num_groups
+        return sum(1 for k in range(len(cached_block_ids) // G)
+                   if any(b < FREED for b in cached_block_ids[k * G:(k + 1) * G]))
+
     def allocate_new(self, seq_id: str, num_tokens: int,
                      cached_block_ids: Sequence[int] = ()) -> list[int] | None:
         """A table for a new sequence: the cached blocks (a `cached_prefix` table), then fresh
@@ -338,19 +408,35 @@ class BlockManager:
         num_cached = len(cached_block_ids) // G
         num_fresh = self.blocks_for(num_tokens) - num_cached
         assert num_fresh >= 0, "cached blocks cover more than the tokens asked for"
-        hits = [b for b in cached_block_ids if b != FREED]
+        hits = [b for b in cached_block_ids if b >= 0]
+        num_host = sum(1 for b in cached_block_ids if b < FREED)  # each takes a device block
         # Hits that sit in the evictable pool leave it, so they count against the free blocks.
         num_revived = sum(1 for b in hits if self.ref_counts[b] == 0)
-        if num_fresh * G + num_revived > self.num_free_blocks:
+        if num_fresh * G + num_revived + num_host > self.num_free_blocks:
             return None
         for block_id in hits:  # before taking fresh ones: those may evict
             if self.ref_counts[block_id] == 0:
                 del self._evictable[block_id]
             self.ref_counts[block_id] += 1
-        table = list(cached_block_ids) + [self._take_free_block() for _ in range(num_fresh * G)]
+            if self._host_cached and (slot := self._host_cached.get(self._key_of[block_id])) \
+                    is not None:
+                self._host_lru.move_to_end(slot)  # one LRU across the tiers
+        table = list(cached_block_ids)
+        first_host = num_cached  # the first position read from the host tier
+        for i, entry in enumerate(table):
+            if entry < FREED:  # copied back into a fresh device block before the step
+                slot, block_id = host_slot(entry), self._take_free_block()
+                table[i] = block_id
+                self._offload_in.append((slot, block_id))
+                self._host_busy.add(slot)
+                self._host_lru.move_to_end(slot)
+                first_host = min(first_host, i // G)
+        table += [self._take_free_block() for _ in range(num_fresh * G)]
         self.block_tables[seq_id] = table
         self._num_tokens[seq_id] = num_tokens
-        self._num_offered[seq_id] = num_cached  # hits are cached already
+        # Device hits are cached already; blocks copied in from the host tier are keyed by
+        # the first `cache_blocks` after the step that reads them.
+        self._num_offered[seq_id] = first_host
         if self._windowed:
             # No windowed group holds a block below the first position any of them holds.
             held = [k for k in range(num_cached)
@@ -382,6 +468,11 @@ class BlockManager:
         table = self.block_tables.pop(seq_id, None)
         if table is None:
             return 0
+        if self._offload_in:  # a copy into a block handed out again would clobber it
+            dropped = set(table)
+            self._offload_in = [(h, d) for h, d in self._offload_in if d not in dropped]
+            self._host_busy = {h for _, h in self._offload_out} | \
+                {h for h, _ in self._offload_in}
         return sum(self._release(b) for b in reversed(table) if b != FREED)
 
     # ---- prefix cache ----------------------------------------------------------------------
@@ -399,6 +490,7 @@ class BlockManager:
         start, end = self._num_offered.get(seq_id, 0), min(len(keys), len(table) // G)
         num_cached = 0
         stored: list[int] = []  # positions whose event-group block became cached
+        host_stored: list[int] = []  # ... and was written through to the host tier
         for k in range(start, end):
             for g in range(G):
                 block_id = table[k * G + g]
@@ -410,12 +502,97 @@ class BlockManager:
                 num_cached += 1
                 if g == self._event_group:
                     stored.append(k)
+                if self.num_host_blocks and self._write_through(block_id, key) \
+                        and g == self._event_group:
+                    host_stored.append(k)
         self._num_offered[seq_id] = max(start, end)
         if self.events is not None and stored:
-            self._report_stored(stored, keys, token_ids, salt)
+            self._report_stored(self.events, stored, keys, token_ids, salt)
+        if self.host_events is not None and host_stored:
+            self._report_stored(self.host_events, host_stored, keys, token_ids, salt)
         return num_cached
 
-    def _report_stored(self, positions: list[int], keys: Sequence[bytes],
+    def _write_through(self, block_id: int, key: bytes) -> bool:
+        """Give a newly keyed device block's key a host-tier slot, copied into by the next
+        plan; True if a slot was newly written. A key the tier holds already only moves to its
+        most recently used end; with every slot named by a pending copy, nothing is written."""
+        slot = self._host_cached.get(key)
+        if slot is not None:
+            self._host_lru.move_to_end(slot)
+            return False
+        slot = self._take_host_slot()
+        if slot is None:
+            return False
+        self._host_key_of[slot] = key
+        self._host_cached[key] = slot
+        self._host_lru[slot] = None
+        self._offload_out.append((block_id, slot))
+        self._host_busy.add(slot)
+        return True
+
+    def _take_host_slot(self) -> int | None:
+        """A free host slot, else the least recently used one no pending copy names (its key
+        is forgotten), else None."""
+        if self._host_free:
+            return self._host_free.popleft()
+        for slot in self._host_lru:
+            if slot not in self._host_busy:
+                self._forget_host_slot(slot)
+                return self._host_free.pop()  # the slot just freed
+        return None
+
+    def _forget_host_slot(self, slot: int) -> None:
+        """Drop host slot `slot`'s key: the slot becomes free."""
+        key = self._host_key_of.pop(slot)
+        del self._host_cached[key]
+        del self._host_lru[slot]
+        self._host_free.append(slot)
+        if self.host_events is not None:
+            self.host_events.removed(key, self._event_group)
+
+    def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The host-tier copies the next plan must carry: (offload_out as (device, host)
+        pairs, offload_in as (host, device) pairs). The plan is built from them now, so their
+        slots may be reused by later allocations: the executor runs plans in order."""
+        out, into = self._offload_out, self._offload_in
+        self._offload_out, self._offload_in, self._host_busy = [], [], set()
+        return out, into
+
+    def host_key(self, slot: int) -> bytes:
+        """The key host slot `slot` holds (or, named by a pending copy-out, will hold)."""
+        return self._host_key_of[slot]
+
+    def host_index(self) -> dict[int, bytes]:
+        """Slot -> key of every keyed host slot, least recently used first: what the tier
+        promises (a copy-out in a plan the executor never ran included; the tier file's
+        records tell which promises were kept)."""
+        return {slot: self._host_key_of[slot] for slot in self._host_lru}
+
+    def adopt_host_blocks(self, index: Mapping[int, bytes]) -> None:
+        """Start the host tier with `index` (slot -> key, least recently used first: a
+        retired BlockManager's `host_index`, less what the tier file could not vouch for),
+        on a new executor that maps the same tier. Published host blocks not adopted are
+        reported removed."""
+        assert not self._host_key_of and not self._offload_out, "adopting into a used tier"
+        for slot, key in index.items():
+            assert 0 <= slot < self.num_host_blocks and key not in self._host_cached, slot
+            self._host_key_of[slot] = key
+            self._host_cached[key] = slot
+            self._host_lru[slot] = None
+        self._host_free = deque(s for s in range(self.num_host_blocks)
+                                if s not in self._host_key_of)
+        if self.host_events is not None:
+            for key in [k for k in self.host_events.live if k not in self._host_cached]:
+                self.host_events.removed(key, self._event_group)
+
+    def forget_host_blocks(self, slots: Iterable[int]) -> None:
+        """Forget what these host slots hold (the plan that would have written them failed).
+        Forgetting is always safe: a slot's key is only a promise of its contents."""
+        for slot in slots:
+            if slot in self._host_key_of and slot not in self._host_busy:
+                self._forget_host_slot(slot)
+
+    def _report_stored(self, events: KvEventLog, positions: list[int], keys: Sequence[bytes],
                        token_ids: Sequence[int], salt: str) -> None:
         """One BlockStored per run of consecutive `positions` (ascending)."""
         g, bs = self._event_group, self.block_size
@@ -425,7 +602,7 @@ class BlockManager:
             if i < len(positions) and positions[i] == positions[i - 1] + 1:
                 continue
             k0, k1 = positions[first], positions[i - 1] + 1
-            self.events.stored(
+            events.stored(
                 [self._group_key(keys[k], g) for k in range(k0, k1)],
                 self._group_key(keys[k0 - 1], g) if k0 else None,
                 token_ids[k0 * bs:k1 * bs], salt, g)
@@ -443,6 +620,15 @@ class BlockManager:
         self._cached.clear()
         if self.events is not None:
             self.events.cleared()
+        # The host tier too. No table holds a block, so no copy-in is pending; pending
+        # copy-outs may go: their slots no longer promise anything.
+        self._host_free = deque(range(self.num_host_blocks))
+        self._host_lru.clear()
+        self._host_key_of.clear()
+        self._host_cached.clear()
+        self._offload_out, self._host_busy = [], set()
+        if self.host_events is not None:
+            self.host_events.cleared()
         return True
 
     @staticmethod
@@ -460,6 +646,9 @@ class BlockManager:
         if the CPU pool is too small. GPU blocks keep their keys: swap-out only reads them."""
         if self.num_swap_out_blocks(seq_ids) > self.num_free_cpu_blocks:
             return None
+        # A swap-out reads its blocks before the plan's copy-ins write them.
+        assert not {d for _, d in self._offload_in} & {
+            b for s in seq_ids for b in self.block_tables[s]}, "swapping out a pending copy-in"
         moved: dict[int, int] = {}
         for seq_id in seq_ids:
             table = self.block_tables.pop(seq_id)
@@ -533,6 +722,8 @@ class BlockManager:
             block_id, _ = self._evictable.popitem(last=False)
             key = self._key_of.pop(block_id)
             del self._cached[key]
+            if self._host_cached and (slot := self._host_cached.get(key)) is not None:
+                self._host_lru.move_to_end(slot)  # one LRU: just below the device's blocks
             if self.events is not None:
                 self.events.removed(key, self._event_group)  # a no-op for other groups' keys
         self.ref_counts[block_id] = 1
@@ -590,3 +781,24 @@ class BlockManager:
         cpu_free = list(self._cpu_free)
         assert len(cpu_free) == len(set(cpu_free)) and set(cpu_free) == {
             c for c, n in enumerate(cpu_counted) if n == 0}, "CPU free list is wrong"
+        self._check_host_tier()
+
+    def _check_host_tier(self) -> None:
+        host_free, host_lru = list(self._host_free), list(self._host_lru)
+        assert len(host_free) == len(set(host_free)), "a host slot is free twice"
+        assert not set(host_free) & set(host_lru), "a host slot is both free and keyed"
+        assert set(host_free) | set(host_lru) == set(range(self.num_host_blocks)), \
+            "free + keyed host slots are not exactly the tier"
+        assert set(host_lru) == set(self._host_key_of), "the host LRU disagrees with its keys"
+        assert {k: s for s, k in self._host_key_of.items()} == self._host_cached, \
+            "host key maps disagree"
+        out_slots = [h for _, h in self._offload_out]
+        in_blocks = [d for _, d in self._offload_in]
+        assert len(out_slots) == len(set(out_slots)), "two copies into one host slot"
+        assert len(in_blocks) == len(set(in_blocks)), "two copies into one device block"
+        assert set(out_slots) <= set(self._host_key_of), "a copy-out into an unkeyed slot"
+        assert all(h in self._host_key_of for h, _ in self._offload_in), \
+            "a copy-in from an unkeyed host slot"
+        assert all(self.ref_counts[d] > 0 for d in in_blocks), "a copy-in into a free block"
+        assert self._host_busy == set(out_slots) | {h for h, _ in self._offload_in}, \
+            "busy host slots are not exactly those the pending copies name"

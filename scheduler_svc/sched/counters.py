@@ -23,6 +23,7 @@ class SchedulerCounters:
     num_steps: int = 0
     prefix_cache_queries: int = 0  # tokens of admitted requests looked up in the cache
     prefix_cache_hits: int = 0  # of those, tokens found cached
+    prefix_cache_host_hits: int = 0  # of those, tokens copied back from the host tier
     num_draft_tokens: int = 0  # proposals verified (speculative decoding)
     num_accepted_tokens: int = 0  # of those, accepted
     num_window_released_blocks: int = 0  # KV blocks released as sliding windows moved on

@@ -76,14 +76,19 @@ class ExecutorView:
 
     def make_plan(self, *, new_reqs: list[NewRequest], cached_reqs: list[CachedRequest],
                   block_copies: list[tuple[int, int]], swap_out: list[tuple[int, int]],
-                  swap_in: list[tuple[int, int]], swapped_out: list[Request]) -> StepPlan:
+                  swap_in: list[tuple[int, int]], swapped_out: list[Request],
+                  offload_out: list[tuple[int, int]] | None = None,
+                  offload_in: list[tuple[int, int]] | None = None,
+                  offload_keys: list[str] | None = None) -> StepPlan:
         """The next step's plan with what the executor must be told, now in flight."""
         plan = StepPlan(step_id=self._next_step_id, new_reqs=new_reqs,
                         cached_reqs=cached_reqs,
                         finished_req_ids=self.pending_finished_ids,
                         preempted_req_ids=self.pending_preempted_ids,
                         block_copies=block_copies, swap_out=swap_out,
-                        swap_in=swap_in, reset=self._reset_executor)
+                        swap_in=swap_in, offload_out=offload_out or [],
+                        offload_in=offload_in or [], offload_keys=offload_keys or [],
+                        reset=self._reset_executor)
         self._reset_executor = False
         self.pending_finished_ids, self.pending_preempted_ids = [], []
         self._next_step_id += 1

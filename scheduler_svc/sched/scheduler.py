@@ -168,10 +168,16 @@ class Scheduler:
         if not step.preempted and not queues.swapped:
             self._admit_waiting(step)
         if not (step.new_reqs or step.cached_reqs or step.swap_out or step.block_copies):
-            return None  # nothing to run; pending finished/preempted ids ride the next plan
+            # Nothing to run; pending finished/preempted ids and host-tier copies ride the
+            # next plan (no copy-in is pending: only an admission makes one).
+            return None
+        offload_out, offload_in = self.block_manager.take_tier_copies()
+        host_key = self.block_manager.host_key
         return executor_view.make_plan(new_reqs=step.new_reqs, cached_reqs=step.cached_reqs,
                                        block_copies=step.block_copies, swap_out=step.swap_out,
-                                       swap_in=step.swap_in, swapped_out=step.swapped_out)
+                                       swap_in=step.swap_in, swapped_out=step.swapped_out,
+                                       offload_out=offload_out, offload_in=offload_in,
+                                       offload_keys=[host_key(s).hex() for _, s in offload_out])
 
     # ---- results, and plans that fail ------------------------------------------------------
 
@@ -191,6 +197,8 @@ class Scheduler:
         for req in failed.swapped_out:
             self.queues.requeue_swapped(req)
         plan = failed.plan
+        # Its copies into the host tier may not have run: those slots promise nothing.
+        self.block_manager.forget_host_blocks(slot for _, slot in plan.offload_out)
         return [r.req_id for r in plan.new_reqs] + [r.req_id for r in plan.cached_reqs]
 
     def abandon_in_flight(self) -> list[str]:
@@ -383,6 +391,8 @@ class Scheduler:
             if self.enable_prefix_caching:
                 self.counters.prefix_cache_queries += req.num_tokens
                 self.counters.prefix_cache_hits += num_cached
+                self.counters.prefix_cache_host_hits += \
+                    bm.num_host_hit_positions(cached_block_ids) * bm.block_size
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_cached
             req.num_computed_tokens = num_cached

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from protos.channel import SchedulerEnd
+from protos.kv_tier_file import TierFile, read_identity
 from protos.plan import (
     PROTOCOL_VERSION,
     CachedRequest,
@@ -218,6 +219,50 @@ async def test_pipelined_plans_and_the_plan_behind_a_failed_step(checkpoint_cach
         assert result.sampled == [("b", hf_greedy(hf_model, prompt_b, 1))]
         await sched.send(peer, Shutdown())
         assert await asyncio.to_thread(proc.wait, 30) == 0
+    finally:
+        _stop(proc)
+        sched.close()
+
+
+async def test_host_tier_file_survives_a_killed_executor(checkpoint_cache, tmp_path):
+    """--kv-offloading-path: the executor maps its host tier from a file; a block copied out
+    is committed there; after kill -9 the next executor reopens the same file, whose record
+    still vouches for the block, and reports the same number of host blocks."""
+    _, model_dir = checkpoint_cache("qwen2")
+    path = tmp_path / "tier"
+    args = ("--kv-offloading-size", "0.001", "--kv-offloading-path", str(path))
+    sched = SchedulerEnd("tcp://127.0.0.1:0")
+    proc = _start(model_dir, sched.address, tmp_path / "executor.log", args)
+    key = bytes(range(32))
+    try:
+        peer, hello = await _recv(sched)
+        assert hello.num_host_blocks > 0
+        await sched.send(peer, Welcome(protocol_version=PROTOCOL_VERSION))
+        driver = PlanDriver(num_blocks=64, seed=5)
+        plan = driver.plan(new_reqs=[driver.new("a", [3, 1, 4, 1, 5, 9, 2, 6, 5], 9)])
+        await sched.send(peer, plan)
+        _, result = await _recv(sched)
+        table = driver.block_ids["a"]
+        await sched.send(peer, driver.plan(offload_out=[(table[0], 2)],
+                                           offload_keys=[key.hex()]))
+        _, result = await _recv(sched)
+        assert result.step_id == 1
+    finally:
+        _stop(proc)  # SIGKILL
+    identity = read_identity(path.read_bytes()[:4096])
+    assert identity.num_slots == hello.num_host_blocks and identity.model_name == model_dir.name
+    tier = TierFile.open(path, identity)
+    assert tier.committed_slots() == {2: key}
+    assert any(tier.data(0)[identity.block_bytes * 2:identity.block_bytes * 3])  # real KV
+    tier.close()
+    proc = _start(model_dir, sched.address, tmp_path / "executor2.log", args)
+    try:
+        hello2 = None
+        while not isinstance(hello2, Hello):  # the killed one's PeerLost comes first
+            got = await _recv(sched)
+            hello2 = got[1] if isinstance(got, tuple) else got
+        assert hello2.num_host_blocks == hello.num_host_blocks
+        assert TierFile.open(path, identity).committed_slots() == {2: key}  # reopened, kept
     finally:
         _stop(proc)
         sched.close()

@@ -139,19 +139,29 @@ def plan_with_spec(index: int, value) -> list:
     spec = list(SPEC_WIRE)
     spec[index] = value
     return [StepPlan.TAG, 0, [["r", [1], spec, [0], 0, 1, 1]], NO_CACHED, [], [], [], [], [],
-            False]
+            False, [], [], []]
 
 
 @pytest.mark.parametrize("wire", [
-    [Hello.TAG, "3", "e", "m", "a", 1, 2, 3, 4, 5, "f", "cpu", False, 1, 0],  # version a string
-    [Hello.TAG, 3, "e", "m", "a", -1, 2, 3, 4, 5, "f", "cpu", False, 1, 0],  # negative vocab
-    [Hello.TAG, 3, "e", "m", "a", 1, 2, 3, 4, 5, "f", "cpu", 1, 1, 0],  # bool as an int
-    [Hello.TAG, 3, "e", "m", "a", 1, 2, 3, 4, 5, "f", "cpu", False, 1, -4],  # negative drafts
+    [Hello.TAG, "3", "e", "m", "a", 1, 2, 3, 4, 5, "f", "cpu", False, 1, 0, [0],
+     0],  # version a string
+    [Hello.TAG, 3, "e", "m", "a", -1, 2, 3, 4, 5, "f", "cpu", False, 1, 0, [0],
+     0],  # negative vocab
+    [Hello.TAG, 3, "e", "m", "a", 1, 2, 3, 4, 5, "f", "cpu", 1, 1, 0, [0],
+     0],  # bool as an int
+    [Hello.TAG, 3, "e", "m", "a", 1, 2, 3, 4, 5, "f", "cpu", False, 1, -4, [0],
+     0],  # negative drafts
     [Welcome.TAG],  # too few fields
     [Reject.TAG, "why", "yes"],
-    [StepPlan.TAG, 0, [], NO_CACHED, [], [], [], [], [], "no"],
+    [StepPlan.TAG, 0, [], NO_CACHED, [], [], [], [], [], "no", [], [], []],
+    [StepPlan.TAG, 0, [], NO_CACHED, [], [], [], [], [], False, [[1, -2]], [], ["ab"]],  # slot -2
+    [StepPlan.TAG, 0, [], NO_CACHED, [], [], [], [], [], False, [], [[1]], []],  # not a pair
+    [StepPlan.TAG, 0, [], NO_CACHED, [], [], [], [], [], False, [[1, 2]], [], []],  # no key
+    [StepPlan.TAG, 0, [], NO_CACHED, [], [], [], [], [], False, [[1, 2]], [], ["abc"]],  # odd hex
+    [StepPlan.TAG, 0, [], NO_CACHED, [], [], [], [], [], False, [[1, 2]], [], [7]],  # not a str
+    [StepPlan.TAG, 0, [], NO_CACHED, [], [], [], [], [], False],  # protocol v12's plan
     [StepPlan.TAG, 0, [["r", [1], ["hot", *SPEC_WIRE[1:]], [0], 0, 1, 1]], NO_CACHED, [], [], [],
-     [], [], False],  # a NewRequest whose SamplingSpec has a string temperature
+     [], [], False, [], [], []],  # a NewRequest whose SamplingSpec has a string temperature
     plan_with_spec(12, [[3, 1.0], [3, 2.0]]),  # logit_bias names token 3 twice
     plan_with_spec(12, [[3]]),  # a logit_bias entry without its value
     plan_with_spec(12, [[-3, 1.0]]),  # a negative token id
@@ -159,7 +169,7 @@ def plan_with_spec(index: int, value) -> list:
     plan_with_spec(13, [1, "2"]),  # allowed_token_ids with a string
     plan_with_spec(7, [1.5]),  # a float stop id
     [StepPlan.TAG, 0, [["r", [1, 2], SPEC_WIRE, [0], 0, 1, 3]], NO_CACHED, [], [], [], [], [],
-     False],  # more prompt tokens than token ids
+     False, [], [], []],  # more prompt tokens than token ids
     [StepResult.TAG, 0, [["r"], [[1.5]]], 0.0, [], 0.0],
     [StepResult.TAG, 0, [["r"], [[1]]], 0.0, [["r", [1, 2], [0.0]]], 0.0],  # ids != logprobs
     [StepResult.TAG, 0, [["r"], [[1]], "extra"], 0.0, [], 0.0],
@@ -192,7 +202,9 @@ def test_a_plan_that_only_breaks_one_rule_decodes_once_fixed():
                          (7, [1])):
         decode(msgpack.packb(plan_with_spec(index, value), use_bin_type=True))
     decode(msgpack.packb([StepPlan.TAG, 0, [["r", [1, 2], SPEC_WIRE, [0], 0, 1, 2]], NO_CACHED,
-                          [], [], [], [], [], False], use_bin_type=True))
+                          [], [], [], [], [], False, [], [], []], use_bin_type=True))
+    decode(msgpack.packb([StepPlan.TAG, 0, [], NO_CACHED, [], [], [], [], [], False,
+                          [[1, 2]], [[2, 1]], ["ab" * 32]], use_bin_type=True))
 
 
 def test_valid_extremes_still_decode():

@@ -34,7 +34,7 @@ MESSAGES = [
           architecture="LlamaForCausalLM", vocab_size=32000, max_model_len=4096, block_size=16,
           num_kv_blocks=1234, num_swap_blocks=64,
           dtype="bfloat16", device="cuda:0", random_weights=True, tensor_parallel_size=4,
-          num_draft_tokens=3),
+          num_draft_tokens=3, num_host_blocks=5000),
     Welcome(protocol_version=PROTOCOL_VERSION),
     Reject(reason="executor speaks protocol v9, this scheduler v1"),
     StepPlan(step_id=0),
@@ -74,6 +74,9 @@ MESSAGES = [
         block_copies=[(1, 2), (5, 6)],
         swap_out=[(8, 0)],
         swap_in=[(1, 10)],
+        offload_out=[(4, 300), (5, 301)],
+        offload_in=[(12, 9)],
+        offload_keys=["0f" * 32, "a1" * 34],
     ),
     # Structured output, and a resume: tokens past num_prompt_tokens were generated.
     StepPlan(step_id=18, new_reqs=[
@@ -185,7 +188,7 @@ def test_bad_frames_are_refused(frame, match):
 
 
 def _columns_plan(cached: list) -> bytes:
-    return msgpack.packb([StepPlan.TAG, 1, [], cached, [], [], [], [], [], False])
+    return msgpack.packb([StepPlan.TAG, 1, [], cached, [], [], [], [], [], False, [], [], []])
 
 
 def _columns_result(sampled: list) -> bytes:

@@ -50,8 +50,8 @@ Slot = tuple[int, int] | None  # (token id, position) whose "KV" a slot holds
 @dataclass
 class PlanMirror:
     """Also simulates the KV pools: each slot records the (token id, position) written there;
-    swaps and copies move slots like the real executor (swap_out, swap_in, then copies, all
-    before the forward pass). A request that samples must read back exactly its own tokens
+    swaps and copies move slots like the real executor (offload_out to the host tier,
+    swap_out, swap_in, offload_in, then copies, all before the forward pass). A request that samples must read back exactly its own tokens
     through its block table, and no step may write into a block another request holds.
 
     KV groups (`windows`, as the executor's Hello states them): a table holds one block per
@@ -66,6 +66,8 @@ class PlanMirror:
     num_plans: int = 0
     gpu: dict[int, list[Slot]] = field(default_factory=dict)
     cpu: dict[int, list[Slot]] = field(default_factory=dict)
+    host: dict[int, list[Slot]] = field(default_factory=dict)  # the prefix cache's host tier
+    num_offloaded_in: int = 0  # blocks copied back from the host tier so far
     num_swapped_out: int = 0  # blocks moved to the CPU pool so far
     num_copied: int = 0
     failed_req_ids: set[str] = field(default_factory=set)  # of the last step, if it failed
@@ -133,10 +135,18 @@ class PlanMirror:
 
     def _move(self, plan: StepPlan) -> None:
         empty = [None] * self.block_size
+        for what, pairs in (("host slot", plan.offload_out), ("block", plan.offload_in)):
+            if len({d for _, d in pairs}) != len(pairs):
+                raise PlanViolation(f"step {plan.step_id}: two copies into one {what}")
+        for gpu_id, slot in plan.offload_out:
+            self.host[slot] = list(self.gpu.get(gpu_id, empty))
         for gpu_id, cpu_id in plan.swap_out:
             self.cpu[cpu_id] = list(self.gpu.get(gpu_id, empty))
         for cpu_id, gpu_id in plan.swap_in:
             self.gpu[gpu_id] = list(self.cpu.get(cpu_id, empty))
+        for slot, gpu_id in plan.offload_in:
+            self.gpu[gpu_id] = list(self.host.get(slot, empty))
+        self.num_offloaded_in += len(plan.offload_in)
         if len({d for _, d in plan.block_copies}) != len(plan.block_copies):
             raise PlanViolation(f"step {plan.step_id}: two copies into one block")
         sources = [list(self.gpu.get(s, empty)) for s, _ in plan.block_copies]

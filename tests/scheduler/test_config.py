@@ -23,6 +23,9 @@ def test_memory_flags():
     assert (config.enable_prefix_caching, config.preemption_mode) == (False, "swap")
     assert config.executor_flags() == ["--swap-space", "0.5", "--max-num-seqs", "256",
                                        "--max-num-batched-tokens", "2048"]
+    tiered = config_from_argv(["--kv-offloading-size", "2", "--kv-offloading-path", "/dev/shm/t"])
+    assert tiered.executor_flags()[:4] == ["--kv-offloading-size", "2.0",
+                                           "--kv-offloading-path", "/dev/shm/t"]
     assert config_from_argv(["--prefix-caching"]).enable_prefix_caching
 
 
@@ -59,6 +62,9 @@ def test_executor_flags_pass_through():
     (dict(stall_timeout_s=float("nan")), "--stall-timeout must be a number of seconds >= 0"),
     (dict(preemption_mode="evict"), "--preemption-mode must be one of"),
     (dict(swap_space=-1.0), "--swap-space must be >= 0"),
+    (dict(kv_offloading_size=-1.0), "--kv-offloading-size must be >= 0"),
+    (dict(kv_offloading_size=float("inf")), "--kv-offloading-size must be >= 0"),
+    (dict(kv_offloading_size=2.0, enable_prefix_caching=False), "it needs prefix caching"),
     (dict(gpu_memory_utilization=0.0), "--gpu-memory-utilization must be in"),
     (dict(gpu_memory_utilization=float("nan")), "--gpu-memory-utilization must be in"),
     (dict(gpu_memory_utilization=1.5), "--gpu-memory-utilization must be in"),

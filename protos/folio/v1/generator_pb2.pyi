@@ -266,7 +266,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "num_preemptions", "num_finished_requests", "num_prompt_tokens", "num_generated_tokens", "num_steps", "executor_connected", "num_swapped", "swap_blocks_total", "swap_blocks_free", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "num_swap_outs", "executor_busy_s", "executor_idle_s", "scheduler_busy_s", "num_draft_tokens", "num_accepted_tokens", "num_stalled_requests", "kv_groups", "kv_blocks_windowed", "num_window_released_blocks")
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "num_preemptions", "num_finished_requests", "num_prompt_tokens", "num_generated_tokens", "num_steps", "executor_connected", "num_swapped", "swap_blocks_total", "swap_blocks_free", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "num_swap_outs", "executor_busy_s", "executor_idle_s", "scheduler_busy_s", "num_draft_tokens", "num_accepted_tokens", "num_stalled_requests", "kv_groups", "kv_blocks_windowed", "num_window_released_blocks", "host_kv_blocks_total", "host_kv_blocks_cached", "prefix_cache_host_hits")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +293,9 @@ class ServerStats(_message.Message):
     KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_WINDOWED_FIELD_NUMBER: _ClassVar[int]
     NUM_WINDOW_RELEASED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HOST_KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HOST_HITS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_blocks_total: int
@@ -319,4 +322,7 @@ class ServerStats(_message.Message):
     kv_groups: int
     kv_blocks_windowed: int
     num_window_released_blocks: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., executor_connected: _Optional[bool] = ..., num_swapped: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_swap_outs: _Optional[int] = ..., executor_busy_s: _Optional[float] = ..., executor_idle_s: _Optional[float] = ..., scheduler_busy_s: _Optional[float] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_stalled_requests: _Optional[int] = ..., kv_groups: _Optional[int] = ..., kv_blocks_windowed: _Optional[int] = ..., num_window_released_blocks: _Optional[int] = ...) -> None: ...
+    host_kv_blocks_total: int
+    host_kv_blocks_cached: int
+    prefix_cache_host_hits: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., executor_connected: _Optional[bool] = ..., num_swapped: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_swap_outs: _Optional[int] = ..., executor_busy_s: _Optional[float] = ..., executor_idle_s: _Optional[float] = ..., scheduler_busy_s: _Optional[float] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_stalled_requests: _Optional[int] = ..., kv_groups: _Optional[int] = ..., kv_blocks_windowed: _Optional[int] = ..., num_window_released_blocks: _Optional[int] = ..., host_kv_blocks_total: _Optional[int] = ..., host_kv_blocks_cached: _Optional[int] = ..., prefix_cache_host_hits: _Optional[int] = ...) -> None: ...

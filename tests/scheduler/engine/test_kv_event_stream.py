@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from scheduler_svc.engine.kv_event_stream import KvEventStream, SubscriberTooSlow
 from scheduler_svc.sched.block_manager import BlockManager
-from scheduler_svc.sched.kv_events import AllBlocksCleared, BlockStored, KvEventLog
+from scheduler_svc.sched.kv_events import AllBlocksCleared, BlockStored, KvEventLog, Tier
 from scheduler_svc.sched.prefix_cache import extend_block_keys
 
 BS = 2
@@ -47,6 +47,32 @@ def test_snapshot_then_live_batches_in_order():
     assert live.snapshot is None and live.events[0].token_ids == (9, 9)
     stream.close()
     assert asyncio.run(sub.get()) is None
+
+
+def test_the_host_tier_rides_the_same_stream_with_one_clear():
+    """Device events, then the host tier's; one AllBlocksCleared per snapshot and per reset,
+    since the wire's clear names no tier and a second would wipe the device blocks."""
+    log, host_log = KvEventLog(), KvEventLog(Tier.HOST)
+    bm = BlockManager(16, BS, events=log, num_host_blocks=8, host_events=host_log)
+    stream = KvEventStream(log, host_log, max_batches=8)
+    store(bm, "a", [1, 2, 3])
+    stream.publish()
+    sub = stream.subscribe()
+
+    async def read(n):
+        return [await sub.get() for _ in range(n)]
+
+    events = [e for b in asyncio.run(read(2)) for e in b.events]
+    assert [type(e) for e in events] == [AllBlocksCleared, BlockStored, BlockStored]
+    assert [e.tier for e in events[1:]] == [Tier.DEVICE, Tier.HOST]
+    assert events[1].block_hashes == events[2].block_hashes  # written through
+    bm.free("a")
+    assert bm.reset_prefix_cache()
+    store(bm, "b", [5, 6, 7])  # stored again before the loop publishes
+    stream.publish()
+    (live,) = asyncio.run(read(1))
+    assert [(type(e), e.tier) for e in live.events] == [
+        (AllBlocksCleared, Tier.DEVICE), (BlockStored, Tier.DEVICE), (BlockStored, Tier.HOST)]
 
 
 def test_a_full_queue_drops_the_subscriber_not_the_publisher():

@@ -3,7 +3,9 @@
 1. A state machine drives the BlockManager with random new / grow / fork / free / swap-out /
    swap-in operations over a tiny alphabet (so prompts share prefixes and hit the cache) and
    simulates the KV slots: every sequence must read back exactly its own tokens, no write may
-   land in a shared or cached block, and the pool invariants hold after every operation.
+   land in a shared or cached block, and the pool invariants hold after every operation. With a
+   host tier, each operation is a plan: its tier copies run in the executor's order (copy-outs
+   first, copy-ins after the swaps), and every keyed host slot must hold what its key says.
 2. Random workloads drive the Scheduler (add / step with synthetic results, EOS sometimes /
    abort) on pools small enough to force preemption, with every preemption mode and prefix
    caching on or off: every plan passes the KV-simulating PlanMirror, the invariants hold,
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -37,17 +39,29 @@ class BlockManagerMachine(RuleBasedStateMachine):
     block, and a windowed group must read back only what its window needs."""
 
     WINDOWS: tuple[int, ...] = (0,)
+    NUM_HOST_BLOCKS = 0  # per group: the host tier of the prefix cache
 
     def __init__(self):
         super().__init__()
         self.G = len(self.WINDOWS)
         self.bm = BlockManager(num_blocks=12 * self.G, block_size=BS,
-                               num_cpu_blocks=6 * self.G, windows=self.WINDOWS)
+                               num_cpu_blocks=6 * self.G, windows=self.WINDOWS,
+                               num_host_blocks=self.NUM_HOST_BLOCKS * self.G)
         self.tokens: dict[str, list[int]] = {}  # every live sequence's tokens (all written)
         self.first_query: dict[str, int] = {}  # where each sequence's next queries may start
         self.gpu: dict[int, list] = {}
         self.cpu: dict[int, list] = {}
+        self.host: dict[int, list] = {}
+        self.contents: dict[bytes, list] = {}  # what each block key says a block holds
         self.next_id = 0
+
+    def _run_tier_copies(self) -> None:
+        """The executor's part of a plan's tier copies: copy-outs, then copy-ins."""
+        offload_out, offload_in = self.bm.take_tier_copies()
+        for block_id, slot in offload_out:
+            self.host[slot] = list(self.gpu[block_id])
+        for slot, block_id in offload_in:
+            self.gpu[block_id] = list(self.host[slot])
 
     def _on_gpu(self) -> list[str]:
         return sorted(self.bm.block_tables)
@@ -68,6 +82,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert block_id not in self.bm._key_of, "a write into a cached block"
                 self.gpu.setdefault(block_id, [None] * BS)[p % BS] = (tokens[p], p)
         keys = extend_block_keys([], tokens, BS)
+        for k, key in enumerate(keys):
+            for g in range(G):
+                self.contents[self.bm._group_key(key, g)] = [
+                    (tokens[p], p) for p in range(k * BS, (k + 1) * BS)]
         self.bm.cache_blocks(seq_id, keys)  # all written tokens count as computed
 
     @rule(tokens=st.lists(st.integers(2, 3), min_size=1, max_size=9))
@@ -78,6 +96,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         hits = self.bm.cached_prefix(keys[:(len(tokens) - 1) // BS])
         if self.bm.allocate_new(seq_id, len(tokens), hits) is None:
             return
+        if self.bm.num_host_hit_positions(hits):
+            event("a prefix hit in the host tier")  # hypothesis' statistics show the share
+        self._run_tier_copies()
         self.tokens[seq_id] = list(tokens)
         num_cached = len(hits) // self.G * BS
         self.first_query[seq_id] = num_cached
@@ -89,6 +110,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq_id = data.draw(st.sampled_from(self._on_gpu()))
         start = len(self.tokens[seq_id])
         alloc = self.bm.allocate(seq_id, start + len(extra))
+        self._run_tier_copies()
         if alloc is None:
             return
         for src, dst in alloc.copies:
@@ -125,6 +147,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def swap_out(self, data):
         seq_id = data.draw(st.sampled_from(self._on_gpu()))
+        self._run_tier_copies()  # a plan's copy-outs come before its swaps
         for gpu_id, cpu_id in self.bm.swap_out([seq_id]) or []:
             self.cpu[cpu_id] = list(self.gpu[gpu_id])
 
@@ -132,6 +155,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def swap_in(self, data):
         seq_id = data.draw(st.sampled_from(sorted(self.bm.cpu_tables)))
+        self._run_tier_copies()
         for cpu_id, gpu_id in self.bm.swap_in([seq_id]) or []:
             self.gpu[gpu_id] = list(self.cpu[cpu_id])
 
@@ -146,10 +170,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 needed = self._needed(seq_id, g)
                 assert [slots[table[p // BS * self.G + g]][p % BS] for p in needed] == \
                     [(tokens[p], p) for p in needed], (seq_id, g)
+        pending = {slot for _, slot in self.bm._offload_out}  # written by the next plan
+        for slot, key in self.bm._host_key_of.items():
+            if slot not in pending:
+                assert self.host[slot] == self.contents[key], f"host slot {slot} is stale"
 
     def teardown(self):
         for seq_id in list(self.tokens):
             self.bm.free(seq_id)
+        self._run_tier_copies()
         assert self.bm.num_free_blocks == 12 * self.G
         assert self.bm.num_free_cpu_blocks == 6 * self.G
         assert self.bm.ref_counts == [0] * (12 * self.G)
@@ -164,6 +193,15 @@ class SlidingBlockManagerMachine(BlockManagerMachine):
     WINDOWS = (3,)  # every layer windowed (Mistral-like)
 
 
+class HostTierBlockManagerMachine(BlockManagerMachine):
+    NUM_HOST_BLOCKS = 20  # more than the device pool: evicted blocks keep being hits
+
+
+class WindowedHostTierBlockManagerMachine(BlockManagerMachine):
+    WINDOWS = (0, 3)
+    NUM_HOST_BLOCKS = 5  # smaller than the device pool: the tier's own LRU evicts
+
+
 MACHINE_SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = MACHINE_SETTINGS
@@ -171,6 +209,10 @@ TestWindowedBlockManagerMachine = WindowedBlockManagerMachine.TestCase
 TestWindowedBlockManagerMachine.settings = MACHINE_SETTINGS
 TestSlidingBlockManagerMachine = SlidingBlockManagerMachine.TestCase
 TestSlidingBlockManagerMachine.settings = MACHINE_SETTINGS
+TestHostTierBlockManagerMachine = HostTierBlockManagerMachine.TestCase
+TestHostTierBlockManagerMachine.settings = MACHINE_SETTINGS
+TestWindowedHostTierBlockManagerMachine = WindowedHostTierBlockManagerMachine.TestCase
+TestWindowedHostTierBlockManagerMachine.settings = MACHINE_SETTINGS
 
 
 def null_sample(req_id: str, ids: list[int]) -> int:
@@ -202,14 +244,18 @@ op = st.one_of(
        bs=st.sampled_from([2, 4]),
        num_cpu_blocks=st.integers(0, 8), mode=st.sampled_from(["auto", "recompute", "swap"]),
        caching=st.booleans(), max_num_seqs=st.integers(2, 4), extra_budget=st.integers(0, 12),
-       overlap=st.booleans(), windows=st.sampled_from([(0,), (3,), (0, 2), (5, 0, 1)]))
+       overlap=st.booleans(), windows=st.sampled_from([(0,), (3,), (0, 2), (5, 0, 1)]),
+       num_host_blocks=st.sampled_from([0, 0, 2, 6, 30]))
 def test_random_workloads_finish_exactly_and_leak_nothing(ops, num_blocks, bs, num_cpu_blocks,
                                                           mode, caching, max_num_seqs,
-                                                          extra_budget, overlap, windows):
+                                                          extra_budget, overlap, windows,
+                                                          num_host_blocks):
     max_model_len = num_blocks * bs  # every request fits the pool alone
     G = len(windows)  # KV groups: a block of each per position
     num_blocks, num_cpu_blocks = num_blocks * G, num_cpu_blocks * G
-    sched = Scheduler(BlockManager(num_blocks, bs, num_cpu_blocks, windows=windows), max_num_seqs,
+    bm = BlockManager(num_blocks, bs, num_cpu_blocks, windows=windows,
+                      num_host_blocks=num_host_blocks * G)
+    sched = Scheduler(bm, max_num_seqs,
                       max_num_seqs + extra_budget, max_model_len,
                       enable_prefix_caching=caching, preemption_mode=mode)
     mirror = PlanMirror(block_size=bs, sample=null_sample, windows=windows)
@@ -264,3 +310,6 @@ def test_random_workloads_finish_exactly_and_leak_nothing(ops, num_blocks, bs, n
     assert bm.num_free_blocks == num_blocks and bm.num_free_cpu_blocks == num_cpu_blocks
     assert bm.ref_counts == [0] * num_blocks and bm.cpu_ref_counts == [0] * num_cpu_blocks
     assert not sched.queues.running and not sched.queues.swapped and not sched.queues.waiting
+    if mirror.num_offloaded_in:
+        event("blocks copied back from the host tier")  # hypothesis' statistics show the share
+    assert sched.counters.prefix_cache_host_hits <= sched.counters.prefix_cache_hits
