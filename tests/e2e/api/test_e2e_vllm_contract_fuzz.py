@@ -170,7 +170,7 @@ def check_completed(request: vpb.GenerateRequest, responses: list) -> None:
 def test_fuzz_generate_fields(vllm, vocab_size, default_server):
     seen: dict[str, int] = {}
 
-    @FUZZ
+    @settings(FUZZ, max_examples=60)  # about 1.2 s an example on 2 cores
     @given(request=generate_requests(vocab_size))
     def run(request):
         expected = expected_refusals(request)

@@ -83,7 +83,8 @@ def damage(path: str, where: str) -> None:
             f.write(bytes([byte[0] ^ 0x5A]))
 
 
-@pytest.mark.parametrize("where", ["header", "blocks"])
+@pytest.mark.parametrize("where", ["header",
+                                   pytest.param("blocks", marks=pytest.mark.slow)])
 async def test_a_damaged_tier_file_is_ignored(folio_server, checkpoint, where):
     (prefix,) = random_prompts(256, (PREFIX,), seed=23)
     tails = random_prompts(256, [3 + i % 5 for i in range(NUM_STREAMS)], seed=24)

@@ -150,6 +150,7 @@ async def test_tp4_with_kv_heads_replicated(folio_server, tmp_path):
     await check_tp_server(folio_server, "llama3", 4, tmp_path)
 
 
+@pytest.mark.slow  # 40 s; TP 2 and TP 4 cases run by default
 async def test_default_model_at_tp3_matches_transformers(folio_server, hf):  # noqa: F811
     model, tokenizer = hf
     prompts = [dict(prompt=p) for p in RAW_PROMPTS] + [dict(messages=c) for c in CHATS]
