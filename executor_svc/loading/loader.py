@@ -108,21 +108,28 @@ def checkpoint_targets(model: nn.Module, name: str,
     return [(name, None)]
 
 
-def _expert_linear_target(model: nn.Module, name: str) -> tuple[str, int | None] | None:
+def _experts_owner(model: nn.Module, name: str) -> tuple[nn.Module, str, str] | None:
+    """(the module, its name, the tensor's name relative to it) when checkpoint tensor `name`
+    lies under an ``experts`` module of the model, else None."""
     match = _EXPERTS.fullmatch(name)
     if match is None:
         return None
     try:
-        owner = model.get_submodule(match.group(1))
+        return model.get_submodule(match.group(1)), match.group(1), match.group(2)
     except AttributeError:
         return None
-    if not getattr(owner, "has_expert_linears", False):
+
+
+def _expert_linear_target(model: nn.Module, name: str) -> tuple[str, int | None] | None:
+    found = _experts_owner(model, name)
+    if found is None or not getattr(found[0], "has_expert_linears", False):
         return None
+    owner, owner_name, key = found
     try:
-        target = owner.linear_target(match.group(2))
+        target = owner.linear_target(key)
     except ValueError as e:
         raise ValueError(f"checkpoint tensor {name}: {e}") from None
-    return None if target is None else (f"{match.group(1)}.{target[0]}", target[1])
+    return None if target is None else (f"{owner_name}.{target[0]}", target[1])
 
 
 @dataclass(frozen=True)
@@ -245,23 +252,20 @@ def _expert_placements(model: nn.Module, header: TensorHeader
     else where it goes: (parameter, the per-expert labels it fills, shard) entries, empty when
     the experts module has no place for it. An expert past the configured count is a
     CheckpointError. A layer in its per-expert form holds linears, placed by name."""
-    match = _EXPERTS.fullmatch(header.name)
-    if match is None:
+    found = _experts_owner(model, header.name)
+    if found is None:
         return None
-    try:
-        owner = model.get_submodule(match.group(1))
-    except AttributeError:
-        return None
+    owner, owner_name, key = found
     if not hasattr(owner, "checkpoint_placements") or owner.has_expert_linears:
         return None
     try:
-        entries = owner.checkpoint_placements(match.group(2))
+        entries = owner.checkpoint_placements(key)
         check_dtype = getattr(owner, "check_checkpoint_dtype", None)
         if entries and check_dtype is not None:  # the layer's own words for a wrong dtype
-            check_dtype(match.group(2), header.dtype)
+            check_dtype(key, header.dtype)
     except ValueError as e:
         raise CheckpointError(header.file, f"checkpoint tensor {header.name}: {e}") from None
-    return [(f"{match.group(1)}.{param}", [f"{match.group(1)}.{label}" for label in labels],
+    return [(f"{owner_name}.{param}", [f"{owner_name}.{label}" for label in labels],
              shard) for param, labels, shard in entries or []]
 
 
