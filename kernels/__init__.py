@@ -2,7 +2,7 @@
 
 Public entry points (the one dispatch point): store_kv, paged_attention, rms_norm, rotary,
 silu_and_mul, w8a16_linear, group_quant_linear, fused_moe. Each picks the Triton launcher when its first tensor lives on a
-CUDA device and the CPU implementation (kernels/cpu.py) otherwise, so CPU runs never touch Triton. The torch
+CUDA device and the CPU implementation (kernels/cpu/) otherwise, so CPU runs never touch Triton. The torch
 twins (kernels/twins.py) are the oracle both are tested against.
 
 `FOLIO_KERNELS=triton` forces the Triton launchers for CPU tensors too; it needs
@@ -51,7 +51,7 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 def cpu_backend_active(x: torch.Tensor) -> bool:
-    """Whether ops on `x` run kernels/cpu.py (a CPU tensor, FOLIO_KERNELS auto)."""
+    """Whether ops on `x` run kernels/cpu/ (a CPU tensor, FOLIO_KERNELS auto)."""
     return _BACKEND == "auto" and not x.is_cuda
 
 

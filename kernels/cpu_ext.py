@@ -20,7 +20,7 @@ machine with ``ATEN_CPU_CAPABILITY=avx2`` thus runs as an AVX2-only one would, o
 kernels aside (they pick by cpuid). Child processes inherit the variable.
 
 `FOLIO_CPU_EXT` chooses: ``auto`` (default: use it when it builds, else log why once and run
-the torch implementations in kernels/cpu.py), ``0`` (never: the torch implementations only),
+the torch implementations in kernels/cpu/), ``0`` (never: the torch implementations only),
 ``1`` (required: a failed build raises).
 """
 

@@ -2,7 +2,7 @@
 sorted by expert (stable: token order within an expert), one gather of their rows, the MLP of
 each expert some token chose on its contiguous run of rows, and one index_add_ of the rows
 weighted by their router weights back into token order, in fp32. An expert nobody chose is
-never called. The CPU backend's torch path (kernels/cpu.py) and the quantized experts
+never called. The CPU backend's torch path (kernels/cpu/) and the quantized experts
 (executor_svc/quantization/experts.py) share it; each supplies the expert's MLP."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A model layer owns its slice of the KV cache (bound once at start-up by `bind_kv_cache`) and calls
 its backend with this step's q/k/v and the batch metadata. The `kernels` ops dispatch on the
-tensors' device: Triton on CUDA, kernels/cpu.py on the CPU (the twins with FOLIO_KERNELS=torch).
+tensors' device: Triton on CUDA, kernels/cpu/ on the CPU (the twins with FOLIO_KERNELS=torch).
 
 On the CPU backend the per-step bookkeeping (which rows decode, their gather index and length
 mask) is built once per step and KV group, by the group's first layer, and reused by the

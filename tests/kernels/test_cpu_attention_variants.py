@@ -1,5 +1,5 @@
 """The CPU backend's attention variants (sliding window, logit soft-capping, sinks) against the
-twin and the float64 reference, on every path kernels/cpu.py takes: the fused kernels, and the
+twin and the float64 reference, on every path kernels/cpu/ takes: the fused kernels, and the
 torch paths of FOLIO_CPU_EXT=0 (batched or per-sequence decode, SDPA or explicit prefill).
 
 Blocks wholly below a sequence's window hold NaN (poison_outside_windows: the block manager may

@@ -1,4 +1,4 @@
-"""kernels/cpu.py (the CPU backend) against the torch twins, the oracle.
+"""kernels/cpu/ (the CPU backend) against the torch twins, the oracle.
 
 Paged batches use shuffled physical blocks, ragged lengths crossing block boundaries and NaN in
 every cache slot that must not be read (conftest.make_paged_batch). fp32 is held to a tight

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels import cpu, twins
+from kernels.cpu import moe as moe_backend
 from tests.kernels.moe_reference import random_experts, random_routing, reference_moe
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -33,7 +34,7 @@ def test_twin_matches_reference(activation, bias, dtype, num_tokens, only):
         assert len(topk_ids.unique()) < 8  # some expert got no token
 
 
-# The CPU backend (kernels/cpu.py): on packed experts the fused kernel
+# The CPU backend (kernels/cpu/): on packed experts the fused kernel
 # (kernels/csrc/fused_moe.cpp) for decode batches and the torch grouped path (larger batches,
 # or no extension); on plain weights the grouped path. Each against the twin and the reference.
 CPU_PATHS = ["fused", "packed-grouped", "plain"]
@@ -51,9 +52,9 @@ def cpu_moe(request, monkeypatch):
     if request.param == "fused":
         if cpu.fused_kernels() is None:
             pytest.skip("the fused CPU kernels did not build here")
-        monkeypatch.setattr(cpu, "_fused_moe_takes", lambda *args: True)
+        monkeypatch.setattr(moe_backend, "_fused_moe_takes", lambda *args: True)
     elif request.param == "packed-grouped":
-        monkeypatch.setattr(cpu, "fused_kernels", lambda: None)
+        monkeypatch.setattr(moe_backend, "fused_kernels", lambda: None)
     return cpu.fused_moe if request.param == "plain" else _on_packed
 
 
@@ -129,9 +130,9 @@ def test_packed_steps_take_the_fused_kernel(monkeypatch):
     if cpu.fused_kernels() is None:
         pytest.skip("the fused CPU kernels did not build here")
     called = []
-    monkeypatch.setattr(cpu, "_fused_moe_grouped", lambda *a: called.append(a))
-    monkeypatch.setattr(cpu, "FUSED_MOE_BF16_PAIRS", 4)
-    monkeypatch.setattr(cpu, "compute_dtype", lambda dtype: torch.bfloat16)  # native bf16
+    monkeypatch.setattr(moe_backend, "_fused_moe_grouped", lambda *a: called.append(a))
+    monkeypatch.setattr(moe_backend, "FUSED_MOE_BF16_PAIRS", 4)
+    monkeypatch.setattr(moe_backend, "compute_dtype", lambda dtype: torch.bfloat16)  # native bf16
     for num_tokens, top_k, num_experts, fused in [
             (16, 2, 8, True), (17, 2, 8, False), (1, 8, 128, True), (64, 2, 64, True),
             (65, 2, 32, False)]:
@@ -140,7 +141,7 @@ def test_packed_steps_take_the_fused_kernel(monkeypatch):
                                                    torch.bfloat16, False)
         _on_packed(x, weights["w13"], weights["w2"], topk_weights, topk_ids)
         assert bool(called) != fused, (num_tokens, top_k, num_experts)
-    monkeypatch.setattr(cpu, "compute_dtype", lambda dtype: torch.float32)  # fp32 math
+    monkeypatch.setattr(moe_backend, "compute_dtype", lambda dtype: torch.float32)  # fp32 math
     called.clear()
     x, weights, topk_weights, topk_ids = _case(8, 32, 16, 2, 200, torch.bfloat16, False)
     _on_packed(x, weights["w13"], weights["w2"], topk_weights, topk_ids)

@@ -2,7 +2,7 @@
 (a read of a device tensor's values, or a host-to-device copy that is not pinned and
 non_blocking) is counted while the runner executes steps on the CPU, through a
 TorchFunctionMode that sees every torch call. Each step may make one: the transfer of its
-sampled ids (and the logprobs asked for). kernels/cpu.py never runs on CUDA, so calls from it
+sampled ids (and the logprobs asked for). kernels/cpu/ never runs on CUDA, so calls from it
 are not counted; the executor's own files are."""
 
 from __future__ import annotations
