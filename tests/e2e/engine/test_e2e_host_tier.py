@@ -38,16 +38,19 @@ def checkpoint(tmp_path_factory):
     return make_checkpoint("llama3", tmp_path_factory.mktemp("ckpt-host-tier"))
 
 
-async def test_killed_executor_resumes_from_the_host_tier(folio_server, checkpoint):
-    (prefix,) = random_prompts(256, (PREFIX,), seed=21)
-    tails = random_prompts(256, [3 + i % 5 for i in range(NUM_STREAMS)], seed=22)
+async def kill_under_streams(folio_server, checkpoint, seed: int, after_kill) -> dict:
+    """NUM_STREAMS greedy streams sharing a PREFIX-token prefix, run once as the reference and
+    again with the executor killed (SIGKILL) once all have started; `after_kill(tier_path,
+    client)` runs right after the kill. The reference and resumed outputs, the host-tier hits
+    counter before the second run and after it, the tier file and the server's log."""
+    (prefix,) = random_prompts(256, (PREFIX,), seed=seed)
+    tails = random_prompts(256, [3 + i % 5 for i in range(NUM_STREAMS)], seed=seed + 1)
     reqs = [dict(token_ids=prefix + tail, temperature=0.0, max_tokens=MAX_TOKENS,
                  ignore_eos=True) for tail in tails]
     before = set(glob.glob("/dev/shm/folio-kv-tier-*"))
     with folio_server(model=checkpoint, args=["--block-size", "16",
                                               "--kv-offloading-size", "0.05"]) as server:
         tier_files = set(glob.glob("/dev/shm/folio-kv-tier-*")) - before
-        assert len(tier_files) == 1 or not os.path.isdir("/dev/shm")
         reference = await run_all(server.address, reqs, "ref", [0])
         async with AsyncFolioClient(server.address) as client:
             hits_before = (await client.stats())["prefix_cache_host_hits"]
@@ -56,16 +59,28 @@ async def test_killed_executor_resumes_from_the_host_tier(folio_server, checkpoi
             while progress[0] < NUM_STREAMS and not streams.done():
                 await asyncio.sleep(0.01)
             os.kill(executor_pid(server.proc.pid), signal.SIGKILL)
-            await wait_health(client, "NOT_SERVING", 10)
+            await after_kill(tier_files, client)
             results = await streams
             stats = await client.stats()
         log = server.log_tail(200_000)
-    assert results == reference
-    (carried,) = re.findall(r"host tier carried over\s+num_kept=(\d+) num_promised=(\d+)", log)
+    left = set(glob.glob("/dev/shm/folio-kv-tier-*")) - before
+    return dict(reference=reference, results=results, hits_before=hits_before,
+                hits=stats["prefix_cache_host_hits"], tier_files=tier_files, log=log, left=left)
+
+
+async def test_killed_executor_resumes_from_the_host_tier(folio_server, checkpoint):
+    async def wait_down(tier_files, client):
+        assert len(tier_files) == 1 or not os.path.isdir("/dev/shm")
+        await wait_health(client, "NOT_SERVING", 10)
+
+    run = await kill_under_streams(folio_server, checkpoint, 21, wait_down)
+    assert run["results"] == run["reference"]
+    (carried,) = re.findall(r"host tier carried over\s+num_kept=(\d+) num_promised=(\d+)",
+                            run["log"])
     assert int(carried[0]) >= PREFIX // 16 and int(carried[1]) >= int(carried[0])
     # Every resumed stream found the whole shared prefix in the tier instead of recomputing it.
-    assert stats["prefix_cache_host_hits"] - hits_before >= NUM_STREAMS * PREFIX
-    assert not (set(glob.glob("/dev/shm/folio-kv-tier-*")) - before), "tier file left behind"
+    assert run["hits"] - run["hits_before"] >= NUM_STREAMS * PREFIX
+    assert not run["left"], "tier file left behind"
 
 
 def damage(path: str, where: str) -> None:
@@ -86,31 +101,16 @@ def damage(path: str, where: str) -> None:
 @pytest.mark.parametrize("where", ["header",
                                    pytest.param("blocks", marks=pytest.mark.slow)])
 async def test_a_damaged_tier_file_is_ignored(folio_server, checkpoint, where):
-    (prefix,) = random_prompts(256, (PREFIX,), seed=23)
-    tails = random_prompts(256, [3 + i % 5 for i in range(NUM_STREAMS)], seed=24)
-    reqs = [dict(token_ids=prefix + tail, temperature=0.0, max_tokens=MAX_TOKENS,
-                 ignore_eos=True) for tail in tails]
-    before = set(glob.glob("/dev/shm/folio-kv-tier-*"))
-    with folio_server(model=checkpoint, args=["--block-size", "16",
-                                              "--kv-offloading-size", "0.05"]) as server:
-        (path,) = set(glob.glob("/dev/shm/folio-kv-tier-*")) - before
-        reference = await run_all(server.address, reqs, "ref", [0])
-        async with AsyncFolioClient(server.address) as client:
-            hits_before = (await client.stats())["prefix_cache_host_hits"]
-            progress = [0]
-            streams = asyncio.ensure_future(run_all(server.address, reqs, "run", progress))
-            while progress[0] < NUM_STREAMS and not streams.done():
-                await asyncio.sleep(0.01)
-            os.kill(executor_pid(server.proc.pid), signal.SIGKILL)
-            damage(path, where)  # before the restarted executor (seconds away) says Hello
-            results = await streams
-            stats = await client.stats()
-        log = server.log_tail(200_000)
-    assert results == reference
-    assert stats["prefix_cache_host_hits"] == hits_before  # nothing read back from the tier
+    async def damage_it(tier_files, client):
+        (path,) = tier_files
+        damage(path, where)  # before the restarted executor (seconds away) says Hello
+
+    run = await kill_under_streams(folio_server, checkpoint, 23, damage_it)
+    assert run["results"] == run["reference"]
+    assert run["hits"] == run["hits_before"]  # nothing read back from the tier
     if where == "header":  # the executor replaced it; the scheduler finds no promise kept
-        assert "host tier file created" in log
-    (carried,) = re.findall(r"host tier carried over\s+num_kept=(\d+)", log)
+        assert "host tier file created" in run["log"]
+    (carried,) = re.findall(r"host tier carried over\s+num_kept=(\d+)", run["log"])
     assert carried == "0"
 
 
