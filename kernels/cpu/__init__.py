@@ -43,22 +43,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ext, kv_quant, twins
-
-
-@functools.cache
-def has_native_bf16() -> bool:
-    """True where oneDNN runs bf16 matmuls natively (AVX512-BF16, AMX, AVX-NE-CONVERT), and
-    torch's ISA is not forced below the CPU's: with ATEN_CPU_CAPABILITY=avx2 an AVX-512 machine
-    takes the path of an AVX2-only one (kernels/cpu_ext.py)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and not cpu_ext.lowered()
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype matmuls run in for tensors of `dtype` on this CPU."""
-    if dtype == torch.bfloat16 and has_native_bf16():
-        return dtype
-    return torch.float32
+from kernels import kv_quant, twins
+from kernels.cpu.runtime import compute_dtype as compute_dtype
+from kernels.cpu.runtime import fused_kernels as fused_kernels
+from kernels.cpu.runtime import has_native_bf16 as has_native_bf16
 
 
 @dataclass(frozen=True)
@@ -145,11 +133,6 @@ def per_sequence_decode(lens: tuple[int, ...]) -> bool:
     """Whether a step's decode sequences (of these lengths) attend one by one: a lone one
     (no padding, no mask: SDPA's fused kernel), or lengths far apart."""
     return len(lens) == 1 or max(lens) - sum(lens) / len(lens) > PER_SEQ_SLACK
-
-
-def fused_kernels():
-    """torch.ops.folio_cpu when the fused CPU kernels are built and enabled, else None."""
-    return cpu_ext.load()
 
 
 @functools.cache

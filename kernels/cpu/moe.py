@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import twins
-from kernels.cpu import compute_dtype, fused_kernels
+from kernels.cpu.runtime import compute_dtype, fused_kernels
 from kernels.grouped_moe import grouped_moe
 
 # Mixture of experts. A model's experts are packed once at load (`pack_moe_weights`) into the
