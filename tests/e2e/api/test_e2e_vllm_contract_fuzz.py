@@ -15,7 +15,7 @@ import math
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from smg_grpc_proto import vllm_engine_pb2 as vpb
 from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
@@ -108,8 +108,7 @@ def sampling_params(draw, wild: bool) -> vpb.SamplingParams:
 
 
 @st.composite
-def generate_requests(draw, vocab_size: int) -> vpb.GenerateRequest:
-    wild = draw(st.booleans())
+def generate_requests(draw, vocab_size: int, wild: bool) -> vpb.GenerateRequest:
     request = vpb.GenerateRequest(
         request_id=draw(st.sampled_from(["", "fuzz-a/b"] if wild else [""])),
         sampling_params=draw(sampling_params(wild)), stream=draw(st.booleans()))
@@ -167,11 +166,21 @@ def check_completed(request: vpb.GenerateRequest, responses: list) -> None:
             assert streamed == list(done.output_ids)
 
 
-def test_fuzz_generate_fields(vllm, vocab_size, default_server):
+def fuzz_generate(vllm, vocab_size: int, wild: bool, examples: int) -> dict[str, int]:
+    """Runs `examples` random requests (valid ones, or wild ones with any field anywhere) and
+    counts their outcomes by status name."""
     seen: dict[str, int] = {}
 
-    @settings(FUZZ, max_examples=60)  # about 1.2 s an example on 2 cores
-    @given(request=generate_requests(vocab_size))
+    @settings(FUZZ, max_examples=examples)
+    @given(request=generate_requests(vocab_size, wild))
+    # Each refusal the contract names is met at least once, whatever the draws.
+    @example(request=vpb.GenerateRequest(
+        text="hi", kv_transfer_params_json="{}",
+        sampling_params=vpb.SamplingParams(max_tokens=2)))
+    @example(request=vpb.GenerateRequest(
+        text="hi", sampling_params=vpb.SamplingParams(structural_tag="{}")))
+    @example(request=vpb.GenerateRequest(
+        text="hi", sampling_params=vpb.SamplingParams(max_tokens=0)))
     def run(request):
         expected = expected_refusals(request)
         try:
@@ -188,9 +197,18 @@ def test_fuzz_generate_fields(vllm, vocab_size, default_server):
         check_completed(request, responses)
 
     run()
-    # the draws reach both sides of the rules
-    assert seen.get("OK", 0) >= 10 and seen.get("INVALID_ARGUMENT", 0) >= 10, seen
-    assert seen.get("UNIMPLEMENTED", 0) >= 3, seen
+    return seen
+
+
+def test_fuzz_generate_fields(vllm, vocab_size, default_server):
+    # about 1.2 s an example on 2 cores. The two sides are separate runs, so each side's share
+    # is fixed by construction rather than by how Hypothesis happens to spread its draws.
+    valid = fuzz_generate(vllm, vocab_size, wild=False, examples=30)
+    wild = fuzz_generate(vllm, vocab_size, wild=True, examples=30)
+    # Valid requests complete, unless one of Folio's own limits refuses them (with a message,
+    # INVALID_ARGUMENT); wild ones mostly break a rule.
+    assert valid.get("OK", 0) >= 20 and valid.get("UNIMPLEMENTED", 0) == 2, valid
+    assert wild.get("INVALID_ARGUMENT", 0) >= 8 and wild.get("UNIMPLEMENTED", 0) >= 2, wild
     assert default_server.proc.poll() is None, default_server.log_tail()
     assert vllm.HealthCheck(vpb.HealthCheckRequest(), timeout=10).healthy
     wait_idle(default_server.address)
@@ -221,7 +239,8 @@ def test_fuzz_kv_event_subscribers_and_flushes(vllm, default_server):
         prefix = [200 + family] * (2 * block_size)
         ids = prefix + [300 + next(unique) % 1500 for _ in range(block_size + 1)]
         request = vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=ids),
-                                      sampling_params=vpb.SamplingParams(max_tokens=1))
+                                      sampling_params=vpb.SamplingParams(max_tokens=1,
+                                                                         ignore_eos=True))
         assert list(vllm.Generate(request, timeout=60))[-1].complete.finish_reason == "length"
 
     @FUZZ

@@ -23,6 +23,7 @@ from tests.fixtures.checkpoints import make_checkpoint
 
 BLOCK_SIZE = 16
 MAX_TOKENS = 24
+PRESSURE_TOKENS = 96
 LENGTHS = (1, 17, 40, 113, 131)
 CHUNKED_ARGS = ["--block-size", str(BLOCK_SIZE), "--max-num-batched-tokens", "32"]
 
@@ -70,14 +71,19 @@ async def check_chunked_batched_prefix_cached(address: str, hf_model) -> None:
 async def check_preemption(folio_server, checkpoint, hf_model, mode: str,
                            args: list[str]) -> None:
     """Prompts that cannot all run at once in the pool `args` give: preemption by `mode`
-    happens (and only by it), and greedy stays equal to HF."""
+    happens (and only by it), and greedy stays equal to HF.
+
+    Each request generates PRESSURE_TOKENS, so it lives for ~100 steps: however spread out
+    the streams' arrivals are on a loaded machine, all of them are running together for
+    long enough that their growth, not the order they came in, decides that someone is
+    preempted."""
     prompts = random_prompts(hf_model.config.vocab_size, PRESSURE_LENGTHS, seed=6)
     server_args = ["--block-size", str(BLOCK_SIZE), "--log-format", "json", *args]
     with folio_server(model=checkpoint, args=server_args) as server:
-        completions = await generate_all(server.address, prompts, MAX_TOKENS)
+        completions = await generate_all(server.address, prompts, PRESSURE_TOKENS)
         stats = wait_idle(server.address)
         events = preemptions_in_log(server)
-    assert_hf_exact(hf_model, prompts, completions, MAX_TOKENS)
+    assert_hf_exact(hf_model, prompts, completions, PRESSURE_TOKENS)
     assert stats["num_preemptions"] > 0, stats
     assert events and {e["mode"] for e in events} == {mode}, events
     if mode == "swap":
