@@ -48,7 +48,7 @@ async def test_chunked_batched_prefix_cached_greedy_matches_hf(folio_server, mod
     pytest.param("qwen3_moe", "recompute", [*SMALL_POOL, *RECOMPUTE], id="qwen3_moe-recompute"),
     # gpt-oss's four layers are two KV groups of two layers (executor_svc/kv/groups.py): 32
     # two-layer blocks are the memory of 16 blocks of every layer, too few for all the prompts
-    # at once (their full-attention group alone needs 37) and enough for the longest alone.
+    # at once (their full-attention group alone needs 66) and enough for the longest alone.
     pytest.param("gpt_oss", "recompute", ["--num-kv-blocks", "32", *RECOMPUTE],
                  id="gpt_oss-recompute"),
     pytest.param("gpt_oss", "swap", ["--num-kv-blocks", "32", "--preemption-mode", "swap",
