@@ -7,6 +7,8 @@
 
 `context` runs the latency workload at several prompt lengths for one or more models (Folio
 only by default) and reports decode time per token against the context (client/bench/context.py).
+`chat` runs multi-turn conversations whose prefixes outgrow the device's KV pool, Folio with
+and without the prefix cache's host tier (client/bench/chat.py).
 
 Every peer loads the same checkpoint directory in the same dtype and gets the same prompt
 token ids (greedy, EOS ignored, so each request yields exactly its output length). Peers start
@@ -26,7 +28,7 @@ import re
 import sys
 from pathlib import Path
 
-from client.bench import context, models, report
+from client.bench import chat, context, models, report
 from client.bench.load import competing_load, settle
 from client.bench.metrics import MODES, aggregate, same_tokens, summarize
 from client.bench.peers import VLLM_VENV, make_peer, resolve_model
@@ -71,11 +73,26 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--request-rate", type=float, default=math.inf,
                    help="serve mode: Poisson arrivals per second (default inf: all at once)")
     w.add_argument("--seed", type=int, default=0)
+    c = p.add_argument_group("chat mode (client/bench/chat.py)")
+    c.add_argument("--conversations", type=int, default=24, help="conversations per repetition")
+    c.add_argument("--turns", type=int, default=4, help="turns per conversation")
+    c.add_argument("--system-len", type=int, default=256, help="tokens of a system prompt")
+    c.add_argument("--num-systems", type=int, default=4,
+                   help="distinct system prompts, shared round-robin by the conversations")
+    c.add_argument("--user-len", type=int, default=64, help="tokens of a user message")
+    c.add_argument("--concurrency", type=int, default=4, help="turns in flight at once")
+    c.add_argument("--kv-blocks", type=int, default=None,
+                   help="device KV pool in 16-token blocks (default: the system prompts plus "
+                   "1.5x what the conversations in flight hold at their longest)")
+    c.add_argument("--tier-gib", type=float, default=2.0,
+                   help="the host tier of folio-host-tier (--kv-offloading-size), GiB")
     r = p.add_argument_group("peers and repetitions")
     r.add_argument("--peers", default=None,
                    help=f"comma-separated, from {','.join(PEERS)} (default "
                         f"{','.join(DEFAULT_PEERS)}; context mode: folio; folio-constrained: "
-                        "Folio with every other request under structured output)")
+                        "Folio with every other request under structured output; chat mode: "
+                        f"from {','.join(chat.CHAT_PEERS)}, default "
+                        f"{','.join(chat.DEFAULT_CHAT_PEERS)})")
     r.add_argument("--reps", type=int, default=3, help="interleaved repetitions (default 3)")
     r.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the untimed warm-up run of each peer")
@@ -147,9 +164,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     random_names = parse_random_models(args.random_model, args.mode)
-    peer_names = parse_peers(args.peers or ",".join(default_peers(args.mode)))
     if args.reps < 1:
         raise SystemExit("folio bench: --reps must be at least 1")
+    if args.mode == "chat":
+        return chat.run(args, chat.parse_chat_peers(args.peers))
+    peer_names = parse_peers(args.peers or ",".join(default_peers(args.mode)))
     if args.mode == "context":
         return context.run(args, random_names, peer_names)
     facts = report.machine_facts()

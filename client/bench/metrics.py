@@ -18,7 +18,8 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-MODES = ("throughput", "latency", "serve", "context")  # context: latency at several lengths
+MODES = ("throughput", "latency", "serve", "context", "chat")  # context: latency at several
+# lengths; chat: multi-turn conversations (chat.py)
 
 
 @dataclass

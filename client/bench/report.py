@@ -19,6 +19,7 @@ PLOTTED = {
     "throughput": ("output tok/s", "total tok/s"),
     "latency": ("TTFT p50 (ms)", "TPOT p50 (ms)"),
     "serve": ("TTFT p50 (ms)", "TPOT p50 (ms)", "ITL p50 (ms)"),
+    "chat": ("prefill tokens computed", "TTFT later turns p50 (ms)"),
 }
 
 
@@ -99,19 +100,36 @@ def _cell(agg: Aggregate | None) -> str:
     return f"{fmt(agg.median)} ({fmt(agg.low)}–{fmt(agg.high)})"
 
 
-def markdown(result: dict, aggregates: dict[str, dict[str, Aggregate]]) -> str:
+def _table(aggregates: dict[str, dict[str, Aggregate]],
+           ratio: tuple[str, str] | None = None) -> list[str]:
+    """Rows = metrics, columns = peers, and the ratio of two peers' medians when given."""
     peers = list(aggregates)
     rows = list(dict.fromkeys(k for agg in aggregates.values() for k in agg))
-    with_ratio = "folio" in aggregates and "vllm" in aggregates
-    header = ["metric", *peers] + (["folio / vllm"] if with_ratio else [])
+    header = ["metric", *peers] + ([f"{ratio[0]} / {ratio[1]}"] if ratio else [])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cells = [row] + [_cell(aggregates[p].get(row)) for p in peers]
-        if with_ratio:
-            f, v = aggregates["folio"].get(row), aggregates["vllm"].get(row)
-            cells.append(f"{f.median / v.median:.2f}" if f and v and v.median else "—")
+        if ratio:
+            a, b = aggregates[ratio[0]].get(row), aggregates[ratio[1]].get(row)
+            cells.append(f"{a.median / b.median:.2f}" if a and b and b.median else "—")
         lines.append("| " + " | ".join(cells) + " |")
-    w, m = result["workload"], result["machine"]
+    return lines
+
+
+def _machine_lines(result: dict) -> list[str]:
+    m = result["machine"]
+    return [
+        f"- machine: {m['cpu']} ({m.get('isa', 'ISA not recorded')}), {m['logical_cpus']} "
+        f"logical CPUs, load average "
+        f"{result['load_before'][0]:.2f} before / {result['load_after'][0]:.2f} after",
+        f"- commit: {m['git_commit']}; command: `{m['command']}`",
+    ]
+
+
+def markdown(result: dict, aggregates: dict[str, dict[str, Aggregate]]) -> str:
+    with_ratio = "folio" in aggregates and "vllm" in aggregates
+    lines = _table(aggregates, ("folio", "vllm") if with_ratio else None)
+    w = result["workload"]
     rate = w["request_rate"] if w["request_rate"] is not None else "inf"
     out = [
         f"# folio bench {result['mode']}: {result['name']}",
@@ -124,10 +142,7 @@ def markdown(result: dict, aggregates: dict[str, dict[str, Aggregate]]) -> str:
         + f", request rate {rate}, seed {w['seed']}",
         f"- repetitions: {result['reps']} (interleaved; cells are median (min–max))"
         + (", with a competing busy process on one core" if result["competing_load"] else ""),
-        f"- machine: {m['cpu']} ({m.get('isa', 'ISA not recorded')}), {m['logical_cpus']} "
-        f"logical CPUs, load average "
-        f"{result['load_before'][0]:.2f} before / {result['load_after'][0]:.2f} after",
-        f"- commit: {m['git_commit']}; command: `{m['command']}`",
+        *_machine_lines(result),
         "",
         *lines,
         "",
@@ -166,6 +181,8 @@ def plot(path: Path, mode: str, aggregates: dict[str, dict[str, Aggregate]]) -> 
 
 def write(out_dir: Path, stem: str, result: dict,
           aggregates: dict[str, dict[str, Aggregate]]) -> dict[str, Path]:
+    """The JSON, Markdown and PNG of a run whose table is metrics x peers (every mode but
+    context)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / f"{stem}.json", "md": out_dir / f"{stem}.md"}
     result["summary"] = {peer: {k: {"median": a.median, "min": a.low, "max": a.high}
@@ -177,9 +194,46 @@ def write(out_dir: Path, stem: str, result: dict,
         paths["png"] = png
     else:
         result["plot_skipped"] = why_not
-    paths["md"].write_text(markdown(result, aggregates))
+    paths["md"].write_text((markdown_chat if result["mode"] == "chat" else markdown)(
+        result, aggregates))
     paths["json"].write_text(json.dumps(result, indent=1) + "\n")
     return paths
+
+
+# ---- `folio bench chat` ---------------------------------------------------------------------
+
+def markdown_chat(result: dict, aggregates: dict[str, dict[str, Aggregate]]) -> str:
+    w, pools = result["workload"], result["pools"]
+    ratio = (("folio-host-tier", "folio")
+             if {"folio-host-tier", "folio"} <= set(aggregates) else None)
+    out = [
+        f"# folio bench chat: {result['name']}",
+        "",
+        f"- model: `{result['model']['dir']}` ({result['model']['architecture']}, "
+        f"{result['dtype']}{', random weights' if result['model']['random_weights'] else ''})",
+        f"- workload: {w['num_conversations']} conversations of {w['num_turns']} turns, "
+        f"{w['num_systems']} system prompts of {w['system_len']} tokens, user messages of "
+        f"{w['user_len']} and greedy replies of {w['output_len']} tokens (a conversation ends "
+        f"at {w['context_len']}), turns round-robin, {w['concurrency']} in flight, seed "
+        f"{w['seed']}",
+        f"- device KV pool: {pools['device_blocks']} blocks of {pools['block_size']} tokens "
+        f"({pools['device_tokens']} tokens; all conversations hold "
+        f"{pools['all_conversations_tokens']})"
+        + (f"; host tier: {pools['tier_gib']:g} GiB" if pools.get("tier_gib") else ""),
+        f"- repetitions: {result['reps']} (new conversations each, every column the same; "
+        "cells are median (min–max))"
+        + (", with a competing busy process on one core" if result["competing_load"] else ""),
+        *_machine_lines(result),
+        "",
+        *_table(aggregates, ratio),
+        "",
+        "Prefill counts are the server's (GetServerStats): prompt tokens computed, and "
+        "prefix-cache hits (skipped), of which the host tier's were copied back into the "
+        "device pool; saved = hits / prompt tokens.",
+    ]
+    for name, why in result["skipped"].items():
+        out.append(f"- {name} skipped: {why}")
+    return "\n".join(out) + "\n"
 
 
 # ---- `folio bench context` ------------------------------------------------------------------
@@ -226,7 +280,7 @@ def markdown_context(result: dict, cells: dict[str, dict[str, dict[str, Aggregat
                                             *(_ratio_cell(ratios.get(c)) for c in cols)]) + " |")
         return lines
 
-    w, m = result["workload"], result["machine"]
+    w = result["workload"]
     out = [
         f"# folio bench context: {result['name']}",
         "",
@@ -236,10 +290,7 @@ def markdown_context(result: dict, cells: dict[str, dict[str, dict[str, Aggregat
         "requests and repetitions (min–max), in ms",
         f"- repetitions: {result['reps']} (interleaved over lengths and models)"
         + (", with a competing busy process on one core" if result["competing_load"] else ""),
-        f"- machine: {m['cpu']} ({m.get('isa', 'ISA not recorded')}), {m['logical_cpus']} "
-        f"logical CPUs, load average "
-        f"{result['load_before'][0]:.2f} before / {result['load_after'][0]:.2f} after",
-        f"- commit: {m['git_commit']}; command: `{m['command']}`",
+        *_machine_lines(result),
         "- models:",
     ]
     for label, f in result["models"].items():
