@@ -81,10 +81,32 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None
+                  ) -> tuple[torch.dtype, str]:
+    """The model's dtype and why: `--dtype` as given, or auto's choice, the fastest dtype that
+    loses nothing the checkpoint has beyond bf16's rounding of its 16-bit weights.
+
+    CUDA: bf16 (fp16 where the GPU has no bf16). CPU: a float32 (or unstated) checkpoint stays
+    float32; a 16-bit one runs in bf16 where the CPU multiplies bf16 natively (AVX512-BF16,
+    AMX: half fp32's bytes per weight and per KV position, what a memory-bound step reads),
+    else in float32, which is exact for it and faster than emulated bf16."""
+    if name != "auto":
+        return _DTYPES[name], f"--dtype {name}"
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "auto: bfloat16 on CUDA"
+        return torch.float16, "auto: float16, this GPU has no bfloat16"
+    if checkpoint_dtype in (None, "float32"):
+        return torch.float32, (f"auto: the checkpoint's weights are {checkpoint_dtype}"
+                               if checkpoint_dtype else "auto: the checkpoint states no dtype")
+    from kernels.cpu.runtime import has_native_bf16
+
+    if has_native_bf16():
+        return torch.bfloat16, (f"auto: the checkpoint's weights are {checkpoint_dtype} and "
+                                "this CPU multiplies bfloat16 natively")
+    return torch.float32, (f"auto: the checkpoint's weights are {checkpoint_dtype}, but this "
+                           "CPU has no native bfloat16 matmuls (emulated ones are slower than "
+                           "float32, which holds the weights exactly)")
 
 
 @dataclass
@@ -101,9 +123,10 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
         rank, _ = init_tp(cfg.tensor_parallel_size, "cuda" if cuda else "cpu")
         structlog.contextvars.bind_contextvars(rank=rank)
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
     check_host_memory(cfg.kv_offloading_size, cfg.swap_space, available_host_bytes())
     model_cfg = ModelConfig.from_dir(model_dir)
+    dtype, why = resolve_dtype(cfg.dtype, device, model_cfg.checkpoint_dtype)
+    log.info("model dtype", dtype=str(dtype).removeprefix("torch."), reason=why)
     max_model_len = effective_max_model_len(model_cfg, cfg.max_model_len)
     model = load_model(model_dir, dtype=dtype, device=device, max_model_len=max_model_len,
                        cfg=model_cfg, quantization=cfg.quantization)

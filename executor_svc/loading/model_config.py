@@ -34,6 +34,7 @@ from checkpoints.rope import (
 
 # MLP activations: HF's names for SiLU (SwiGLU) and for GELU with the tanh approximation (GeGLU).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
 
 # What HF's config classes assume when a config.json leaves a field out (a null that is
 # written stays null: "no softcap"). Only the Gemma families have defaults that matter.
@@ -98,6 +99,9 @@ class ModelConfig:
     # gpt-oss's experts stored as MXFP4 blocks and scales (quantization_config.quant_method
     # "mxfp4", as openai ships them), dequantized into the model dtype as they load.
     mxfp4_experts: bool = False
+    # The dtype the checkpoint's float weights were saved in (config.json's "dtype", or
+    # "torch_dtype" before transformers 5), one of CHECKPOINT_DTYPES; None when unstated.
+    checkpoint_dtype: str | None = None
 
     def __post_init__(self) -> None:
         # Relations between sizes; each size alone was checked where it was read.
@@ -200,6 +204,7 @@ class ModelConfig:
             query_pre_attn_scalar=(None if d.get("query_pre_attn_scalar") is None
                                    else _float(d, "query_pre_attn_scalar", 0.0)),
             mxfp4_experts=_mxfp4_experts(d, archs[0]),
+            checkpoint_dtype=_checkpoint_dtype(d),
             **_moe_fields(d, archs[0], num_layers),
         )
 
@@ -215,6 +220,13 @@ class ModelConfig:
             raise
         except ValueError as e:
             raise CheckpointError(path, str(e)) from None
+
+
+def _checkpoint_dtype(d: dict[str, Any]) -> str | None:
+    """config.json's weight dtype; "auto" or a name Folio does not load as such counts as
+    unstated (it decides nothing but `--dtype auto`'s choice)."""
+    value = d.get("dtype") if d.get("dtype") is not None else d.get("torch_dtype")
+    return value if value in CHECKPOINT_DTYPES else None
 
 
 def _attention_bias(d: dict[str, Any], arch: str) -> bool:

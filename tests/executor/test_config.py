@@ -65,3 +65,19 @@ def test_kv_blocks_from_memory_budget():
     assert num_blocks_for(cfg, 16, torch.float32, cpu, None, None) == (1 << 30) // (2 * per_block)
     with pytest.raises(ValueError, match="holds no block"):
         num_blocks_for(cfg, 16, torch.float16, cpu, None, per_block - 1)
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"dtype": "bfloat16"}, "bfloat16"),
+    ({"torch_dtype": "float16"}, "float16"),  # transformers < 5 spelled it so
+    ({"dtype": "float32", "torch_dtype": "bfloat16"}, "float32"),
+    ({"dtype": None, "torch_dtype": "bfloat16"}, "bfloat16"),
+    ({"dtype": "auto"}, None),
+    ({"dtype": "float8_e4m3fn"}, None),
+    ({"dtype": ["bfloat16"]}, None),
+    ({}, None),
+])
+def test_the_checkpoints_dtype_is_read_from_its_config(fields, expected):
+    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 16,
+            "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    assert ModelConfig.from_dict(base | fields).checkpoint_dtype == expected

@@ -249,3 +249,33 @@ def test_freed_memory_below_live_tensors_goes_back_to_the_os():
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout.splitlines()[-1]) > 150_000_000  # most of the 200 MB returned
+
+
+# ---- --dtype auto ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("checkpoint, native, expected", [
+    ("float32", True, torch.float32),  # never narrower than the checkpoint
+    (None, True, torch.float32),
+    ("bfloat16", True, torch.bfloat16),
+    ("float16", True, torch.bfloat16),
+    ("bfloat16", False, torch.float32),  # emulated bf16 is slower than fp32
+    ("float16", False, torch.float32),
+])
+def test_auto_dtype_on_a_cpu_follows_the_checkpoint_and_native_bf16(checkpoint, native, expected):
+    from executor_svc.worker import resolve_dtype
+
+    with mock.patch("kernels.cpu.runtime.has_native_bf16", return_value=native):
+        dtype, why = resolve_dtype("auto", torch.device("cpu"), checkpoint)
+    assert dtype == expected
+    assert why.startswith("auto: ") and (checkpoint or "states no dtype") in why
+    if checkpoint in ("bfloat16", "float16"):
+        assert ("natively" in why) == native and ("no native" in why) == (not native)
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "float16"])
+def test_a_named_dtype_is_taken_as_given(name):
+    from executor_svc.worker import resolve_dtype
+
+    with mock.patch("kernels.cpu.runtime.has_native_bf16", return_value=False):
+        assert resolve_dtype(name, torch.device("cpu"), "bfloat16") == (getattr(torch, name),
+                                                                         f"--dtype {name}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import subprocess
 import sys
@@ -128,6 +129,31 @@ async def test_handshake_and_generation_match_hf(checkpoint_cache, tmp_path):
         sched.close()
     log = (tmp_path / "executor.log").read_text()
     assert '"service": "executor"' in log and '"step failed"' in log
+
+
+async def test_auto_dtype_of_a_bf16_checkpoint_follows_this_cpu(checkpoint_cache, tmp_path):
+    """A checkpoint saved in bf16, --dtype left at auto: the executor runs bf16 where this CPU
+    multiplies bf16 natively, float32 elsewhere, says which in the Hello and why in its log."""
+    from kernels.cpu.runtime import has_native_bf16
+
+    _, source_dir = checkpoint_cache("llama3")
+    model_dir = Path(shutil.copytree(source_dir, tmp_path / "model"))
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    sched = SchedulerEnd("tcp://127.0.0.1:0")
+    proc = _start(model_dir, sched.address, tmp_path / "executor.log")
+    try:
+        _, hello = await _recv(sched)
+        assert isinstance(hello, Hello)
+        expected = "bfloat16" if has_native_bf16() else "float32"
+        assert hello.dtype == expected
+    finally:
+        _stop(proc)
+        sched.close()
+    lines = [json.loads(line) for line in (tmp_path / "executor.log").read_text().splitlines()
+             if '"model dtype"' in line]
+    assert [(e["dtype"], "bfloat16" in e["reason"]) for e in lines] == [(expected, True)]
 
 
 async def test_reject_exits_with_code_2_and_the_reason(checkpoint_cache, tmp_path):
