@@ -38,6 +38,7 @@ from tests.fixtures.checkpoints import make_checkpoint
 NUM_GREEDY, NUM_SEEDED = 24, 8
 MAX_TOKENS = 160
 NUM_KILLS = 3
+MAX_CRASH_ATTEMPTS = 3
 NOT_SERVING_WITHIN_S = 2.0
 PENALISED_STOP_ID = 42
 
@@ -102,6 +103,18 @@ def executor_pid(server_pid: int) -> int | None:
         except OSError:
             continue
     return None
+
+
+def wait_serving(address: str, timeout: float) -> None:
+    """Until health says SERVING (a restarted executor has completed its handshake)."""
+    deadline = time.monotonic() + timeout
+    with FolioClient(address) as client:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):  # grpc errors while it restarts: "not yet"
+                if client.health(timeout=1.0) == "SERVING":
+                    return
+            time.sleep(0.05)
+    raise AssertionError(f"health never became SERVING within {timeout:g}s")
 
 
 async def wait_health(client: AsyncFolioClient, want: str, timeout: float) -> float:
@@ -295,31 +308,39 @@ def test_a_stop_string_held_across_an_executor_crash(folio_server):
         assert want_match == late_stop and num_tokens > hold_to + 40
         [unbroken] = stream(server.address, stop=stops, **common).values()
 
-        arrivals: list[tuple[float, int]] = []
-        got = dict(tokens=[], text="", shown=[], finish=None, matched=None)
-        with FolioClient(server.address, timeout=300) as client:
-            killed = False
-            for resp in client.generate(stop=stops, **common):
-                got["tokens"] += resp.token_ids
-                got["text"] += resp.text
-                got["shown"].append(got["text"])
-                arrivals.append((time.monotonic(), len(got["tokens"])))
-                if not killed and len(got["tokens"]) >= hold_from + 8:
-                    os.kill(executor_pid(server.proc.pid), signal.SIGKILL)
-                    killed = True
-                if resp.finish_reason:
-                    got["finish"] = pb.FinishReason.Name(resp.finish_reason)
-                    which = resp.WhichOneof("matched_stop")
-                    got["matched"] = getattr(resp, which) if which else None
-        log = server.log_tail(200_000)
-    assert "requests resumed" in log
-    # Where the stream paused: the longest gap between messages, after the kill.
-    gaps = [(t1 - t0, n0) for (t0, n0), (t1, _) in zip(arrivals, arrivals[1:], strict=False)]
-    _, num_before_crash = max(gaps)
-    assert hold_from < num_before_crash < hold_to - 1, num_before_crash
+        # The kill is sent when the client has seen hold_from + 8 tokens; on a loaded machine
+        # the client can lag the server by more than the hold, or the stream can end first:
+        # such an attempt still must equal the unbroken run, and the crash is tried again.
+        for _attempt in range(MAX_CRASH_ATTEMPTS):
+            resumed_before = server.log_tail(1_000_000).count("requests resumed")
+            arrivals: list[tuple[float, int]] = []
+            got = dict(tokens=[], text="", shown=[], finish=None, matched=None)
+            with FolioClient(server.address, timeout=300) as client:
+                killed = False
+                for resp in client.generate(stop=stops, **common):
+                    got["tokens"] += resp.token_ids
+                    got["text"] += resp.text
+                    got["shown"].append(got["text"])
+                    arrivals.append((time.monotonic(), len(got["tokens"])))
+                    if not killed and len(got["tokens"]) >= hold_from + 8:
+                        os.kill(executor_pid(server.proc.pid), signal.SIGKILL)
+                        killed = True
+                    if resp.finish_reason:
+                        got["finish"] = pb.FinishReason.Name(resp.finish_reason)
+                        which = resp.WhichOneof("matched_stop")
+                        got["matched"] = getattr(resp, which) if which else None
+            assert got["tokens"] == unbroken["tokens"] == free["tokens"][:num_tokens]
+            assert got["shown"] == unbroken["shown"]
+            assert got["text"] == unbroken["text"] == want_text
+            assert (got["finish"], got["matched"]) == ("FINISH_REASON_STOP", late_stop)
+            resumed = server.log_tail(1_000_000).count("requests resumed") > resumed_before
+            # Where the stream paused: the longest gap between messages, after the kill.
+            gaps = [(t1 - t0, n0) for (t0, n0), (t1, _) in zip(arrivals, arrivals[1:],
+                                                                strict=False)]
+            _, num_before_crash = max(gaps)
+            if resumed and hold_from < num_before_crash < hold_to - 1:
+                break
+            wait_serving(server.address, 180)
+    assert resumed and hold_from < num_before_crash < hold_to - 1, (resumed, num_before_crash)
     # Text was held at the crash: shown text stopped where the stop string's prefix began.
     assert len(unbroken["shown"][num_before_crash - 1]) <= start
-    assert got["tokens"] == unbroken["tokens"] == free["tokens"][:num_tokens]
-    assert got["shown"] == unbroken["shown"]
-    assert got["text"] == unbroken["text"] == want_text
-    assert (got["finish"], got["matched"]) == ("FINISH_REASON_STOP", late_stop)
