@@ -44,7 +44,7 @@ from executor_svc.loading.loader import (
     load_model,
 )
 from executor_svc.loading.model_config import ModelConfig
-from executor_svc.parallel.distributed import all_reduce_min, init_tp, tp_rank, tp_size
+from executor_svc.parallel.distributed import all_reduce_min, barrier, init_tp, tp_rank, tp_size
 from executor_svc.parallel.tp_worker import GroupBroken, Leader, follow
 from executor_svc.spec.draft import DraftProposer, load_draft
 from executor_svc.step.graph_runner import DecodeGraphRunner
@@ -184,7 +184,8 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
             model_name=model_dir.name, architecture=model_cfg.architecture,
             dtype=kv_dtype_name(kv_dtype), block_size=cfg.block_size,
             block_bytes=SwapPool.block_bytes(kv_cache), num_slots=num_host_blocks,
-            tensor_parallel_size=tp_size(), kv_windows=tuple(kv_cache.layout.windows)))
+            tensor_parallel_size=tp_size(), kv_windows=tuple(kv_cache.layout.windows)),
+            rank=tp_rank(), barrier=lambda: barrier(device))
         host_tier = SwapPool.in_buffer(kv_cache, tier.data(tp_rank()), "host tier file")
         host_tier_records = TierRecords(tier, tp_rank())
     elif num_host_blocks:

@@ -18,6 +18,7 @@ leaves every record either vouching for its slot's bytes or empty.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -106,14 +107,30 @@ class TierRecords:
             self._pending.pop(0)
 
 
-def open_tier_file(path: str | Path, identity: TierIdentity) -> TierFile:
-    """The tier file at `path` if it holds blocks of exactly `identity` (a restarted executor:
-    its records say what is still valid), else a fresh, empty one in its place."""
-    tier = TierFile.open(path, identity)
+def open_tier_file(path: str | Path, identity: TierIdentity, rank: int = 0,
+                   barrier: Callable[[], None] = lambda: None) -> TierFile:
+    """The tier file at `path` for `rank`: the file as it is if it holds blocks of exactly
+    `identity` (a restarted executor: its records say what is still valid), else a fresh,
+    empty one in its place.
+
+    Only rank 0 creates or validates the file; every rank then meets at `barrier` (the
+    tensor-parallel group's), and ranks > 0 map what rank 0 left. So no rank maps a file
+    another is about to replace, and all ranks agree on whether the tier starts warm."""
+    tier = None
+    if rank == 0:
+        tier = TierFile.open(path, identity)
+        if tier is None:
+            tier = TierFile.create(path, identity)
+            log.info("host tier file created", path=str(path), num_slots=identity.num_slots,
+                     tensor_parallel_size=identity.tensor_parallel_size)
+        else:
+            log.info("host tier file reopened", path=str(path),
+                     num_committed=len(tier.committed_slots()))
+    barrier()
     if tier is None:
-        tier = TierFile.create(path, identity)
-        log.info("host tier file created", path=str(path), num_slots=identity.num_slots)
-    else:
-        log.info("host tier file reopened", path=str(path),
-                 num_committed=len(tier.committed_slots()))
+        tier = TierFile.open(path, identity)
+        if tier is None:
+            raise RuntimeError(f"rank {rank} cannot map the host tier file {path}: it does not "
+                               "hold this rank's blocks (do the ranks disagree on the model, "
+                               "the KV cache dtype or the tier's size?)")
     return tier

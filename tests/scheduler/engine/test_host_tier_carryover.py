@@ -50,3 +50,24 @@ def test_missing_and_damaged_files_are_dropped(tier_path, tmp_path):
         f.seek(30)
         f.write(b"#")
     assert surviving_host_blocks(tier_path, HELLO, {4: KEYS[4]}) == {}
+
+
+def test_a_slot_torn_on_one_rank_only_is_dropped(tmp_path):
+    """At TP = 2 a slot carries over only when both ranks' records name its key: rank 1's
+    record torn (its copy cut off), or its bytes changed, drops that slot alone."""
+    identity = TierIdentity(model_name="tiny", architecture="LlamaForCausalLM",
+                            dtype="float32", block_size=4, block_bytes=64, num_slots=6,
+                            tensor_parallel_size=2)
+    path = tmp_path / "tier"
+    tier = TierFile.create(path, identity)
+    for rank in (0, 1):
+        for slot in range(4):
+            tier.invalidate(rank, slot)
+            tier.data(rank)[slot * 64:(slot + 1) * 64] = bytes([10 * rank + slot]) * 64
+            tier.commit(rank, slot, KEYS[slot])
+    tier.invalidate(1, 2)  # rank 1 was rewriting slot 2 when the executor died
+    tier.data(1)[3 * 64] ^= 0xFF  # rank 1's copy of slot 3 damaged
+    tier.close()
+    hello = make_hello(num_host_blocks=6, tensor_parallel_size=2)
+    promised = {slot: KEYS[slot] for slot in range(4)}
+    assert surviving_host_blocks(path, hello, promised) == {0: KEYS[0], 1: KEYS[1]}
