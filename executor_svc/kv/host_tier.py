@@ -10,7 +10,7 @@ side stream ordered by events). On the CPU backend the tier is a second, larger 
 same layout, not counted against `--kv-cache-memory`.
 
 In a tier file (`protos/kv_tier_file.py`, shared memory the serving process owns) the pool's
-tensor is a view of the file's data, and `TierRecords` keeps the file's per-slot records true:
+tensors are views of the rank's part of the file (its codes, and an int8 cache's scales), and `TierRecords` keeps the file's per-slot records true:
 a slot's record is invalidated before a plan's copy-out is queued into it and committed (the
 block's key, a crc32 of its bytes) only once that copy has completed, so a crash at any moment
 leaves every record either vouching for its slot's bytes or empty.
@@ -24,6 +24,8 @@ from pathlib import Path
 import structlog
 import torch
 
+from executor_svc.kv.kv_cache import KVCache
+from executor_svc.kv.swap import SwapPool
 from protos.kv_tier_file import TierFile, TierIdentity
 
 log = structlog.get_logger(__name__)
@@ -105,6 +107,24 @@ class TierRecords:
             for slot, key in written:
                 self.tier.commit(self.rank, slot, key)
             self._pending.pop(0)
+
+
+def tier_identity(*, model_name: str, architecture: str, kv_dtype_name: str, kv_cache: KVCache,
+                  block_size: int, num_slots: int, tensor_parallel_size: int) -> TierIdentity:
+    """What a tier file of this rank's KV cache holds: everything that decides its blocks'
+    meaning and layout (codes, and an int8 cache's scales, per slot)."""
+    return TierIdentity(model_name=model_name, architecture=architecture, dtype=kv_dtype_name,
+                        block_size=block_size, block_bytes=SwapPool.block_bytes(kv_cache),
+                        scale_bytes=SwapPool.scale_bytes(kv_cache), num_slots=num_slots,
+                        tensor_parallel_size=tensor_parallel_size,
+                        kv_windows=tuple(kv_cache.layout.windows))
+
+
+def map_tier_file(tier: TierFile, kv_cache: KVCache, rank: int) -> tuple[SwapPool, TierRecords]:
+    """`rank`'s host tier as a pool over its part of the file (codes and scales), with the
+    records that keep that part true."""
+    pool = SwapPool.in_buffer(kv_cache, tier.data(rank), "host tier file", tier.scales(rank))
+    return pool, TierRecords(tier, rank)
 
 
 def open_tier_file(path: str | Path, identity: TierIdentity, rank: int = 0,
