@@ -195,3 +195,40 @@ def test_an_int8_cache_carries_its_scales_through_the_tier_file(qwen2, tmp_path)
     wiped.adopt_host_blocks(promised)  # trusted blindly, the crc32 check skipped
     outputs, sched = run_scheduled(again, wiped, a[2:4], MAX_TOKENS)
     assert sched.counters.prefix_cache_host_hits >= PREFIX and outputs != reference
+
+
+class RecordingRunner:
+    """The runner, keeping every plan it executes."""
+
+    def __init__(self, runner):
+        self.runner, self.plans = runner, []
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def execute(self, plan):
+        self.plans.append(plan)
+        return self.runner.execute(plan)
+
+
+def test_a_family_admitted_together_shares_one_copy_of_each_slot(qwen2):
+    """Three requests of a family whose prefix is only in the host tier, admitted in one step:
+    the plan copies each of the prefix's slots in once, the three share those blocks, and
+    every continuation is HF's."""
+    model_dir, hf = qwen2
+    runner = RecordingRunner(make_runner(model_dir, num_blocks=NUM_BLOCKS,
+                                         num_host_blocks=NUM_HOST_BLOCKS))
+    bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE, num_host_blocks=NUM_HOST_BLOCKS)
+    a, b, c = families(hf.config.vocab_size)
+    run_scheduled(runner, bm, a[:2], MAX_TOKENS)
+    run_scheduled(runner, bm, b[:2] + c[:2], MAX_TOKENS)
+    runner.plans.clear()
+    outputs, sched = run_scheduled(runner, bm, a[2:5], MAX_TOKENS)
+    assert outputs == hf_greedy(hf, a[2:5], MAX_TOKENS)
+    (plan,) = [p for p in runner.plans if p.offload_in]
+    slots = [slot for slot, _ in plan.offload_in]
+    assert len(slots) == len(set(slots)) == PREFIX // BLOCK_SIZE
+    assert len(plan.new_reqs) == 3
+    assert all(r.block_ids[:len(slots)] == plan.new_reqs[0].block_ids[:len(slots)]
+               for r in plan.new_reqs)
+    assert sched.counters.prefix_cache_host_hits == 3 * PREFIX
