@@ -10,10 +10,12 @@ side stream ordered by events). On the CPU backend the tier is a second, larger 
 same layout, not counted against `--kv-cache-memory`.
 
 In a tier file (`protos/kv_tier_file.py`, shared memory the serving process owns) the pool's
-tensors are views of the rank's part of the file (its codes, and an int8 cache's scales), and `TierRecords` keeps the file's per-slot records true:
-a slot's record is invalidated before a plan's copy-out is queued into it and committed (the
-block's key, a crc32 of its bytes) only once that copy has completed, so a crash at any moment
-leaves every record either vouching for its slot's bytes or empty.
+tensors are views of this rank's part of the file (its codes, and an int8 cache's scales), and
+`TierRecords` keeps that part's records true: a slot's record is invalidated before a plan's
+copy-out is queued into it and committed (the block's key, a crc32 of its codes and scales)
+only once that copy has completed, so a crash at any moment leaves every record either
+vouching for its slot's bytes or empty. Under tensor parallelism rank 0 alone creates or
+validates the file (`open_tier_file`) and each rank writes only its own records and blocks.
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ def open_tier_file(path: str | Path, identity: TierIdentity, rank: int = 0,
     if tier is None:
         tier = TierFile.open(path, identity)
         if tier is None:
-            raise RuntimeError(f"rank {rank} cannot map the host tier file {path}: it does not "
-                               "hold this rank's blocks (do the ranks disagree on the model, "
-                               "the KV cache dtype or the tier's size?)")
+            raise ValueError(f"--kv-offloading-path {path}: rank {rank} finds no tier of its "
+                             "blocks there after rank 0 prepared it (do the ranks disagree on "
+                             "the model, the KV cache dtype or the tier's size?)")
     return tier

@@ -88,13 +88,13 @@ def test_a_slot_torn_on_one_rank_only_is_dropped(tmp_path):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("flush", [False, True])
+@pytest.mark.parametrize("flush", ["never", "while_checking", "before_hello"])
 async def test_the_check_runs_off_the_event_loop(tiny_tokenizer, tier_path, monkeypatch, flush):
     """A new executor's Hello starts the check of the tier file on a worker thread: held
     there, the server still answers health checks (not yet serving) and refuses requests
     rather than queueing them ahead of the adoption; once the check returns the kept blocks
-    are adopted and the server serves. A flush while the check runs means nothing is
-    adopted."""
+    are adopted and the server serves. A flush while no executor serves (before its Hello, or
+    while the check runs) means nothing is adopted."""
     gate, entered, gave_up = threading.Event(), threading.Event(), threading.Event()
 
     def gated(*args):
@@ -108,7 +108,13 @@ async def test_the_check_runs_off_the_event_loop(tiny_tokenizer, tier_path, monk
                               kv_offloading_path=str(tier_path)) as harness:
         engine = harness.server.engine
         engine._host_index = {4: KEYS[4], 2: KEYS[2], 1: KEYS[1]}  # a retired tier's promises
+        if flush == "before_hello":
+            assert (await engine.flush_prefix_cache(0))[0]
         harness.connect(hello=HELLO)
+        if flush == "before_hello":  # nothing promised: no check at all
+            await harness.wait_health(SERVING)
+            assert (await harness.stats()).host_kv_blocks_cached == 0 and not entered.is_set()
+            return
         assert await asyncio.to_thread(entered.wait, 10)
         for _ in range(3):  # the loop answers while the check is held on its thread
             assert await asyncio.wait_for(harness.health_status(), 2) == NOT_SERVING
@@ -116,11 +122,11 @@ async def test_the_check_runs_off_the_event_loop(tiny_tokenizer, tier_path, monk
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await collect(harness.stub.Generate(gen_request(max_tokens=2)))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        if flush:
+        if flush == "while_checking":
             assert (await engine.flush_prefix_cache(0))[0]
         gate.set()
         await harness.wait_health(SERVING)
         stats = await harness.stats()
-        assert stats.host_kv_blocks_cached == (0 if flush else 2)  # slot 2 was torn
+        assert stats.host_kv_blocks_cached == (0 if flush == "while_checking" else 2)  # 2 torn
         responses = await collect(harness.stub.Generate(gen_request(max_tokens=2)))
         assert [t for r in responses for t in r.token_ids] == null_continuation([5, 6, 7], 2)
