@@ -99,9 +99,6 @@ class ExecutorConfig:
         if not 0 <= self.kv_offloading_size < 1 << 20:
             raise ValueError("--kv-offloading-size must be >= 0 GiB (and finite), got "
                              f"{self.kv_offloading_size}")
-        if self.kv_offloading_path is not None and self.tensor_parallel_size > 1:
-            raise ValueError("--kv-offloading-path needs --tensor-parallel-size 1 for now (each "
-                             "rank would map its own part of the tier file)")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in DEVICES:

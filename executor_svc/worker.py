@@ -28,11 +28,12 @@ from checkpoints.resolve import resolve_model_dir
 from executor_svc.config import ExecutorConfig
 from executor_svc.host_memory import return_freed_memory
 from executor_svc.kv.host_tier import (
-    TierRecords,
     available_host_bytes,
     check_host_memory,
+    map_tier_file,
     num_host_blocks_for,
     open_tier_file,
+    tier_identity,
 )
 from executor_svc.kv.kv_cache import KVCache, bytes_per_block, model_kv_layout, num_blocks_for
 from executor_svc.kv.kv_scales import default_scales, read_kv_scales
@@ -44,7 +45,7 @@ from executor_svc.loading.loader import (
     load_model,
 )
 from executor_svc.loading.model_config import ModelConfig
-from executor_svc.parallel.distributed import all_reduce_min, init_tp, tp_rank, tp_size
+from executor_svc.parallel.distributed import all_reduce_min, barrier, init_tp, tp_rank, tp_size
 from executor_svc.parallel.tp_worker import GroupBroken, Leader, follow
 from executor_svc.spec.draft import DraftProposer, load_draft
 from executor_svc.step.graph_runner import DecodeGraphRunner
@@ -52,7 +53,6 @@ from executor_svc.step.runner import ModelRunner
 from kernels import kv_quant
 from protos.channel import AuthFailed, BadMessage, ExecutorEnd, SchedulerLost
 from protos.channel_keys import ChannelKeys, read_secret
-from protos.kv_tier_file import TierIdentity
 from protos.plan import (
     PROTOCOL_VERSION,
     ExecutorError,
@@ -195,21 +195,13 @@ def build_executor(cfg: ExecutorConfig, model_dir: Path) -> Executor:
         device)
     host_tier = host_tier_records = None
     tier_path = cfg.kv_offloading_path
-    if num_host_blocks and tier_path is not None and kv_cache.k_scales is not None:
-        # The tier file holds whole blocks of codes; an int8 cache's per-position scales live
-        # beside them, which the file format does not carry yet.
-        log.warning("the host tier file does not hold an int8 KV cache's scales: the host "
-                    "tier stays private to this executor (not kept across a crash)",
-                    kv_offloading_path=str(tier_path))
-        tier_path = None
     if num_host_blocks and tier_path is not None:
-        tier = open_tier_file(tier_path, TierIdentity(
+        tier = open_tier_file(tier_path, tier_identity(
             model_name=model_dir.name, architecture=model_cfg.architecture,
-            dtype=kv_dtype_name(kv_dtype), block_size=cfg.block_size,
-            block_bytes=SwapPool.block_bytes(kv_cache), num_slots=num_host_blocks,
-            tensor_parallel_size=tp_size(), kv_windows=tuple(kv_cache.layout.windows)))
-        host_tier = SwapPool.in_buffer(kv_cache, tier.data(tp_rank()), "host tier file")
-        host_tier_records = TierRecords(tier, tp_rank())
+            kv_dtype_name=kv_dtype_name(kv_dtype), kv_cache=kv_cache,
+            block_size=cfg.block_size, num_slots=num_host_blocks,
+            tensor_parallel_size=tp_size()), rank=tp_rank(), barrier=lambda: barrier(device))
+        host_tier, host_tier_records = map_tier_file(tier, kv_cache, tp_rank())
     elif num_host_blocks:
         host_tier = SwapPool.allocate(kv_cache, num_host_blocks, what="prefix cache host tier")
     tokenizer_json = model_dir / "tokenizer.json"  # structured output's matchers read it

@@ -10,10 +10,14 @@ drops the whole tier (stale), a slot whose record or contents fail their checksu
 
     offset 0      header   MAGIC, FORMAT_VERSION, len, identity (JSON), sha256 of all before
     RECORDS_AT    records  [tensor_parallel_size][num_slots] x RECORD_BYTES
-    data_offset   data     [tensor_parallel_size][num_slots] x block_bytes  (page aligned)
+    data_offset   rank 0   codes   [num_slots] x block_bytes   (page aligned)
+                           scales  [num_slots] x scale_bytes   (page aligned; int8 KV only)
+                  rank 1   codes, scales ...                   (each rank page aligned)
 
-A record says what its rank's slot holds: the block's prefix-cache key, the crc32 of the slot's
-block_bytes, a write counter, and a crc32 of the record itself. Writers follow one order, so a
+A slot of a rank is its block's codes and, for an int8 KV cache, their per-position scales: two
+ranges that are read, written and checked together. A record says what its rank's slot holds:
+the block's prefix-cache key, the crc32 of the slot's codes then scales, a write counter, and a
+crc32 of the record itself. Writers follow one order, so a
 crash at any point leaves a slot either valid or detectably not: `invalidate` the record, write
 the block, then `commit` the record (computed from the data as it now is). A slot is valid only
 when every rank's record is valid, names the same key, and matches its data.
@@ -34,7 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 MAGIC = b"FOLIOKVT"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: scale regions, each rank's region page aligned
 HEADER_BYTES = 4096
 RECORDS_AT = HEADER_BYTES
 MAX_KEY_BYTES = 40  # a prefix-cache key: sha256 (32), plus 2 bytes for KV groups > 0
@@ -53,14 +57,27 @@ class TierIdentity:
     architecture: str
     dtype: str
     block_size: int
-    block_bytes: int  # one slot of one rank: every layer's K and V for block_size positions
+    block_bytes: int  # one slot of one rank: every layer's K and V codes, block_size positions
     num_slots: int
     tensor_parallel_size: int = 1
     kv_windows: tuple[int, ...] = (0,)
+    scale_bytes: int = 0  # one slot of one rank: an int8 cache's K and V scales (else 0)
 
     def __post_init__(self):
         if min(self.block_size, self.block_bytes, self.num_slots, self.tensor_parallel_size) < 1:
             raise ValueError(f"a host tier needs at least one slot of one block, got {self}")
+        if self.scale_bytes < 0:
+            raise ValueError(f"a host tier's scale_bytes must be >= 0, got {self.scale_bytes}")
+
+    @property
+    def codes_region(self) -> int:
+        """Bytes of one rank's codes, page aligned."""
+        return _page_align(self.num_slots * self.block_bytes)
+
+    @property
+    def rank_region(self) -> int:
+        """Bytes of one rank's codes and scales, page aligned."""
+        return self.codes_region + _page_align(self.num_slots * self.scale_bytes)
 
     def encode(self) -> bytes:
         return json.dumps({**asdict(self), "kv_windows": list(self.kv_windows)},
@@ -90,7 +107,8 @@ class TierFile:
     @staticmethod
     def size_for(identity: TierIdentity) -> int:
         n = identity.tensor_parallel_size * identity.num_slots
-        return _page_align(RECORDS_AT + n * RECORD_BYTES) + n * identity.block_bytes
+        return (_page_align(RECORDS_AT + n * RECORD_BYTES)
+                + identity.tensor_parallel_size * identity.rank_region)
 
     @classmethod
     def create(cls, path: str | Path, identity: TierIdentity) -> TierFile:
@@ -136,21 +154,36 @@ class TierFile:
     # ---- the data ---------------------------------------------------------------------------
 
     def slot_offset(self, rank: int, slot: int) -> int:
-        """Where `rank`'s copy of `slot` starts in the file (block_bytes long)."""
+        """Where `rank`'s codes of `slot` start in the file (block_bytes long)."""
         self._check(rank, slot)
-        index = rank * self.identity.num_slots + slot
-        return self.data_offset + index * self.identity.block_bytes
+        return (self.data_offset + rank * self.identity.rank_region
+                + slot * self.identity.block_bytes)
+
+    def scale_offset(self, rank: int, slot: int) -> int:
+        """Where `rank`'s scales of `slot` start in the file (scale_bytes long)."""
+        self._check(rank, slot)
+        return (self.data_offset + rank * self.identity.rank_region
+                + self.identity.codes_region + slot * self.identity.scale_bytes)
 
     def data(self, rank: int) -> memoryview:
-        """`rank`'s data region, [num_slots x block_bytes], for the executor to map as a
-        tensor (writable: the memory is shared, not copied)."""
+        """`rank`'s codes, [num_slots x block_bytes], for the executor to map as a tensor
+        (writable: the memory is shared, not copied)."""
         start = self.slot_offset(rank, 0)
         return memoryview(self._mm)[start:start + self.identity.num_slots *
                                     self.identity.block_bytes]
 
-    def _slot_bytes(self, rank: int, slot: int) -> memoryview:
-        start = self.slot_offset(rank, slot)
-        return memoryview(self._mm)[start:start + self.identity.block_bytes]
+    def scales(self, rank: int) -> memoryview:
+        """`rank`'s scales, [num_slots x scale_bytes] (empty without them), mapped alike."""
+        start = self.scale_offset(rank, 0)
+        return memoryview(self._mm)[start:start + self.identity.num_slots *
+                                    self.identity.scale_bytes]
+
+    def _slot_crc(self, rank: int, slot: int) -> int:
+        """The crc32 of `rank`'s slot: its codes, then its scales."""
+        codes, scales = self.slot_offset(rank, slot), self.scale_offset(rank, slot)
+        view = memoryview(self._mm)
+        crc = zlib.crc32(view[codes:codes + self.identity.block_bytes])
+        return zlib.crc32(view[scales:scales + self.identity.scale_bytes], crc)
 
     # ---- records ---------------------------------------------------------------------------
 
@@ -169,8 +202,7 @@ class TierFile:
         if not 0 < len(key) <= MAX_KEY_BYTES:
             raise ValueError(f"a prefix-cache key of {len(key)} bytes does not fit a record")
         self._writes += 1
-        body = _RECORD.pack(len(key), key, zlib.crc32(self._slot_bytes(rank, slot)),
-                            self._writes)
+        body = _RECORD.pack(len(key), key, self._slot_crc(rank, slot), self._writes)
         at = self._record_at(rank, slot)
         record = body + struct.pack("<I", zlib.crc32(body))
         self._mm[at:at + RECORD_BYTES] = record.ljust(RECORD_BYTES, b"\0")
@@ -186,7 +218,7 @@ class TierFile:
         key_len, key, data_crc, _ = _RECORD.unpack(body)
         if not 0 < key_len <= MAX_KEY_BYTES or any(key[key_len:]):
             return None
-        if zlib.crc32(self._slot_bytes(rank, slot)) != data_crc:
+        if self._slot_crc(rank, slot) != data_crc:
             return None
         return key[:key_len]
 

@@ -166,8 +166,7 @@ async def _serve_until(config: SchedulerConfig, spawn_executor: bool, stop: asyn
         return 1
     supervisor = None
     owned_tier = None  # a tier file this process made, and removes at exit
-    if spawn_executor and config.kv_offloading_size and config.kv_offloading_path is None \
-            and (config.tensor_parallel_size or 1) == 1:  # a tier file: one rank for now
+    if spawn_executor and config.kv_offloading_size and config.kv_offloading_path is None:
         owned_tier = default_tier_path()
         config = replace(config, kv_offloading_path=str(owned_tier))
     if spawn_executor:

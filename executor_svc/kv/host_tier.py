@@ -10,19 +10,24 @@ side stream ordered by events). On the CPU backend the tier is a second, larger 
 same layout, not counted against `--kv-cache-memory`.
 
 In a tier file (`protos/kv_tier_file.py`, shared memory the serving process owns) the pool's
-tensor is a view of the file's data, and `TierRecords` keeps the file's per-slot records true:
-a slot's record is invalidated before a plan's copy-out is queued into it and committed (the
-block's key, a crc32 of its bytes) only once that copy has completed, so a crash at any moment
-leaves every record either vouching for its slot's bytes or empty.
+tensors are views of this rank's part of the file (its codes, and an int8 cache's scales), and
+`TierRecords` keeps that part's records true: a slot's record is invalidated before a plan's
+copy-out is queued into it and committed (the block's key, a crc32 of its codes and scales)
+only once that copy has completed, so a crash at any moment leaves every record either
+vouching for its slot's bytes or empty. Under tensor parallelism rank 0 alone creates or
+validates the file (`open_tier_file`) and each rank writes only its own records and blocks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
 import torch
 
+from executor_svc.kv.kv_cache import KVCache
+from executor_svc.kv.swap import SwapPool
 from protos.kv_tier_file import TierFile, TierIdentity
 
 log = structlog.get_logger(__name__)
@@ -106,14 +111,48 @@ class TierRecords:
             self._pending.pop(0)
 
 
-def open_tier_file(path: str | Path, identity: TierIdentity) -> TierFile:
-    """The tier file at `path` if it holds blocks of exactly `identity` (a restarted executor:
-    its records say what is still valid), else a fresh, empty one in its place."""
-    tier = TierFile.open(path, identity)
+def tier_identity(*, model_name: str, architecture: str, kv_dtype_name: str, kv_cache: KVCache,
+                  block_size: int, num_slots: int, tensor_parallel_size: int) -> TierIdentity:
+    """What a tier file of this rank's KV cache holds: everything that decides its blocks'
+    meaning and layout (codes, and an int8 cache's scales, per slot)."""
+    return TierIdentity(model_name=model_name, architecture=architecture, dtype=kv_dtype_name,
+                        block_size=block_size, block_bytes=SwapPool.block_bytes(kv_cache),
+                        scale_bytes=SwapPool.scale_bytes(kv_cache), num_slots=num_slots,
+                        tensor_parallel_size=tensor_parallel_size,
+                        kv_windows=tuple(kv_cache.layout.windows))
+
+
+def map_tier_file(tier: TierFile, kv_cache: KVCache, rank: int) -> tuple[SwapPool, TierRecords]:
+    """`rank`'s host tier as a pool over its part of the file (codes and scales), with the
+    records that keep that part true."""
+    pool = SwapPool.in_buffer(kv_cache, tier.data(rank), "host tier file", tier.scales(rank))
+    return pool, TierRecords(tier, rank)
+
+
+def open_tier_file(path: str | Path, identity: TierIdentity, rank: int = 0,
+                   barrier: Callable[[], None] = lambda: None) -> TierFile:
+    """The tier file at `path` for `rank`: the file as it is if it holds blocks of exactly
+    `identity` (a restarted executor: its records say what is still valid), else a fresh,
+    empty one in its place.
+
+    Only rank 0 creates or validates the file; every rank then meets at `barrier` (the
+    tensor-parallel group's), and ranks > 0 map what rank 0 left. So no rank maps a file
+    another is about to replace, and all ranks agree on whether the tier starts warm."""
+    tier = None
+    if rank == 0:
+        tier = TierFile.open(path, identity)
+        if tier is None:
+            tier = TierFile.create(path, identity)
+            log.info("host tier file created", path=str(path), num_slots=identity.num_slots,
+                     tensor_parallel_size=identity.tensor_parallel_size)
+        else:
+            log.info("host tier file reopened", path=str(path),
+                     num_committed=len(tier.committed_slots()))
+    barrier()
     if tier is None:
-        tier = TierFile.create(path, identity)
-        log.info("host tier file created", path=str(path), num_slots=identity.num_slots)
-    else:
-        log.info("host tier file reopened", path=str(path),
-                 num_committed=len(tier.committed_slots()))
+        tier = TierFile.open(path, identity)
+        if tier is None:
+            raise ValueError(f"--kv-offloading-path {path}: rank {rank} finds no tier of its "
+                             "blocks there after rank 0 prepared it (do the ranks disagree on "
+                             "the model, the KV cache dtype or the tier's size?)")
     return tier

@@ -111,9 +111,11 @@ class SwapPool:
         return parts
 
     @classmethod
-    def in_buffer(cls, like: KVCache, buffer: memoryview, what: str) -> SwapPool:
-        """A pool whose blocks are a view of `buffer` (a tier file's shared memory, exactly
-        num_blocks whole blocks), contents as they are."""
+    def in_buffer(cls, like: KVCache, buffer: memoryview, what: str,
+                  scales: memoryview | None = None) -> SwapPool:
+        """A pool whose blocks are a view of `buffer` and, for an int8 cache, whose scales are
+        a view of `scales` (a tier file's shared memory, exactly num_blocks whole blocks of
+        each), contents as they are."""
         proto = like.k_caches[0]
         block_shape = (2 * len(like.k_caches), *proto.shape[1:])
         elems = proto.element_size() * torch.Size(block_shape).numel()
@@ -121,18 +123,36 @@ class SwapPool:
             raise ValueError(f"{what}: {len(buffer)} bytes are not whole KV blocks of "
                              f"{elems} bytes")
         blocks = torch.frombuffer(buffer, dtype=proto.dtype).view(-1, *block_shape)
+        scale_view = None
+        if like.k_scales is not None:
+            if scales is None or len(scales) != blocks.shape[0] * cls.scale_bytes(like):
+                raise ValueError(f"{what}: an int8 KV cache needs the scales of its "
+                                 f"{blocks.shape[0]} blocks beside them")
+            scale_view = torch.frombuffer(scales, dtype=torch.float32).view(
+                -1, *block_shape[:-1])  # [num_blocks, 2 * num_layers, block_size, H]
         stream = None
         if proto.device.type == "cuda":
-            pin_in_place(blocks)
+            for t in (blocks, scale_view):
+                if t is not None:
+                    pin_in_place(t)
             stream = torch.cuda.Stream(proto.device)
         log.info(f"{what} mapped", num_blocks=blocks.shape[0], pinned=stream is not None)
-        return cls(blocks, stream)
+        return cls(blocks, stream, scale_view)
 
     @staticmethod
     def block_bytes(like: KVCache) -> int:
         """Bytes one pool block takes: every layer's K and V of one device block."""
         proto = like.k_caches[0]
         return 2 * len(like.k_caches) * proto[0].numel() * proto.element_size()
+
+    @staticmethod
+    def scale_bytes(like: KVCache) -> int:
+        """Bytes of one pool block's scales: an int8 cache's per-position K and V scales of
+        every layer; 0 for any other cache."""
+        if like.k_scales is None:
+            return 0
+        proto = like.k_scales[0]
+        return 2 * len(like.k_scales) * proto[0].numel() * proto.element_size()
 
     def copy_done_event(self) -> torch.cuda.Event | None:
         """An event completing with every copy queued so far (None on the CPU: they are done)."""

@@ -104,6 +104,13 @@ def broadcast_bytes(data: bytes | None, device: torch.device) -> bytes:
     return data if tp_rank() == 0 else bytes(buf.cpu().numpy())
 
 
+def barrier(device: torch.device) -> None:
+    """Return once every rank has called it (an all-reduce, which NCCL and gloo both run on
+    the ranks' own devices)."""
+    if tp_size() > 1:
+        dist.all_reduce(torch.zeros(1, dtype=torch.int64, device=device))
+
+
 def all_reduce_min(value: int, device: torch.device) -> int:
     """The minimum of an int over the ranks."""
     if tp_size() == 1:

@@ -3,7 +3,9 @@ With overlapped scheduling (scheduler.py "Overlap") the loop sends plan N+1 befo
 step N's result; where the Scheduler cannot plan ahead it returns no plan (lockstep).
 
 One asyncio task runs the loop; gRPC handlers call `submit`/`abort` from the same event loop,
-so no locks are needed. A reader task (`channel_reader.py`) moves every channel event into
+so no locks are needed; the one blocking read, checking a tier file's blocks when an executor
+connects (host_tier.py), runs on a worker thread while the loop waits for it before the new
+Scheduler becomes the engine's. A reader task (`channel_reader.py`) moves every channel event into
 `_inbox`, so the loop can wait on "an event or new work" without two readers on the socket.
 
     handlers --submit/abort--> Registry --admit--> Scheduler <--schedule/update-- loop
@@ -99,6 +101,9 @@ class Engine:
         self._past_totals = dict.fromkeys(COUNTERS, 0)
         # The prefix cache's events, published once per turn of the loop (kv_event_stream.py).
         self._host_index: dict[int, bytes] = {}  # a retired scheduler's host tier promises
+        # The promises being checked against the tier file (on a thread) for a scheduler not
+        # yet the engine's; a flush meanwhile replaces it with None, so they are not adopted.
+        self._adopting: dict[int, bytes] | None = None
         self.kv_events = KvEventLog()
         self.host_kv_events = KvEventLog(Tier.HOST)  # the host tier's (--kv-offloading-size)
         self.kv_event_stream = KvEventStream(self.kv_events, self.host_kv_events)
@@ -158,6 +163,11 @@ class Engine:
         while True:
             sched = self.scheduler
             if sched is None:
+                # What a retired or connecting scheduler's host tier promised is forgotten
+                # too: the next scheduler adopts nothing.
+                if self._host_index or self._adopting is not None:
+                    self._host_index, self._adopting = {}, None
+                    self.host_kv_events.cleared()
                 self.kv_event_stream.publish()
                 return True, "no executor connected: the prefix cache is empty"
             idle = not len(self.registry) and not sched.has_unfinished() \
@@ -184,7 +194,7 @@ class Engine:
                     self._end_stalled()
                 except Exception as e:  # a scheduler bug: scope it, keep serving
                     log.exception("engine step failed")
-                    self._recover(e)
+                    await self._recover(e)
                 self.kv_event_stream.publish()
                 self.stats.maybe_log_server(self.server_stats())
         finally:
@@ -343,12 +353,11 @@ class Engine:
         info = ExecutorInfo.from_hello(identity, hello, self.config.max_model_len,
                                        self.config.max_num_batched_tokens)
         self.executor, self._hello = info, hello
-        self.scheduler = new_scheduler(info, hello, self.config,
-                                       first_step_id=self._next_step_id,
-                                       kv_events=self.kv_events,
-                                       host_kv_events=self.host_kv_events)
+        scheduler = new_scheduler(info, hello, self.config, first_step_id=self._next_step_id,
+                                  kv_events=self.kv_events, host_kv_events=self.host_kv_events)
         log_connected(info, hello, self.config)
-        self._adopt_host_tier(hello)
+        await self._adopt_host_tier(scheduler, hello)
+        self.scheduler = scheduler  # only now: requests are queued and scheduled
         self._readmit_all()
         if self._on_executor_change is not None:
             await self._on_executor_change(True, "connected")
@@ -378,14 +387,26 @@ class Engine:
                 self.host_kv_events.cleared()
         self.scheduler = None
 
-    def _adopt_host_tier(self, hello: Hello) -> None:
-        """Start the new scheduler's host tier with what the tier file still vouches for."""
+    async def _adopt_host_tier(self, scheduler: Scheduler, hello: Hello) -> None:
+        """Start `scheduler`'s host tier with what the tier file still vouches for.
+
+        Checking reads every promised block (a crc32 each), so it runs on a worker thread and
+        the loop keeps answering (health, stats, other executors' Hellos) meanwhile. The
+        caller makes `scheduler` the engine's only once this returns: until then no request
+        is queued on it and nothing is scheduled, so nothing reads a block before it is
+        adopted, and the engine's loop, waiting here, handles no channel event."""
         promised, self._host_index = self._host_index, {}
+        bm = scheduler.block_manager
         if not promised:
             return
-        bm = self.scheduler.block_manager
-        kept = (surviving_host_blocks(self.config.kv_offloading_path, hello, promised)
-                if bm.num_host_blocks else {})
+        kept: dict[int, bytes] = {}
+        if bm.num_host_blocks:
+            self._adopting = promised
+            kept = await asyncio.to_thread(surviving_host_blocks,
+                                           self.config.kv_offloading_path, hello, promised)
+            if self._adopting is not promised:  # the prefix cache was flushed meanwhile
+                kept = {}
+            self._adopting = None
         bm.adopt_host_blocks(kept)
 
     def _readmit_all(self) -> None:
@@ -408,7 +429,7 @@ class Engine:
                 f"the executor was lost and none came back within "
                 f"{self.config.resume_timeout_s:g}s; retry later"))
 
-    def _recover(self, error: Exception) -> None:
+    async def _recover(self, error: Exception) -> None:
         """After an exception in the loop: end the requests it most likely concerns, and
         rebuild the Scheduler from the registry on the same executor (if even that fails,
         every request ends)."""
@@ -422,23 +443,23 @@ class Engine:
                                      f"{error}) while running this request; see the server log")
             for client in self.registry.clients_of(blamed):
                 self.outputs.fail(client, failure)
-            self._reset_scheduler()
+            await self._reset_scheduler()
             self._readmit_all()
         except Exception:
             log.exception("recovering from a scheduler error failed; ending every request")
             for client in self.registry:
                 self.outputs.fail(client, ExecutorFailed("internal scheduler error; see the "
                                                          "server log"))
-            self._reset_scheduler()
+            await self._reset_scheduler()
 
-    def _reset_scheduler(self) -> None:
+    async def _reset_scheduler(self) -> None:
         """A new Scheduler on the same executor, whose first plan drops all it holds."""
         self._retire_scheduler()
-        self.scheduler = new_scheduler(self.executor, self._hello, self.config,
-                                       first_step_id=self._next_step_id, reset_executor=True,
-                                       kv_events=self.kv_events,
-                                       host_kv_events=self.host_kv_events)
-        self._adopt_host_tier(self._hello)
+        scheduler = new_scheduler(self.executor, self._hello, self.config,
+                                  first_step_id=self._next_step_id, reset_executor=True,
+                                  kv_events=self.kv_events, host_kv_events=self.host_kv_events)
+        await self._adopt_host_tier(scheduler, self._hello)
+        self.scheduler = scheduler
 
     async def _close(self, reason: str) -> None:
         """Shutting down: end every request with UNAVAILABLE."""

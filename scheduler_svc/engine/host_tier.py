@@ -9,6 +9,8 @@ new executor may still read from the tier file the serving process owns.
 
 Anything that fails a check is dropped, never trusted: a file of another model or layout
 (stale), a promise whose copy never ran or was cut off by the crash (torn), damaged memory.
+At TP > 1 a slot is kept only if every rank's record vouches for it. `surviving_host_blocks`
+blocks while it reads the blocks: the engine calls it on a worker thread.
 """
 
 from __future__ import annotations

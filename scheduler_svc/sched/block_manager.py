@@ -79,7 +79,9 @@ copy-out reads may be handed out again in the same plan (it is read first), and 
 by a copy-out may be read by a copy-in of the same plan; but a slot a pending copy names
 (`_host_busy`) is never reused before its plan is built, and a copy into a table freed before
 then is dropped. A block copied in is keyed on the device only by `cache_blocks` after its
-step, like any computed block.
+step, like any computed block; until the plan is built, a second request hitting the same slot
+shares the block the pending copy fills (a device hit: one copy per slot per plan), and a copy
+is dropped only when no table holds its block any more.
 
 KV events (`kv_events.py`, when an `events` log is given): blocks of the first full-attention
 group (else group 0) newly keyed by `cache_blocks` are reported stored, in runs of consecutive
@@ -97,8 +99,9 @@ Invariants (`check_invariants`, asserted in tests):
   only in windowed groups, below the positions their windows still need; a sequence's table is
   on the GPU or on the CPU, never both; CPU ref counts likewise count CPU table entries.
 - host slots are free or keyed (`_host_key_of` / `_host_cached` inverse, every keyed slot in
-  the host LRU); the pending copies name distinct host slots (copy-outs) and distinct device
-  blocks (copy-ins), from keyed slots into held blocks, and exactly they are `_host_busy`.
+  the host LRU); the pending copies name distinct host slots (copy-outs), distinct host slots
+  and distinct device blocks (copy-ins), from keyed slots into held blocks, and exactly they
+  are `_host_busy`.
 Allocation takes a never-cached free block first, else evicts the least recently used
 evictable block and drops its key, so a request never reads a block that was reassigned.
 """
@@ -205,7 +208,7 @@ class BlockManager:
         self._host_key_of: dict[int, bytes] = {}
         self._host_cached: dict[bytes, int] = {}
         self._offload_out: list[tuple[int, int]] = []  # (device, host) copies for the next plan
-        self._offload_in: list[tuple[int, int]] = []  # (host, device) copies for the next plan
+        self._offload_in: dict[int, int] = {}  # host slot -> device block, for the next plan
         self._host_busy: set[int] = set()  # host slots the pending copies name
 
     # ---- sizes -----------------------------------------------------------------------------
@@ -388,14 +391,18 @@ class BlockManager:
         """The device block cached under `key`, else its host-tier slot as a `host_entry`."""
         block_id = self._cached.get(key)
         if block_id is None and (slot := self._host_cached.get(key)) is not None:
-            return host_entry(slot)
+            # A slot the next plan already copies in is read from that copy, shared as a
+            # device hit: the copy lands before the step that reads it.
+            return self._offload_in.get(slot, host_entry(slot))
         return block_id
 
     def num_host_hit_positions(self, cached_block_ids: Sequence[int]) -> int:
-        """Positions of a `cached_prefix` table that some group reads from the host tier."""
-        G = self.num_groups
+        """Positions of a `cached_prefix` table that some group reads from the host tier: by
+        a copy of its own, or by sharing the block a pending copy fills."""
+        G, copied_in = self.num_groups, set(self._offload_in.values())
         return sum(1 for k in range(len(cached_block_ids) // G)
-                   if any(b < FREED for b in cached_block_ids[k * G:(k + 1) * G]))
+                   if any(b < FREED or b in copied_in
+                          for b in cached_block_ids[k * G:(k + 1) * G]))
 
     def allocate_new(self, seq_id: str, num_tokens: int,
                      cached_block_ids: Sequence[int] = ()) -> list[int] | None:
@@ -414,23 +421,26 @@ class BlockManager:
         num_revived = sum(1 for b in hits if self.ref_counts[b] == 0)
         if num_fresh * G + num_revived + num_host > self.num_free_blocks:
             return None
+        # The first position read from the host tier, by a copy of its own or one shared.
+        copied_in = set(self._offload_in.values())
+        first_host = next((i // G for i, b in enumerate(cached_block_ids)
+                           if b < FREED or b in copied_in), num_cached)
         for block_id in hits:  # before taking fresh ones: those may evict
             if self.ref_counts[block_id] == 0:
                 del self._evictable[block_id]
             self.ref_counts[block_id] += 1
-            if self._host_cached and (slot := self._host_cached.get(self._key_of[block_id])) \
-                    is not None:
+            if self._host_cached and (key := self._key_of.get(block_id)) is not None \
+                    and (slot := self._host_cached.get(key)) is not None:
                 self._host_lru.move_to_end(slot)  # one LRU across the tiers
         table = list(cached_block_ids)
-        first_host = num_cached  # the first position read from the host tier
         for i, entry in enumerate(table):
             if entry < FREED:  # copied back into a fresh device block before the step
                 slot, block_id = host_slot(entry), self._take_free_block()
+                assert slot not in self._offload_in, "a host slot copied in twice"
                 table[i] = block_id
-                self._offload_in.append((slot, block_id))
+                self._offload_in[slot] = block_id
                 self._host_busy.add(slot)
                 self._host_lru.move_to_end(slot)
-                first_host = min(first_host, i // G)
         table += [self._take_free_block() for _ in range(num_fresh * G)]
         self.block_tables[seq_id] = table
         self._num_tokens[seq_id] = num_tokens
@@ -468,12 +478,13 @@ class BlockManager:
         table = self.block_tables.pop(seq_id, None)
         if table is None:
             return 0
-        if self._offload_in:  # a copy into a block handed out again would clobber it
-            dropped = set(table)
-            self._offload_in = [(h, d) for h, d in self._offload_in if d not in dropped]
-            self._host_busy = {h for _, h in self._offload_out} | \
-                {h for h, _ in self._offload_in}
-        return sum(self._release(b) for b in reversed(table) if b != FREED)
+        released = sum(self._release(b) for b in reversed(table) if b != FREED)
+        if self._offload_in:
+            # A copy into a block no table holds any more would clobber its next holder; one
+            # another table shares (it hit this table's copy) still lands.
+            self._offload_in = {h: d for h, d in self._offload_in.items() if self.ref_counts[d]}
+            self._host_busy = {h for _, h in self._offload_out} | set(self._offload_in)
+        return released
 
     # ---- prefix cache ----------------------------------------------------------------------
 
@@ -554,8 +565,8 @@ class BlockManager:
         """The host-tier copies the next plan must carry: (offload_out as (device, host)
         pairs, offload_in as (host, device) pairs). The plan is built from them now, so their
         slots may be reused by later allocations: the executor runs plans in order."""
-        out, into = self._offload_out, self._offload_in
-        self._offload_out, self._offload_in, self._host_busy = [], [], set()
+        out, into = self._offload_out, list(self._offload_in.items())
+        self._offload_out, self._offload_in, self._host_busy = [], {}, set()
         return out, into
 
     def host_key(self, slot: int) -> bytes:
@@ -647,7 +658,7 @@ class BlockManager:
         if self.num_swap_out_blocks(seq_ids) > self.num_free_cpu_blocks:
             return None
         # A swap-out reads its blocks before the plan's copy-ins write them.
-        assert not {d for _, d in self._offload_in} & {
+        assert not set(self._offload_in.values()) & {
             b for s in seq_ids for b in self.block_tables[s]}, "swapping out a pending copy-in"
         moved: dict[int, int] = {}
         for seq_id in seq_ids:
@@ -793,12 +804,12 @@ class BlockManager:
         assert {k: s for s, k in self._host_key_of.items()} == self._host_cached, \
             "host key maps disagree"
         out_slots = [h for _, h in self._offload_out]
-        in_blocks = [d for _, d in self._offload_in]
+        in_blocks = list(self._offload_in.values())
         assert len(out_slots) == len(set(out_slots)), "two copies into one host slot"
         assert len(in_blocks) == len(set(in_blocks)), "two copies into one device block"
         assert set(out_slots) <= set(self._host_key_of), "a copy-out into an unkeyed slot"
-        assert all(h in self._host_key_of for h, _ in self._offload_in), \
-            "a copy-in from an unkeyed host slot"
+        assert all(h in self._host_key_of for h in self._offload_in), \
+            "a copy-in from an unkeyed host slot"  # (and each slot copied in at most once)
         assert all(self.ref_counts[d] > 0 for d in in_blocks), "a copy-in into a free block"
-        assert self._host_busy == set(out_slots) | {h for h, _ in self._offload_in}, \
+        assert self._host_busy == set(out_slots) | set(self._offload_in), \
             "busy host slots are not exactly those the pending copies name"

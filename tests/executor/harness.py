@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
-from executor_svc.kv.host_tier import TierRecords
+from executor_svc.kv.host_tier import map_tier_file, open_tier_file, tier_identity
 from executor_svc.kv.kv_cache import KVCache
 from executor_svc.kv.swap import SwapPool
 from executor_svc.loading.loader import effective_max_model_len, load_model
 from executor_svc.loading.model_config import ModelConfig
 from executor_svc.step.runner import ModelRunner
-from protos.kv_tier_file import TierFile, TierIdentity
+from executor_svc.worker import kv_dtype_name
 from protos.plan import CachedRequest, NewRequest, SamplingSpec, StepPlan
 
 BLOCK_SIZE = 4  # small, so prompts span several blocks
@@ -155,26 +155,26 @@ def save_checkpoint(model, path: Path, **save_kwargs) -> Path:
 def make_runner(model_dir: Path, num_blocks: int = NUM_BLOCKS, num_swap_blocks: int = 0,
                 keep_plain_weights: bool = False,
                 device: torch.device = torch.device("cpu"),  # noqa: B008
-                num_host_blocks: int = 0, tier_file: Path | None = None) -> ModelRunner:
-    """A float32 runner; with `tier_file`, its host tier of `num_host_blocks` blocks lives in
-    that tier file (opened if it holds this model's blocks, else created)."""
+                num_host_blocks: int = 0, tier_file: Path | None = None,
+                kv_dtype: torch.dtype = torch.float32) -> ModelRunner:
+    """A float32 runner over a `kv_dtype` cache (float32 or int8); with `tier_file`, its host
+    tier of `num_host_blocks` blocks lives in that tier file (opened if it holds this model's
+    blocks, else created)."""
     cfg = ModelConfig.from_dir(model_dir)
     max_len = effective_max_model_len(cfg, None)
     model = load_model(model_dir, dtype=torch.float32, device=device, max_model_len=max_len,
                        cfg=cfg, keep_plain_weights=keep_plain_weights)
-    kv_cache = KVCache.allocate(cfg, num_blocks, BLOCK_SIZE, torch.float32, device)
+    kv_cache = KVCache.allocate(cfg, num_blocks, BLOCK_SIZE, kv_dtype, device)
     kv_cache.bind(model)
     swap_pool = SwapPool.allocate(kv_cache, num_swap_blocks) if num_swap_blocks else None
     host_tier = SwapPool.allocate(kv_cache, num_host_blocks) if num_host_blocks else None
     records = None
     if tier_file is not None:
-        identity = TierIdentity(model_name=model_dir.name, architecture=cfg.architecture,
-                                dtype="float32", block_size=BLOCK_SIZE,
-                                block_bytes=SwapPool.block_bytes(kv_cache),
-                                num_slots=num_host_blocks)
-        tier = TierFile.open(tier_file, identity) or TierFile.create(tier_file, identity)
-        host_tier = SwapPool.in_buffer(kv_cache, tier.data(0), "host tier file")
-        records = TierRecords(tier, rank=0)
+        tier = open_tier_file(tier_file, tier_identity(
+            model_name=model_dir.name, architecture=cfg.architecture,
+            kv_dtype_name=kv_dtype_name(kv_dtype), kv_cache=kv_cache, block_size=BLOCK_SIZE,
+            num_slots=num_host_blocks, tensor_parallel_size=1))
+        host_tier, records = map_tier_file(tier, kv_cache, rank=0)
     return ModelRunner(model, kv_cache, BLOCK_SIZE, max_len, cfg.vocab_size, device, swap_pool,
                        host_tier=host_tier, host_tier_records=records)
 

@@ -138,6 +138,8 @@ class PlanMirror:
         for what, pairs in (("host slot", plan.offload_out), ("block", plan.offload_in)):
             if len({d for _, d in pairs}) != len(pairs):
                 raise PlanViolation(f"step {plan.step_id}: two copies into one {what}")
+        if len({slot for slot, _ in plan.offload_in}) != len(plan.offload_in):
+            raise PlanViolation(f"step {plan.step_id}: one host slot copied in twice")
         for gpu_id, slot in plan.offload_out:
             self.host[slot] = list(self.gpu.get(gpu_id, empty))
         for gpu_id, cpu_id in plan.swap_out:

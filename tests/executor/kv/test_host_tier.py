@@ -8,6 +8,7 @@ runs a plan's tier copies in the protocol's order and refuses pairs outside its 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from executor_svc.step.plan_validation import PlanError
 from scheduler_svc.sched.block_manager import BlockManager
@@ -154,3 +155,80 @@ def test_a_restarted_executor_starts_warm_from_the_tier_file(qwen2, tmp_path):
     outputs, sched = run_scheduled(restarted, fresh, a[2:4], MAX_TOKENS)
     assert outputs == hf_greedy(hf, a[2:4], MAX_TOKENS)
     assert sched.counters.prefix_cache_host_hits >= PREFIX
+
+
+def test_an_int8_cache_carries_its_scales_through_the_tier_file(qwen2, tmp_path):
+    """An int8 KV cache's tier file holds each slot's scales with its codes: a restarted
+    runner mapping the file reads the family's prefix back and continues exactly as the
+    uninterrupted runner does; a slot whose scales (alone) changed fails its crc32 and is
+    dropped; and the scales are what the model reads (zeroed, the tokens change)."""
+    model_dir, hf = qwen2
+    path = tmp_path / "tier"
+    kw = dict(num_blocks=NUM_BLOCKS, num_host_blocks=NUM_HOST_BLOCKS, tier_file=path,
+              kv_dtype=torch.int8)
+    runner = make_runner(model_dir, **kw)
+    bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE, num_host_blocks=NUM_HOST_BLOCKS)
+    a, b, _ = families(hf.config.vocab_size)
+    run_scheduled(runner, bm, a[:2] + b[:2], MAX_TOKENS)
+    promised = bm.host_index()
+    tier = runner.host_tier_records.tier
+    assert tier.identity.scale_bytes > 0 and tier.valid_slots(promised) == promised
+    assert runner.host_tier.scales.abs().sum() > 0  # the scales were written through
+    restarted = make_runner(model_dir, **kw)
+    assert restarted.host_tier.scales.data_ptr() != runner.host_tier.scales.data_ptr()
+    a_keys = set(extend_block_keys([], a[2], BLOCK_SIZE))
+    b_slot = next(slot for slot, key in promised.items() if key not in a_keys)
+    restarted.host_tier.scales[b_slot].view(-1)[0] += 1.0
+    kept = restarted.host_tier_records.tier.valid_slots(promised)
+    assert b_slot not in kept and len(kept) == len(promised) - 1
+    fresh = BlockManager(NUM_BLOCKS, BLOCK_SIZE, num_host_blocks=NUM_HOST_BLOCKS)
+    fresh.adopt_host_blocks(kept)
+    outputs, sched = run_scheduled(restarted, fresh, a[2:4], MAX_TOKENS)
+    assert sched.counters.prefix_cache_host_hits >= PREFIX
+    reference, _ = run_scheduled(runner, bm, a[2:4], MAX_TOKENS)  # the uninterrupted runner
+    assert outputs == reference
+    # Without the scales the codes mean nothing: the same restart with them zeroed differs.
+    promised = bm.host_index()
+    again = make_runner(model_dir, **kw)
+    again.host_tier.scales.zero_()
+    wiped = BlockManager(NUM_BLOCKS, BLOCK_SIZE, num_host_blocks=NUM_HOST_BLOCKS)
+    wiped.adopt_host_blocks(promised)  # trusted blindly, the crc32 check skipped
+    outputs, sched = run_scheduled(again, wiped, a[2:4], MAX_TOKENS)
+    assert sched.counters.prefix_cache_host_hits >= PREFIX and outputs != reference
+
+
+class RecordingRunner:
+    """The runner, keeping every plan it executes."""
+
+    def __init__(self, runner):
+        self.runner, self.plans = runner, []
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def execute(self, plan):
+        self.plans.append(plan)
+        return self.runner.execute(plan)
+
+
+def test_a_family_admitted_together_shares_one_copy_of_each_slot(qwen2):
+    """Three requests of a family whose prefix is only in the host tier, admitted in one step:
+    the plan copies each of the prefix's slots in once, the three share those blocks, and
+    every continuation is HF's."""
+    model_dir, hf = qwen2
+    runner = RecordingRunner(make_runner(model_dir, num_blocks=NUM_BLOCKS,
+                                         num_host_blocks=NUM_HOST_BLOCKS))
+    bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE, num_host_blocks=NUM_HOST_BLOCKS)
+    a, b, c = families(hf.config.vocab_size)
+    run_scheduled(runner, bm, a[:2], MAX_TOKENS)
+    run_scheduled(runner, bm, b[:2] + c[:2], MAX_TOKENS)
+    runner.plans.clear()
+    outputs, sched = run_scheduled(runner, bm, a[2:5], MAX_TOKENS)
+    assert outputs == hf_greedy(hf, a[2:5], MAX_TOKENS)
+    (plan,) = [p for p in runner.plans if p.offload_in]
+    slots = [slot for slot, _ in plan.offload_in]
+    assert len(slots) == len(set(slots)) == PREFIX // BLOCK_SIZE
+    assert len(plan.new_reqs) == 3
+    assert all(r.block_ids[:len(slots)] == plan.new_reqs[0].block_ids[:len(slots)]
+               for r in plan.new_reqs)
+    assert sched.counters.prefix_cache_host_hits == 3 * PREFIX

@@ -1,12 +1,18 @@
 """TierRecords keeps a tier file's records true around asynchronous copies: a record is empty
 from the moment a copy into its slot is queued until that copy has landed; commits happen in
 order, a newer copy into a slot supersedes an older pending commit, and `wait` settles all.
-The copies' completion is played by events that say when they are done."""
+The copies' completion is played by events that say when they are done. Two gloo ranks share
+one tier file: rank 0 creates or validates it, both map their own records and blocks, and a
+slot a rank left torn is not vouched for."""
 
 from __future__ import annotations
 
-from executor_svc.kv.host_tier import TierRecords
+import torch
+
+from executor_svc.kv.host_tier import TierRecords, open_tier_file
+from executor_svc.parallel import distributed
 from protos.kv_tier_file import TierFile, TierIdentity
+from tests.executor.parallel.tp_procs import run_ranks
 
 IDENTITY = TierIdentity(model_name="m", architecture="a", dtype="float32", block_size=4,
                         block_bytes=16, num_slots=4)
@@ -51,3 +57,35 @@ def test_records_follow_the_copies(tmp_path):
     records.after_copy([(0, b"k0b")], third)
     records.commit_completed(wait=True)  # waits for the copy
     assert tier.committed_slots()[0] == b"k0b"
+
+
+TP_IDENTITY = TierIdentity(model_name="m", architecture="a", dtype="float32", block_size=4,
+                           block_bytes=16, num_slots=4, tensor_parallel_size=2)
+
+
+def _rank_writes_its_part(rank: int, path: str) -> None:
+    def barrier():
+        distributed.barrier(torch.device("cpu"))
+
+    tier = open_tier_file(path, TP_IDENTITY, rank, barrier)
+    records = TierRecords(tier, rank)
+    records.before_copy([0, 1, 2])
+    for slot in (0, 1, 2):
+        tier.data(rank)[slot * 16:(slot + 1) * 16] = bytes([10 * rank + slot]) * 16
+    # rank 1 dies before its copy into slot 2 lands: that record stays empty
+    records.after_copy([(0, b"k0"), (1, b"k1")] + ([(2, b"k2")] if rank == 0 else []), None)
+    tier.close()
+    barrier()  # a restarted group: rank 0 keeps the file (same identity), rank 1 maps it
+    tier = open_tier_file(path, TP_IDENTITY, rank, barrier)
+    assert bytes(tier.data(rank)[16:32]) == bytes([10 * rank + 1]) * 16
+    assert tier.committed_slots() == {0: b"k0", 1: b"k1"}
+    tier.close()
+
+
+def test_two_ranks_share_one_file(tmp_path):
+    path = tmp_path / "tier"
+    run_ranks(_rank_writes_its_part, 2, str(path), timeout_s=120)
+    tier = TierFile.open(path, TP_IDENTITY)
+    assert tier.record_key(0, 2) == b"k2" and tier.record_key(1, 2) is None
+    assert tier.valid_slots({0: b"k0", 1: b"k1", 2: b"k2"}) == {0: b"k0", 1: b"k1"}
+    assert bytes(tier.data(1)[:16]) == bytes([10]) * 16  # each rank wrote its own region

@@ -1,14 +1,19 @@
 """The prefix cache's host tier in the block manager: exact slots and copies. Blocks are
 written through when keyed, stay hits after device eviction, come back through copy-ins into
 fresh device blocks; one LRU across the tiers; slots named by pending copies are never reused
-before their plan is built; a freed table drops its pending copy-ins; reset and failed plans
-forget what the tier promised; Tier.HOST events mirror it."""
+before their plan is built; a freed table drops its pending copy-ins; tables hitting one slot
+before its plan share one copy-in; reset and failed plans forget what the tier promised;
+Tier.HOST events mirror it."""
 
 from __future__ import annotations
 
-from scheduler_svc.sched.block_manager import FREED, BlockManager, host_entry
+from protos.plan import SamplingSpec
+from scheduler_svc.sched.block_manager import FREED, BlockManager, host_entry, host_slot
 from scheduler_svc.sched.kv_events import BlockRemoved, BlockStored, KvEventLog, Tier
 from scheduler_svc.sched.prefix_cache import extend_block_keys
+from scheduler_svc.sched.request import Request
+from scheduler_svc.sched.scheduler import Scheduler
+from tests.scheduler.null_executor import PlanMirror
 
 BS = 2
 
@@ -179,3 +184,80 @@ def test_a_new_block_manager_adopts_what_the_tier_vouches_for():
     assert [slot for _, slot in new.take_tier_copies()[0]] == [2, 3, 1]
     assert new.host_index()[0] == keys_of([1, 2])[0]
     new.check_invariants()
+
+
+def test_requests_hitting_one_slot_before_its_plan_share_one_copy():
+    """Two tables admitted before the plan is built, both hitting the same slots found only in
+    the host tier: one copy-in per slot, the second table shares the first's blocks (a device
+    hit) and counts them as host hits; freeing the first keeps the shared copy, freeing both
+    drops it."""
+    bm = BlockManager(num_blocks=8, block_size=BS, num_host_blocks=4)
+    cached_seq(bm, "a", [1, 2, 3, 4, 5])
+    bm.free("a")
+    cached_seq(bm, "x", [9, 9, 8, 8, 7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2])  # evicts a's blocks
+    bm.free("x")
+    bm.take_tier_copies()
+    keys = keys_of([1, 2, 3, 4, 5])[:2]
+    first_hits = bm.cached_prefix(keys)
+    assert all(b < FREED for b in first_hits)
+    first = bm.allocate_new("b1", 5, first_hits)
+    second_hits = bm.cached_prefix(keys)
+    assert second_hits == first[:2]  # the blocks the pending copies fill
+    assert bm.num_host_hit_positions(second_hits) == 2
+    second = bm.allocate_new("b2", 6, second_hits)
+    assert second[:2] == first[:2] and all(bm.ref_counts[b] == 2 for b in first[:2])
+    bm.check_invariants()
+    bm.free("b1")  # b2 still reads the copies
+    bm.check_invariants()
+    _, offload_in = bm.take_tier_copies()
+    assert sorted(offload_in) == sorted(zip((host_slot(e) for e in first_hits), first[:2],
+                                            strict=True))
+    # After the plan: a third request before b2's cache_blocks copies again (into new blocks).
+    third = bm.allocate_new("b3", 5, bm.cached_prefix(keys))
+    assert not set(third[:2]) & set(first[:2])
+    bm.free("b3")
+    assert bm.take_tier_copies() == ([], [])
+    bm.free("b2")
+    bm.check_invariants()
+
+
+def test_a_step_admitting_a_family_copies_each_host_slot_in_once():
+    """The scheduler admits three requests in one step whose 6-block prefix is found only in
+    the host tier: the plan copies each slot in once, all three tables share those blocks,
+    every prefix position counts as a host hit, and each request reads back its own tokens
+    (the KV-simulating mirror)."""
+    bs, prefix = 4, [30 + i for i in range(24)]
+    sched = Scheduler(BlockManager(16, bs, num_host_blocks=32), 8, 64, 64,
+                      enable_prefix_caching=True)
+    mirror = PlanMirror(bs)
+
+    def admit(reqs: list[Request]):
+        for r in reqs:
+            sched.add_request(r)
+        plan = sched.schedule()
+        sched.update(mirror.apply(plan))
+        sched.block_manager.check_invariants()
+        return plan
+
+    def family(name: str, tokens: list[int], n: int, arrival: int) -> list[Request]:
+        return [Request(req_id=f"{name}{i}", prompt_token_ids=tokens + [90 + i],
+                        sampling=SamplingSpec(temperature=0.0), max_tokens=2,
+                        arrival=arrival + i) for i in range(n)]
+
+    admit(family("a", prefix, 1, 0))
+    while sched.has_unfinished():
+        sched.update(mirror.apply(sched.schedule()))
+    admit(family("x", [100 + i for i in range(60)], 1, 1))  # the whole pool: evicts the prefix
+    while sched.has_unfinished():
+        sched.update(mirror.apply(sched.schedule()))
+    hits = sched.counters.prefix_cache_host_hits
+    plan = admit(family("b", prefix, 3, 2))
+    slots = [slot for slot, _ in plan.offload_in]
+    assert len(slots) == len(set(slots)) == len(prefix) // bs
+    tables = [r.block_ids for r in plan.new_reqs]
+    assert len(tables) == 3 and tables[0][:6] == tables[1][:6] == tables[2][:6]
+    assert {d for _, d in plan.offload_in} == set(tables[0][:6])
+    assert sched.counters.prefix_cache_host_hits - hits == 3 * len(prefix)
+    while sched.has_unfinished():
+        sched.update(mirror.apply(sched.schedule()))
+        sched.block_manager.check_invariants()
