@@ -10,6 +10,7 @@ import torch
 
 from executor_svc.kv.host_tier import TierRecords
 from executor_svc.kv.kv_cache import KVCache
+from executor_svc.kv.kv_scales import default_scales
 from executor_svc.kv.swap import SwapPool
 from executor_svc.loading.loader import effective_max_model_len, load_model
 from executor_svc.loading.model_config import ModelConfig
@@ -155,21 +156,25 @@ def save_checkpoint(model, path: Path, **save_kwargs) -> Path:
 def make_runner(model_dir: Path, num_blocks: int = NUM_BLOCKS, num_swap_blocks: int = 0,
                 keep_plain_weights: bool = False,
                 device: torch.device = torch.device("cpu"),  # noqa: B008
-                num_host_blocks: int = 0, tier_file: Path | None = None) -> ModelRunner:
-    """A float32 runner; with `tier_file`, its host tier of `num_host_blocks` blocks lives in
-    that tier file (opened if it holds this model's blocks, else created)."""
+                num_host_blocks: int = 0, tier_file: Path | None = None,
+                kv_cache_dtype: torch.dtype = torch.float32) -> ModelRunner:
+    """A float32 runner over a cache of `kv_cache_dtype` (fp8: the default scales of 1.0);
+    with `tier_file`, its host tier of `num_host_blocks` blocks lives in that tier file
+    (opened if it holds this model's blocks, else created)."""
     cfg = ModelConfig.from_dir(model_dir)
     max_len = effective_max_model_len(cfg, None)
     model = load_model(model_dir, dtype=torch.float32, device=device, max_model_len=max_len,
                        cfg=cfg, keep_plain_weights=keep_plain_weights)
-    kv_cache = KVCache.allocate(cfg, num_blocks, BLOCK_SIZE, torch.float32, device)
+    scales = default_scales(cfg, 1) if kv_cache_dtype == torch.float8_e4m3fn else None
+    kv_cache = KVCache.allocate(cfg, num_blocks, BLOCK_SIZE, kv_cache_dtype, device, scales)
     kv_cache.bind(model)
     swap_pool = SwapPool.allocate(kv_cache, num_swap_blocks) if num_swap_blocks else None
     host_tier = SwapPool.allocate(kv_cache, num_host_blocks) if num_host_blocks else None
     records = None
     if tier_file is not None:
         identity = TierIdentity(model_name=model_dir.name, architecture=cfg.architecture,
-                                dtype="float32", block_size=BLOCK_SIZE,
+                                dtype=str(kv_cache_dtype).removeprefix("torch."),
+                                block_size=BLOCK_SIZE,
                                 block_bytes=SwapPool.block_bytes(kv_cache),
                                 num_slots=num_host_blocks)
         tier = TierFile.open(tier_file, identity) or TierFile.create(tier_file, identity)
