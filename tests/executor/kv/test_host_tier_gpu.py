@@ -12,6 +12,10 @@ preempted (the prefix then hits on the device), and for the model's own dtype al
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -61,17 +65,29 @@ def _pinned(runner) -> list[torch.Tensor]:
     return [t for p in pools for t in (p.blocks, p.scales) if t is not None]
 
 
+@pytest.fixture
+def shm_dir(tmp_path):
+    """A directory in /dev/shm where there is one (folio serve's tier files live there: the
+    file's pages are what the executor page-locks), else tmp_path."""
+    if not Path("/dev/shm").is_dir():
+        yield tmp_path
+        return
+    path = Path(tempfile.mkdtemp(prefix="folio-test-tier-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.parametrize("in_file", [False, True], ids=["pool", "tier_file"])
 @pytest.mark.parametrize("kv_name", KV)
 def test_evicted_prefix_comes_back_from_the_pinned_tier(qwen2, kv_name, in_file,  # noqa: F811
-                                                        tmp_path):
+                                                        shm_dir):
     if in_file and kv_name == "int8":
         pytest.skip("a tier file holds no int8 scales: the worker keeps such a tier private")
     model_dir, hf = qwen2
     kv_dtype = KV[kv_name]
     outputs, runner, bm, sched = run_families(
         model_dir, hf.config.vocab_size, kv_dtype, NUM_BLOCKS, NUM_HOST_BLOCKS,
-        tier_file=tmp_path / "tier" if in_file else None)
+        tier_file=shm_dir / "tier" if in_file else None)
     assert runner.kv_cache.dtype == kv_dtype and runner.kv_cache.k_caches[0].is_cuda
     assert all(t.is_pinned() for t in _pinned(runner))
     assert len(_pinned(runner)) == (4 if kv_name == "int8" else 2)
@@ -95,19 +111,24 @@ def test_evicted_prefix_comes_back_from_the_pinned_tier(qwen2, kv_name, in_file,
         assert outputs[2] == hf_greedy(hf, a[2:6] + c[2:4], 4 * MAX_TOKENS)
 
 
+def _set(t: torch.Tensor, value: float) -> None:
+    """Every element of `t` := value, converted by a copy (which every dtype has)."""
+    t.copy_(torch.full(t.shape, float(value), device=t.device))
+
+
 def _fill(runner) -> None:
     """Device block b holds b, host slot s holds 16 (s + 1) (exact in e4m3 and int8); int8's
     scales likewise (block b + 1, slot 100 + s)."""
     kv, host = runner.kv_cache, runner.host_tier
     for b in range(kv.num_blocks):
         for t in (*kv.k_caches, *kv.v_caches):
-            t[b] = b
+            _set(t[b], b)
         for t in (*(kv.k_scales or ()), *(kv.v_scales or ())):
-            t[b] = b + 1
+            _set(t[b], b + 1)
     for s in range(host.num_blocks):
-        host.blocks[s] = 16 * (s + 1)
+        _set(host.blocks[s], 16 * (s + 1))
         if host.scales is not None:
-            host.scales[s] = 100 + s
+            _set(host.scales[s], 100 + s)
 
 
 def _holds(runner, block: int, value: float, scale: float | None = None) -> bool:
@@ -135,9 +156,9 @@ def test_copies_are_ordered_across_plans_without_a_host_sync(qwen2, kv_name):  #
     kv = runner.kv_cache
     for b in (1, 2):
         for t in (*kv.k_caches, *kv.v_caches):
-            t[b] = 7 - b  # 6 and 5: values no block or slot held
+            _set(t[b], 7 - b)  # 6 and 5: values no block or slot held
         for t in (*(kv.k_scales or ()), *(kv.v_scales or ())):
-            t[b] = 50.0
+            _set(t[b], 50.0)
     runner.execute(driver.plan(offload_in=[(0, 5), (2, 1)]))
     runner.execute(driver.plan(offload_out=[(1, 3)], offload_keys=[KEY]))
     torch.cuda.synchronize()

@@ -98,8 +98,9 @@ def test_capture_writes_nothing_to_the_kv_cache(checkpoint_cache, kv_name):
     kv_cache = KVCache.allocate(cfg, 16, BLOCK_SIZE, kv_dtype, CUDA, scales)
     kv_cache.bind(model)
     # Poison every block tensor (codes, and int8's scales); int8 has no NaN: a code of 77.
-    for t in kv_cache.block_tensors():
-        t.fill_(77 if t.dtype == torch.int8 else float("nan"))
+    for t in kv_cache.block_tensors():  # by a copy, which every dtype has
+        t.copy_(torch.full(t.shape, 77.0 if t.dtype == torch.int8 else float("nan"),
+                           device=t.device))
     before = [t.clone() for t in kv_cache.block_tensors()]
     graphs = DecodeGraphRunner(model, 8, -(-max_len // BLOCK_SIZE), max_len, cfg.hidden_size,
                                torch.float32, CUDA, use_cuda_graphs=True)
