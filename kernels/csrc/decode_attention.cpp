@@ -18,7 +18,7 @@
 // logit per query head to the softmax's denominator only (the max taken over it too).
 //
 // A quantized cache (KT = int8 or float8 e4m3fn, q and out 16-bit or fp32) is widened to fp32
-// on load; a key's scale (kscale[blk, off, h], fp32, any strides: static per-head scales come as
+// on load (an e4m3 tile once per KV head, into scratch its query heads share); a key's scale (kscale[blk, off, h], fp32, any strides: static per-head scales come as
 // a stride-0 view) multiplies its scores, a value's scale its softmax weights before P.V, so
 // the result is attention over code * scale (kernels/kv_quant.py), in another rounding order.
 
