@@ -51,6 +51,13 @@ def to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def as_moved(t: torch.Tensor) -> torch.Tensor:
+    """`t` as the block operations (copy-on-write, swap, the host tier) move it: a float8
+    tensor as its bytes, a uint8 view of the same shape, since torch's CPU index_copy_ has no
+    float8 kernel; moving bits is exact for every dtype."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def model_kv_layout(cfg: ModelConfig) -> KVLayout:
     return kv_layout(cfg.layer_windows)
 
@@ -190,5 +197,5 @@ class KVCache:
         device = self.k_caches[0].device
         src = to_device(np.array([s for s, _ in pairs], np.int64), device)
         dst = to_device(np.array([d for _, d in pairs], np.int64), device)
-        for cache in self.block_tensors():
+        for cache in map(as_moved, self.block_tensors()):
             cache.index_copy_(0, dst, cache.index_select(0, src))

@@ -40,7 +40,7 @@ import numpy as np
 import structlog
 import torch
 
-from executor_svc.kv.kv_cache import KVCache, to_device
+from executor_svc.kv.kv_cache import KVCache, as_moved, to_device
 
 log = structlog.get_logger(__name__)
 
@@ -103,8 +103,10 @@ class SwapPool:
         return cls(blocks, stream, scales)
 
     def _parts(self, kv_cache: KVCache) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-        """(host tensor, the device tensors its dim 1 holds) for the codes and the scales."""
-        parts = [(self.blocks, [*kv_cache.k_caches, *kv_cache.v_caches])]
+        """(host tensor, the device tensors its dim 1 holds) for the codes and the scales,
+        as their moves see them (`as_moved`: fp8 codes as bytes)."""
+        caches = [*kv_cache.k_caches, *kv_cache.v_caches]
+        parts = [(as_moved(self.blocks), [as_moved(t) for t in caches])]
         if self.scales is not None:
             assert kv_cache.k_scales is not None and kv_cache.v_scales is not None
             parts.append((self.scales, [*kv_cache.k_scales, *kv_cache.v_scales]))

@@ -18,7 +18,7 @@
 // logit per query head to the softmax's denominator only (the max taken over it too).
 //
 // A quantized cache (KT = int8 or float8 e4m3fn, q and out 16-bit or fp32) is widened to fp32
-// on load; a key's scale (kscale[blk, off, h], fp32, any strides: static per-head scales come as
+// on load (an e4m3 tile once per KV head, into scratch its query heads share); a key's scale (kscale[blk, off, h], fp32, any strides: static per-head scales come as
 // a stride-0 view) multiplies its scores, a value's scale its softmax weights before P.V, so
 // the result is attention over code * scale (kernels/kv_quant.py), in another rounding order.
 
@@ -130,6 +130,20 @@ inline void weigh_tile_any(const float* p, const T* vrows, int64_t vt, int64_t n
         acc[g * dim + j] += p[g * kTile + l] * static_cast<float>(vrows[l * vt + j]);
 }
 
+// The n rows at rows (row stride rt) widened to fp32 into buf [n, dim]: exactly the values
+// load_f gives, so scoring or weighing buf equals doing it on the rows, bit for bit.
+template <typename T>
+inline void widen_tile(const T* rows, int64_t rt, int64_t n, int64_t dim, float* buf) {
+  const int64_t vec_end = dim - dim % kV;
+  for (int64_t l = 0; l < n; ++l) {
+    const T* r = rows + l * rt;
+    float* b = buf + l * dim;
+    int64_t j = 0;
+    for (; j < vec_end; j += kV) load_f(r + j).store(b + j);
+    for (; j < dim; ++j) b[j] = static_cast<float>(r[j]);
+  }
+}
+
 // p[hd][x] *= scale of position off + x (x < n) of head hd's KV head, for every query head: the
 // tile's n scales of a KV head gathered once, then one vector product per query head's row
 // (lanes past n multiply by 0: those rows are overwritten or zero already).
@@ -169,6 +183,10 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  // Widening an e4m3 byte costs about eight vector operations (vec.h) where bf16 takes one
+  // shift: an fp8 tile is widened once per KV head into fp32 and every query head of the group
+  // reads that (from L1), rather than each widening it again.
+  constexpr bool widen_once = std::is_same_v<KT, c10::Float8_e4m3fn>;
 
   // Work items (sequence, first position), longest sequences first; `lo[s]` is sequence s's
   // first visible position, where its chunks start; `first[s]` the index of its first chunk in
@@ -200,6 +218,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
                    [&](int64_t, int64_t) {
     std::vector<float> qf(num_heads * dim), acc(num_heads * dim), m(num_heads), l(num_heads);
     std::vector<float> p(num_heads * kTile);
+    std::vector<float> wide(widen_once ? kTile * dim : 0);  // one KV head's tile, widened
     for (int64_t i = next++; i < num_items; i = next++) {
       const auto [s, c0] = items[i];
       const int64_t c1 = std::min<int64_t>(c0 + kChunk, lens[s]);
@@ -225,9 +244,17 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
           }
         }
         const KT* krows = kp + blk * kb + off * kt;
-        for (int64_t hd = 0; hd < num_heads; ++hd)
-          score_tile(qf.data() + hd * dim, krows + (hd / group) * kh, kt, n, dim,
-                     p.data() + hd * kTile);
+        for (int64_t h = 0; h < num_kv; ++h) {
+          const KT* rows = krows + h * kh;
+          if (widen_once && group > 1) {  // the KV head's tile widened once for its group
+            widen_tile(rows, kt, n, dim, wide.data());
+            for (int64_t hd = h * group; hd < (h + 1) * group; ++hd)
+              score_tile(qf.data() + hd * dim, wide.data(), dim, n, dim, p.data() + hd * kTile);
+            continue;
+          }
+          for (int64_t hd = h * group; hd < (h + 1) * group; ++hd)
+            score_tile(qf.data() + hd * dim, rows, kt, n, dim, p.data() + hd * kTile);
+        }
         if (ks.data != nullptr) scale_tile(ks, blk, off, n, num_kv, group, p.data());
         for (int64_t hd = 0; hd < num_heads; ++hd) {  // online softmax, per query head
           float* ph = p.data() + hd * kTile;
@@ -256,9 +283,17 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
         const KT* vrows = vp + blk * vb + off * vt;
         // Each value's scale on its weights, after l summed them.
         if (vs.data != nullptr) scale_tile(vs, blk, off, n, num_kv, group, p.data());
-        for (int64_t h = 0; h < num_kv; ++h)
-          weigh_tile_any(p.data() + h * group * kTile, vrows + h * vh, vt, n, group, dim,
-                         acc.data() + h * group * dim);
+        for (int64_t h = 0; h < num_kv; ++h) {
+          // weigh_tile loads each value row once per pair of query heads.
+          if (widen_once && group > 2) {
+            widen_tile(vrows + h * vh, vt, n, dim, wide.data());
+            weigh_tile_any(p.data() + h * group * kTile, wide.data(), dim, n, group, dim,
+                           acc.data() + h * group * dim);
+          } else {
+            weigh_tile_any(p.data() + h * group * kTile, vrows + h * vh, vt, n, group, dim,
+                           acc.data() + h * group * dim);
+          }
+        }
         t += n;
       }
       if (first[s] < 0) {

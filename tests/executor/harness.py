@@ -10,6 +10,7 @@ import torch
 
 from executor_svc.kv.host_tier import map_tier_file, open_tier_file, tier_identity
 from executor_svc.kv.kv_cache import KVCache
+from executor_svc.kv.kv_scales import default_scales
 from executor_svc.kv.swap import SwapPool
 from executor_svc.loading.loader import effective_max_model_len, load_model
 from executor_svc.loading.model_config import ModelConfig
@@ -157,14 +158,15 @@ def make_runner(model_dir: Path, num_blocks: int = NUM_BLOCKS, num_swap_blocks: 
                 device: torch.device = torch.device("cpu"),  # noqa: B008
                 num_host_blocks: int = 0, tier_file: Path | None = None,
                 kv_dtype: torch.dtype = torch.float32) -> ModelRunner:
-    """A float32 runner over a `kv_dtype` cache (float32 or int8); with `tier_file`, its host
-    tier of `num_host_blocks` blocks lives in that tier file (opened if it holds this model's
-    blocks, else created)."""
+    """A float32 runner over a `kv_dtype` cache (float32, fp8 with the default scales of 1.0,
+    or int8); with `tier_file`, its host tier of `num_host_blocks` blocks lives in that tier
+    file (opened if it holds this model's blocks, else created)."""
     cfg = ModelConfig.from_dir(model_dir)
     max_len = effective_max_model_len(cfg, None)
     model = load_model(model_dir, dtype=torch.float32, device=device, max_model_len=max_len,
                        cfg=cfg, keep_plain_weights=keep_plain_weights)
-    kv_cache = KVCache.allocate(cfg, num_blocks, BLOCK_SIZE, kv_dtype, device)
+    scales = default_scales(cfg, 1) if kv_dtype == torch.float8_e4m3fn else None
+    kv_cache = KVCache.allocate(cfg, num_blocks, BLOCK_SIZE, kv_dtype, device, scales)
     kv_cache.bind(model)
     swap_pool = SwapPool.allocate(kv_cache, num_swap_blocks) if num_swap_blocks else None
     host_tier = SwapPool.allocate(kv_cache, num_host_blocks) if num_host_blocks else None

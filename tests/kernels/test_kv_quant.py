@@ -5,109 +5,32 @@ Oracles: the quantize-dequantize reference (a float64 batch holding exactly code
 through tests/kernels/attention_reference.py's query-by-query attention) and the twin. Paths:
 the twin, the CPU backend's fused C++ kernels (decode and prefill) and its torch fallbacks
 (batched and per-sequence decode, the per-sequence prefill), the Triton kernels under the
-interpreter. Every slot a sequence does not own holds NaN (codes and scales), so a stray read
-shows, and blocks below a window are poisoned the same way.
+interpreter. The cases and oracles are tests/kernels/kv_quant_cases.py's, shared with the
+compiled GPU tests (test_kv_quant_gpu.py: bf16, the prefill launch, softcap, real e4m3 rounding
+in store_kv, a Llama-3-8B head layout).
 """
 
 from __future__ import annotations
-
-import dataclasses
-import functools
 
 import pytest
 import torch
 
 from kernels import cpu, kv_quant, twins
-from tests.kernels.attention_reference import poison_outside_windows, reference_attention
-from tests.kernels.conftest import DEVICE, PagedBatch, make_paged_batch
-
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 32, 4
-KV_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
-BATCHES = {
-    "decode": [(70, 1), (6, 1), (33, 1), (19, 1), (1, 1), (300, 1)],
-    "prefill": [(21, 21), (9, 9)],
-    "chunked": [(90, 11), (35, 6)],
-    "mixed": [(19, 19), (70, 1), (41, 7), (6, 1), (300, 1)],
-}
-VARIANTS = {"plain": {}, "window": dict(window=6), "softcap": dict(softcap=2.0),
-            "sinks": dict(sinks=True)}
-# Against the quantize-dequantize reference: the kernels compute on the same values, so only
-# float rounding separates them (bf16: q and the P.V operands rounded to bf16).
-REF_TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
-
-
-@dataclasses.dataclass
-class QuantBatch:
-    batch: PagedBatch  # caches hold codes
-    k_scale: torch.Tensor  # [num_blocks, block_size, num_kv_heads] fp32
-    v_scale: torch.Tensor
-    dequantized: PagedBatch  # caches hold code * scale, float64
-
-    def args(self) -> tuple:
-        return self.batch.args()
-
-    def scales(self) -> dict:
-        return dict(k_scale=self.k_scale, v_scale=self.v_scale)
-
-    def on(self, device: torch.device) -> QuantBatch:
-        """The batch and scales on `device` (Triton runs compiled on a GPU)."""
-        if device.type == "cpu":
-            return self
-        fields = {f.name: getattr(self.batch, f.name) for f in dataclasses.fields(self.batch)}
-        moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
-        return QuantBatch(PagedBatch(**moved), self.k_scale.to(device),
-                          self.v_scale.to(device), self.dequantized)
-
-
-def static_scales(num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head fp8 scales other than 1, as a checkpoint gives them; stride-0 views."""
-    k_heads = torch.tensor([0.02, 0.5])[:NUM_KV_HEADS]
-    v_heads = torch.tensor([0.25, 0.004])[:NUM_KV_HEADS]
-    return (kv_quant.static_scale_view(k_heads, num_blocks, BLOCK),
-            kv_quant.static_scale_view(v_heads, num_blocks, BLOCK))
-
-
-def quantize_batch(batch: PagedBatch, kv_dtype: torch.dtype) -> QuantBatch:
-    """Every slot quantized as store_kv would (NaN slots stay NaN: codes, or the scale)."""
-    num_blocks = batch.k_cache.shape[0]
-    shape = batch.k_cache.shape
-    caches, scales = [], []
-    static = static_scales(num_blocks)
-    for i, cache in enumerate((batch.k_cache, batch.v_cache)):
-        rows = cache.reshape(-1, NUM_KV_HEADS, HEAD_DIM) * (0.3 if i == 0 else 0.02)
-        if kv_dtype == torch.int8:
-            codes, scale = kv_quant.quantize_rows(rows, kv_dtype)
-            scale = scale.view(shape[:3]).clone()
-            # A NaN row's codes are undefined after the cast: its NaN scale carries the poison.
-        else:
-            codes, _ = kv_quant.quantize_rows(rows, kv_dtype, static[i].reshape(-1, NUM_KV_HEADS))
-            scale = static[i]
-        caches.append(codes.view(shape))
-        scales.append(scale)
-    deq = [kv_quant.dequantize(c, s, torch.float64) for c, s in zip(caches, scales, strict=True)]
-    quant = dataclasses.replace(batch, k_cache=caches[0], v_cache=caches[1])
-    dense = dataclasses.replace(batch, k_cache=deq[0], v_cache=deq[1])
-    return QuantBatch(quant, scales[0], scales[1], dense)
-
-
-@functools.cache
-def _case(kind: str, name: str, q_dtype: torch.dtype, kv_name: str):
-    batch = make_paged_batch(BATCHES[kind], NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK, q_dtype,
-                             torch.device("cpu"), seed=len(kind) * 7 + len(name))
-    args = dict(VARIANTS[name])
-    if args.get("sinks"):
-        args["sinks"] = torch.linspace(-2.0, 3.0, NUM_HEADS)
-    if args.get("window") and kind != "prefill":
-        assert poison_outside_windows(batch, args["window"]) > 0
-    qb = quantize_batch(batch, KV_DTYPES[kv_name])
-    return qb, args, reference_attention(qb.dequantized, **args)
-
-
-def _check(got: torch.Tensor, q_dtype: torch.dtype, reference: torch.Tensor) -> None:
-    assert not got.isnan().any(), "an unwritten row, or a read outside a sequence's keys"
-    tol = REF_TOL[q_dtype]
-    torch.testing.assert_close(got.double(), reference, atol=tol, rtol=tol)
-
+from tests.kernels.conftest import DEVICE
+from tests.kernels.kv_quant_cases import (
+    BATCHES,
+    BLOCK,
+    HEAD_DIM,
+    KV_DTYPES,
+    NUM_HEADS,
+    NUM_KV_HEADS,
+    VARIANTS,
+    case,
+    check,
+    check_store,
+    expected_store,
+    store_case,
+)
 
 # --- quantize / dequantize ------------------------------------------------------------------
 
@@ -149,68 +72,16 @@ def test_kv_cache_dtype_names():
 # --- store_kv ---------------------------------------------------------------------------------
 
 
-def _store_case(kv_dtype: torch.dtype, q_dtype: torch.dtype):
-    num_blocks, num_tokens = 6, 13
-    gen = torch.Generator().manual_seed(3)
-    key = (torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen) * 0.4).to(q_dtype)
-    value = (torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen) * 0.01).to(q_dtype)
-    slots = torch.randperm(num_blocks * BLOCK, generator=gen)[:num_tokens]
-    slots[[2, 9]] = -1  # padding
-    shape = (num_blocks, BLOCK, NUM_KV_HEADS, HEAD_DIM)
-    k_cache, v_cache = torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)
-    if kv_dtype == torch.int8:
-        k_scale = torch.full(shape[:3], float("nan"))
-        v_scale = torch.full(shape[:3], float("nan"))
-    else:
-        k_scale, v_scale = static_scales(num_blocks)
-    return key, value, k_cache, v_cache, slots, k_scale, v_scale
-
-
-def _expected_store(key, value, slots, kv_dtype, k_scale, v_scale):
-    """Per written slot (codes, scale) by quantize_rows, row by row."""
-    out = {}
-    for t, slot in enumerate(slots.tolist()):
-        if slot < 0:
-            continue
-        b, o = divmod(slot, BLOCK)
-        for name, x, scale in (("k", key, k_scale), ("v", value, v_scale)):
-            static = None if kv_dtype == torch.int8 else scale[b, o][None]
-            codes, row_scale = kv_quant.quantize_rows(x[t:t + 1], kv_dtype, static)
-            out[name, b, o] = (codes[0], row_scale[0])
-    return out
-
-
-def _check_store(k_cache, v_cache, k_scale, v_scale, expected, kv_dtype, exact: bool):
-    for (name, b, o), (codes, scale) in expected.items():
-        cache, scales = (k_cache, k_scale) if name == "k" else (v_cache, v_scale)
-        if exact:
-            assert torch.equal(cache[b, o].view(torch.uint8), codes.view(torch.uint8))
-        else:  # a device division may land a rounding tie one code away
-            step = (cache[b, o].float() - codes.float()).abs()
-            if kv_dtype == torch.int8:
-                assert step.max() <= 1
-            else:
-                assert (step <= codes.float().abs() * 2**-3 + 2**-9).all()
-        torch.testing.assert_close(scales[b, o], scale, rtol=1e-6, atol=0)
-    written = {(b, o) for (_, b, o) in expected}
-    for b in range(k_cache.shape[0]):
-        for o in range(BLOCK):
-            if (b, o) not in written:
-                assert k_cache[b, o].float().eq(0).all() and v_cache[b, o].float().eq(0).all()
-                if kv_dtype == torch.int8:
-                    assert k_scale[b, o].isnan().all(), "an unwritten slot's scale was touched"
-
-
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_name", KV_DTYPES)
 @pytest.mark.parametrize("impl", ["twin", "cpu"])
 def test_store_kv_writes_codes_and_scales(impl, kv_name, q_dtype):
     kv_dtype = KV_DTYPES[kv_name]
-    key, value, k_cache, v_cache, slots, k_scale, v_scale = _store_case(kv_dtype, q_dtype)
-    expected = _expected_store(key, value, slots, kv_dtype, k_scale, v_scale)
+    key, value, k_cache, v_cache, slots, k_scale, v_scale = store_case(kv_dtype, q_dtype)
+    expected = expected_store(key, value, slots, kv_dtype, k_scale, v_scale)
     (twins if impl == "twin" else cpu).store_kv(key, value, k_cache, v_cache, slots, k_scale,
                                                 v_scale)  # fmt: skip
-    _check_store(k_cache, v_cache, k_scale, v_scale, expected, kv_dtype, exact=True)
+    check_store(k_cache, v_cache, k_scale, v_scale, expected, kv_dtype, exact=True)
 
 
 def _interpreter_rounds_e4m3_wrongly() -> bool:
@@ -235,12 +106,12 @@ def test_triton_store_kv_writes_codes_and_scales(triton_ops, kv_name):
     kv_dtype = KV_DTYPES[kv_name]
     if kv_dtype == torch.float8_e4m3fn and _interpreter_rounds_e4m3_wrongly():
         pytest.skip("Triton's interpreter rounds fp32 -> e4m3 wrongly (31.0 -> 16.0)")
-    key, value, k_cache, v_cache, slots, k_scale, v_scale = _store_case(kv_dtype, torch.float32)
-    expected = _expected_store(key, value, slots, kv_dtype, k_scale, v_scale)
+    key, value, k_cache, v_cache, slots, k_scale, v_scale = store_case(kv_dtype, torch.float32)
+    expected = expected_store(key, value, slots, kv_dtype, k_scale, v_scale)
     args = [t.to(DEVICE) for t in (key, value, k_cache, v_cache, slots, k_scale, v_scale)]
     triton_ops.store_kv(*args)
     k_cache, v_cache, k_scale, v_scale = (t.cpu() for t in (args[2], args[3], args[5], args[6]))
-    _check_store(k_cache, v_cache, k_scale, v_scale, expected, kv_dtype, exact=False)
+    check_store(k_cache, v_cache, k_scale, v_scale, expected, kv_dtype, exact=False)
 
 
 # --- paged attention over a quantized cache ---------------------------------------------------
@@ -264,9 +135,9 @@ def _use_path(path: str, monkeypatch) -> None:
 @pytest.mark.parametrize("name", VARIANTS)
 @pytest.mark.parametrize("kind", BATCHES)
 def test_twin_attends_to_the_dequantized_cache(kind, name, q_dtype, kv_name):
-    qb, args, reference = _case(kind, name, q_dtype, kv_name)
+    qb, args, reference = case(kind, name, q_dtype, kv_name)
     out = twins.paged_attention(*qb.args(), **args, **qb.scales())
-    _check(out, q_dtype, reference)
+    check(out, q_dtype, reference)
 
 
 @pytest.mark.parametrize("kv_name", KV_DTYPES)
@@ -275,10 +146,10 @@ def test_twin_attends_to_the_dequantized_cache(kind, name, q_dtype, kv_name):
 @pytest.mark.parametrize("kind, path", [(k, p) for k, ps in CPU_PATHS.items() for p in ps])
 def test_cpu_paths_match_twin_and_reference(kind, path, name, q_dtype, kv_name, monkeypatch):
     _use_path(path, monkeypatch)
-    qb, args, reference = _case(kind, name, q_dtype, kv_name)
+    qb, args, reference = case(kind, name, q_dtype, kv_name)
     out = torch.full_like(qb.batch.q, float("nan"))
     assert cpu.paged_attention(*qb.args(), out=out, **args, **qb.scales()) is out
-    _check(out, q_dtype, reference)
+    check(out, q_dtype, reference)
     expected = twins.paged_attention(*qb.args(), **args, **qb.scales())
     tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[q_dtype]
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
@@ -289,18 +160,18 @@ def test_cpu_fresh_prefill_reads_the_cache_not_the_new_keys(path, monkeypatch):
     """Given this step's unquantized keys, a quantized cache's prefill still attends to what
     the cache holds, as every other path and the twin do."""
     _use_path(path, monkeypatch)
-    qb, args, reference = _case("prefill", "plain", torch.float32, "int8")
+    qb, args, reference = case("prefill", "plain", torch.float32, "int8")
     plan = cpu.plan_attention(qb.batch.block_tables, qb.batch.seq_lens,
                               qb.batch.query_start_loc, BLOCK)
     key = torch.randn(qb.batch.q.shape[0], NUM_KV_HEADS, HEAD_DIM)  # not what the cache holds
     got = cpu.paged_attention_planned(qb.batch.q, key, key, qb.batch.k_cache, qb.batch.v_cache,
                                       plan, qb.batch.scale, **qb.scales())
-    _check(got, torch.float32, reference)
+    check(got, torch.float32, reference)
 
 
 def test_fused_kernels_refuse_scales_that_do_not_fit(monkeypatch):
     _use_path("fused", monkeypatch)
-    qb, _, _ = _case("decode", "plain", torch.float32, "int8")
+    qb, _, _ = case("decode", "plain", torch.float32, "int8")
     ops = cpu.fused_kernels()
     b = qb.batch
     out = torch.empty_like(b.q)
@@ -321,20 +192,20 @@ TRITON_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.typ
 @pytest.mark.parametrize("name", ["plain", "window", "sinks"])
 @pytest.mark.parametrize("kind", ["decode", "mixed", "chunked"])
 def test_triton_matches_reference(triton_ops, kind, name, q_dtype, kv_name):
-    qb, args, reference = _case(kind, name, q_dtype, kv_name)
+    qb, args, reference = case(kind, name, q_dtype, kv_name)
     qb = qb.on(DEVICE)
     args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     out = torch.full_like(qb.batch.q, float("nan"))
     triton_ops.paged_attention(*qb.args(), out=out, **args, **qb.scales())
-    _check(out.cpu(), q_dtype, reference)
+    check(out.cpu(), q_dtype, reference)
 
 
 @pytest.mark.parametrize("kv_name", KV_DTYPES)
 def test_triton_split_kv_matches_reference(triton_ops, kv_name):
-    qb, args, reference = _case("decode", "plain", torch.float32, kv_name)
+    qb, args, reference = case("decode", "plain", torch.float32, kv_name)
     qb = qb.on(DEVICE)
     out = triton_ops.paged_attention(*qb.args(), num_splits=4, min_split_len=16, **qb.scales())
-    _check(out.cpu(), torch.float32, reference)
+    check(out.cpu(), torch.float32, reference)
 
 
 @pytest.mark.parametrize("kv_name", KV_DTYPES)

@@ -69,25 +69,33 @@ def test_fp8_holds_two_or_four_times_the_blocks(llama_dir, model_dtype, ratio):
     assert plain * ratio * row / (row + 4) - 1 <= int8 <= plain * ratio
 
 
-def test_int8_cache_copies_and_swaps_its_scales(llama_dir):
+@pytest.mark.parametrize("kv_name", ["fp8", "int8"])
+def test_quantized_cache_copies_and_swaps(llama_dir, kv_name):
+    """Copy-on-write, swap out and swap in move every block tensor (int8: codes and scales)
+    bit for bit, whatever index ops the codes' dtype has."""
     cfg = ModelConfig.from_dir(llama_dir)
-    kv = KVCache.allocate(cfg, 8, BLOCK_SIZE, torch.int8, CPU)
+    scales = default_scales(cfg, 1) if kv_name == "fp8" else None
+    kv = KVCache.allocate(cfg, 8, BLOCK_SIZE, KV[kv_name], CPU, scales)
     for t in kv.block_tensors():
         t.copy_((torch.randn(t.shape) * 50).to(t.dtype))
-    assert len(kv.block_tensors()) == 4 * len(kv.k_caches)  # k, v and their scales
-    before = [t.clone() for t in kv.block_tensors()]
+    num_tensors = 4 if kv_name == "int8" else 2  # k, v (and their scales)
+    assert len(kv.block_tensors()) == num_tensors * len(kv.k_caches)
+    bits = [t.view(torch.uint8) if t.element_size() == 1 else t for t in kv.block_tensors()]
+    before = [t.clone() for t in bits]
     kv.copy_blocks([(1, 6)])
-    for t, b in zip(kv.block_tensors(), before, strict=True):
+    for t, b in zip(bits, before, strict=True):
         assert torch.equal(t[6], b[1]) and torch.equal(t[:6], b[:6])
     pool = SwapPool.allocate(kv, 4)
-    assert pool.scales is not None and pool.scales.shape[:2] == (4, 2 * len(kv.k_caches))
+    assert (pool.scales is not None) == (kv_name == "int8")
+    if pool.scales is not None:
+        assert pool.scales.shape[:2] == (4, 2 * len(kv.k_caches))
     kv.copy_blocks([(0, 6)])  # block 6 back to something else before the swap
-    snapshot = [t[[2, 5]].clone() for t in kv.block_tensors()]
+    snapshot = [t[[2, 5]].clone() for t in bits]
     pool.swap_out(kv, [(2, 3), (5, 0)])
-    for t in kv.block_tensors():
+    for t in bits:
         t[[2, 5]] = 0
     pool.swap_in(kv, [(3, 7), (0, 4)])
-    for t, s in zip(kv.block_tensors(), snapshot, strict=True):
+    for t, s in zip(bits, snapshot, strict=True):
         assert torch.equal(t[7], s[0]) and torch.equal(t[4], s[1])
 
 

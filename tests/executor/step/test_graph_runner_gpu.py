@@ -1,5 +1,7 @@
 """Real CUDA graph capture and replay of decode steps: token-exact with the eager CUDA runner
-over the same request mix as the CPU bookkeeping tests (test_graph_runner.py)."""
+over the same request mix as the CPU bookkeeping tests (test_graph_runner.py), over the model's
+cache and over fp8 and int8 caches (--kv-cache-dtype: the graphs bind the scales with the
+cache, and the warm-up compiles the quantized kernels)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import pytest
 import torch
 
 from executor_svc.kv.kv_cache import KVCache
+from executor_svc.kv.kv_scales import default_scales
 from executor_svc.loading.loader import effective_max_model_len, load_model
 from executor_svc.loading.model_config import ModelConfig
 from executor_svc.step.graph_runner import DecodeGraphRunner
@@ -19,14 +22,19 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 CUDA = torch.device("cuda")
+KV = {"auto": None, "fp8": torch.float8_e4m3fn, "int8": torch.int8}  # --kv-cache-dtype
 
 
-def cuda_runner(model_dir, graphs: bool, dtype: torch.dtype = torch.float32) -> ModelRunner:
+def cuda_runner(model_dir, graphs: bool, dtype: torch.dtype = torch.float32,
+                kv_name: str = "auto") -> ModelRunner:
     cfg = ModelConfig.from_dir(model_dir)
     max_len = effective_max_model_len(cfg, None)
     model = load_model(model_dir, dtype=dtype, device=CUDA, max_model_len=max_len, cfg=cfg)
-    kv_cache = KVCache.allocate(cfg, NUM_BLOCKS, BLOCK_SIZE, dtype, CUDA)
-    model.bind_kv_cache(kv_cache.per_layer())
+    kv_dtype = KV[kv_name] or dtype
+    # fp8 at the scales a checkpoint without k_scale/v_scale gets, as the worker does.
+    scales = default_scales(cfg, 1) if kv_dtype == torch.float8_e4m3fn else None
+    kv_cache = KVCache.allocate(cfg, NUM_BLOCKS, BLOCK_SIZE, kv_dtype, CUDA, scales)
+    kv_cache.bind(model)
     graph_runner = None
     if graphs:
         graph_runner = DecodeGraphRunner(model, 32, -(-max_len // BLOCK_SIZE), max_len,
@@ -37,11 +45,13 @@ def cuda_runner(model_dir, graphs: bool, dtype: torch.dtype = torch.float32) -> 
                        graph_runner=graph_runner)
 
 
+@pytest.mark.parametrize("kv_name", KV)
 @pytest.mark.parametrize("arch", ["llama2", "qwen3"])
-def test_cuda_graph_replay_is_token_exact_with_eager(checkpoint_cache, arch):
+def test_cuda_graph_replay_is_token_exact_with_eager(checkpoint_cache, arch, kv_name):
     _, model_dir = checkpoint_cache(arch)
-    eager, eager_sizes = drive(cuda_runner(model_dir, graphs=False))
-    runner = cuda_runner(model_dir, graphs=True)
+    eager, eager_sizes = drive(cuda_runner(model_dir, graphs=False, kv_name=kv_name))
+    runner = cuda_runner(model_dir, graphs=True, kv_name=kv_name)
+    assert runner.kv_cache.dtype == (KV[kv_name] or torch.float32)
     graphs = runner.graph_runner
     assert graphs is not None and sorted(graphs.graphs) == graphs.sizes
     replayed, sizes = drive(runner)
@@ -50,13 +60,15 @@ def test_cuda_graph_replay_is_token_exact_with_eager(checkpoint_cache, arch):
     assert sum(graphs.num_replays.values()) == len(sizes)
 
 
-def test_bf16_replay_equals_an_eager_run_of_the_same_static_batch(checkpoint_cache):
+@pytest.mark.parametrize("kv_name", KV)
+def test_bf16_replay_equals_an_eager_run_of_the_same_static_batch(checkpoint_cache, kv_name):
     """bf16: a padded graph batch runs other GEMM shapes than the unpadded eager step, so the
     invariant is per step: every replay's hidden states of the real rows equal, bitwise, an
     eager forward over the same static buffers (the KV write it repeats stores the same
-    values; padding rows hold whatever the attention output buffer held)."""
+    values, and over an int8 cache the same scales; padding rows hold whatever the attention
+    output buffer held)."""
     _, model_dir = checkpoint_cache("qwen3")
-    runner = cuda_runner(model_dir, graphs=True, dtype=torch.bfloat16)
+    runner = cuda_runner(model_dir, graphs=True, dtype=torch.bfloat16, kv_name=kv_name)
     graphs = runner.graph_runner
     checked = []
 
@@ -74,20 +86,27 @@ def test_bf16_replay_equals_an_eager_run_of_the_same_static_batch(checkpoint_cac
     assert graphs.pool_bytes > 0
 
 
-def test_capture_writes_nothing_to_the_kv_cache(checkpoint_cache):
+@pytest.mark.parametrize("kv_name", KV)
+def test_capture_writes_nothing_to_the_kv_cache(checkpoint_cache, kv_name):
     _, model_dir = checkpoint_cache("llama2")
     cfg = ModelConfig.from_dir(model_dir)
     max_len = effective_max_model_len(cfg, None)
     model = load_model(model_dir, dtype=torch.float32, device=CUDA, max_model_len=max_len,
                        cfg=cfg)
-    kv_cache = KVCache.allocate(cfg, 16, BLOCK_SIZE, torch.float32, CUDA)
-    model.bind_kv_cache(kv_cache.per_layer())
-    for cache in (*kv_cache.k_caches, *kv_cache.v_caches):
-        cache.fill_(float("nan"))
+    kv_dtype = KV[kv_name] or torch.float32
+    scales = default_scales(cfg, 1) if kv_dtype == torch.float8_e4m3fn else None
+    kv_cache = KVCache.allocate(cfg, 16, BLOCK_SIZE, kv_dtype, CUDA, scales)
+    kv_cache.bind(model)
+    # Poison every block tensor (codes, and int8's scales); int8 has no NaN: a code of 77.
+    for t in kv_cache.block_tensors():  # by a copy, which every dtype has
+        t.copy_(torch.full(t.shape, 77.0 if t.dtype == torch.int8 else float("nan"),
+                           device=t.device))
+    before = [t.clone() for t in kv_cache.block_tensors()]
     graphs = DecodeGraphRunner(model, 8, -(-max_len // BLOCK_SIZE), max_len, cfg.hidden_size,
                                torch.float32, CUDA, use_cuda_graphs=True)
     graphs.capture()
     for size in graphs.sizes:
         graphs.graphs[size].replay()
     torch.cuda.synchronize()
-    assert all(c.isnan().all() for c in (*kv_cache.k_caches, *kv_cache.v_caches))
+    for t, b in zip(kv_cache.block_tensors(), before, strict=True):
+        assert torch.equal(t.view(torch.uint8), b.view(torch.uint8))
