@@ -7,7 +7,8 @@ on the provisioned datasource. With the real processes (tests/deploy/conftest.py
 and gateway): every metric a dashboard expression names is in what Folio's or smg's /metrics
 exports, vLLM's names in Folio's. With the real Prometheus (Debian's `prometheus`; skipped
 without it): the compose configuration, retargeted to 127.0.0.1, scrapes both, and every
-dashboard expression evaluates to at least one series through its HTTP API."""
+dashboard expression evaluates to at least one series through its HTTP API; and the
+Kubernetes scrape job's relabeling keeps exactly the annotated running pods."""
 
 from __future__ import annotations
 
@@ -257,3 +258,65 @@ def test_real_prometheus_scrapes_folio_and_evaluates_the_dashboard(traffic, tmp_
         assert generated["metric"]["model_name"] == traffic.model
         for expr in expressions():
             assert query(url, expr), f"no series for {expr}"
+
+
+def _pod_target(address: str, phase: str, annotations: dict[str, str], pod: str,
+                component: str) -> dict:
+    """A file_sd target carrying the meta labels Prometheus' Kubernetes pod role gives a pod's
+    declared port, so that the Kubernetes job's relabeling runs as it would on a cluster."""
+    labels = {"__meta_kubernetes_namespace": "folio", "__meta_kubernetes_pod_name": pod,
+              "__meta_kubernetes_pod_phase": phase,
+              "__meta_kubernetes_pod_label_app_kubernetes_io_component": component}
+    for key, value in annotations.items():
+        name = re.sub(r"[^a-zA-Z0-9_]", "_", key)
+        labels[f"__meta_kubernetes_pod_annotation_{name}"] = value
+    return {"targets": [address], "labels": labels}
+
+
+@pytest.mark.e2e
+def test_real_prometheus_applies_the_kubernetes_job_relabeling(traffic, tmp_path):
+    """deploy/kubernetes/prometheus.yml's relabeling, with its Kubernetes discovery replaced by
+    files holding the pod meta labels (Debian's Prometheus has no Kubernetes discovery): the
+    annotated running pods are scraped on their annotation's port and path, the others not."""
+    from tests.deploy.conftest import base_documents, find
+
+    config = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "prometheus.yml").read_text())
+    config["global"]["scrape_interval"] = "1s"
+    (job,) = config["scrape_configs"]
+    docs = base_documents()
+    worker = find(docs, "Deployment", "folio")["spec"]["template"]["metadata"]["annotations"]
+    gateway = find(docs, "Deployment", "folio-gateway")["spec"]["template"]["metadata"][
+        "annotations"]
+    replica_port = urllib.parse.urlsplit(traffic.replica_metrics_url).port
+    gateway_port = urllib.parse.urlsplit(traffic.gateway_metrics_url).port
+    grpc_address = traffic.replica_address  # the pod's declared gRPC port: not scraped
+    # The manifests' annotations, with the port moved to where this machine serves /metrics.
+    targets = [
+        _pod_target(grpc_address, "Running", {**worker, "prometheus.io/port": str(replica_port)},
+                    "folio-0", "worker"),
+        _pod_target(urllib.parse.urlsplit(traffic.gateway_url).netloc, "Running",
+                    {**gateway, "prometheus.io/port": str(gateway_port)}, "folio-gateway-0",
+                    "gateway"),
+        _pod_target(grpc_address, "Running", {}, "unannotated-0", "worker"),
+        _pod_target(grpc_address, "Pending", {**worker, "prometheus.io/port": str(replica_port)},
+                    "pending-0", "worker"),
+    ]
+    (tmp_path / "pods.json").write_text(json.dumps(targets))
+    del job["kubernetes_sd_configs"]
+    job["file_sd_configs"] = [{"files": [str(tmp_path / "pods.json")]}]
+    with run_prometheus(config, tmp_path) as url:
+        deadline = time.monotonic() + PROMETHEUS_READY_S
+        while len(up := query(url, "up")) < 2 or any(s["value"][1] != "1" for s in up):
+            assert time.monotonic() < deadline, up
+            time.sleep(0.5)
+        scraped = {s["metric"]["pod"]: s["metric"] for s in up}
+        assert set(scraped) == {"folio-0", "folio-gateway-0"}
+        assert scraped["folio-0"]["instance"] == f"127.0.0.1:{replica_port}"
+        assert scraped["folio-0"]["component"] == "worker"
+        assert scraped["folio-gateway-0"]["instance"] == f"127.0.0.1:{gateway_port}"
+        assert scraped["folio-0"]["namespace"] == "folio"
+        deadline = time.monotonic() + PROMETHEUS_READY_S
+        while not (series := query(url, 'vllm:generation_tokens_total{pod="folio-0"}')):
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        assert series[0]["metric"]["model_name"] == traffic.model
