@@ -27,9 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from client import FolioClient
 from tests.conftest import ROOT, free_port, stop_process_tree
-from tests.deploy.conftest import flag, http_get
-
-promql_parser = pytest.importorskip("promql_parser", reason="needs promql-parser (a test extra)")
+from tests.deploy.conftest import base_documents, find, flag, http_get
 
 COMPOSE = ROOT / "compose.yaml"
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
@@ -46,6 +44,10 @@ REQUIRED = {"vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bu
             "vllm:num_preemptions_total", "vllm:spec_decode_num_accepted_tokens_total",
             "vllm:spec_decode_num_draft_tokens_total"}
 PROMETHEUS_READY_S = 60.0
+
+
+def parser():
+    return pytest.importorskip("promql_parser", reason="needs promql-parser (a test extra)")
 
 
 def dashboard() -> dict:
@@ -65,6 +67,7 @@ def expressions() -> list[str]:
 
 
 def metric_names(expr: str) -> set[str]:
+    promql_parser = parser()
     names: set[str] = set()
 
     def visit(node):
@@ -145,7 +148,7 @@ def test_dashboard_is_valid_promql_on_the_provisioned_datasource():
         for target in panel["targets"]:
             assert target["datasource"]["uid"] == source["uid"], panel["title"]
     with pytest.raises(ValueError):  # the parser does reject a bad expression
-        promql_parser.parse("rate(vllm:generation_tokens_total[1m]")
+        parser().parse("rate(vllm:generation_tokens_total[1m]")
     assert REQUIRED <= dashboard_metrics()
     # Grafana loads the dashboards from where compose mounts them.
     (provider,) = yaml.safe_load(
@@ -278,7 +281,6 @@ def test_real_prometheus_applies_the_kubernetes_job_relabeling(traffic, tmp_path
     """deploy/kubernetes/prometheus.yml's relabeling, with its Kubernetes discovery replaced by
     files holding the pod meta labels (Debian's Prometheus has no Kubernetes discovery): the
     annotated running pods are scraped on their annotation's port and path, the others not."""
-    from tests.deploy.conftest import base_documents, find
 
     config = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "prometheus.yml").read_text())
     config["global"]["scrape_interval"] = "1s"
