@@ -60,6 +60,26 @@ class _Server(ThreadingWSGIServer):
         log.debug("metrics connection failed", client=str(client_address), exc_info=True)
 
 
+def _keep_metric_names(app):
+    """The WSGI `app` with every metric name served as written (`vllm:generation_tokens`).
+
+    prometheus_client answers an OpenMetrics request that names no `escaping` (every
+    Prometheus before 3.0 sends one) with escaping=underscores, which rewrites the colons of
+    vLLM's names (`vllm_generation_tokens_total`), so dashboards and autoscalers written for
+    vLLM would find nothing. Colons are valid in classic metric names, so asking for
+    allow-utf-8 changes nothing else: every name here is a classic one and comes out as is."""
+
+    def keep_names(environ, start_response):
+        accept = environ.get("HTTP_ACCEPT", "")
+        if "openmetrics-text" in accept and "escaping=" not in accept:
+            parts = [p if "openmetrics-text" not in p else f"{p};escaping=allow-utf-8"
+                     for p in accept.split(",")]
+            environ = {**environ, "HTTP_ACCEPT": ",".join(parts)}
+        return app(environ, start_response)
+
+    return keep_names
+
+
 class MetricsServer:
     """Binds at construction (a busy port raises OSError before anything starts); `start()`
     serves from a daemon thread, `stop()` closes the port."""
@@ -69,7 +89,7 @@ class MetricsServer:
         family, _, _, _, sockaddr = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
         self._httpd = _Server((sockaddr[0], port), family)
-        self._httpd.set_app(make_wsgi_app(registry))
+        self._httpd.set_app(_keep_metric_names(make_wsgi_app(registry)))
         self.host, self.port = host, self._httpd.server_port
         self._thread = threading.Thread(target=self._httpd.serve_forever,
                                         kwargs=dict(poll_interval=0.1),
