@@ -163,7 +163,8 @@ class LlamaCppPeer:
         done = subprocess.run([str(self.binary), "--version"], capture_output=True, text=True,
                               timeout=60)
         lines = (done.stdout + done.stderr).strip().splitlines()
-        return next((x for x in lines if x.startswith("version")), lines[0] if lines else "?")
+        line = next((x for x in lines if x.startswith("version:")), lines[0] if lines else "?")
+        return line.removeprefix("version:").strip()
 
     def start(self) -> dict:
         if not self.binary.is_file():
@@ -185,10 +186,14 @@ class LlamaCppPeer:
                 raise TimeoutError(f"llama-server not healthy after {START_TIMEOUT_S:g} s:\n"
                                    f"{self.log_tail()}")
             time.sleep(0.2)
-        log_text = self.log_tail(200_000)
-        system_info = next((x.strip() for x in log_text.splitlines() if "system_info" in x), "")
         return {"command": argv, "version": self.version(), "gguf": str(self.gguf),
-                "system_info": system_info}
+                "build": self.build_facts()}
+
+    def build_facts(self) -> str:
+        """What bench/install_llama_cpp.sh recorded beside the binary (commit, flags, CPU)."""
+        with contextlib.suppress(OSError):
+            return (self.binary.parent.parent / "VERSION").read_text().strip()
+        return ""
 
     def _healthy(self) -> bool:
         try:  # 503 while the model loads, refused before the port opens

@@ -12,7 +12,7 @@ from pathlib import Path
 from client.bench import models, report
 from client.bench.folio_peer import ConstrainedFolioPeer, FolioPeer
 from client.bench.llamacpp_peer import LlamaCppPeer, gguf_file
-from client.bench.runner_peer import RunnerPeer
+from client.bench.runner_peer import PeerUnavailable, RunnerPeer
 
 VLLM_VENV = report.REPO_ROOT / ".venv-vllm"
 
@@ -27,8 +27,8 @@ def num_usable_cpus() -> int:
 
 
 def num_requests(args) -> int:
-    """Requests per repetition of a throughput, latency or serve run."""
-    return args.batch_size if args.mode == "latency" else (args.num_prompts or 16)
+    """Requests in flight at once in a throughput, latency, serve or context run."""
+    return args.batch_size if args.mode in ("latency", "context") else (args.num_prompts or 16)
 
 
 def make_peer(name: str, args, folio_model: str, model_dir: Path, max_model_len: int,
@@ -43,7 +43,11 @@ def make_peer(name: str, args, folio_model: str, model_dir: Path, max_model_len:
         return cls(folio_model, serve_args, threads_env, log_dir)
     if name == "llamacpp":
         # The GGUF file itself (Folio serves the same file: its converted checkpoint keeps the
-        # quantized blocks); one slot per request in flight, each with the common context cap.
+        # quantized blocks); one slot per request in flight, each with the common context cap
+        # (llama.cpp allocates all slots' f16 KV at start: N x max_model_len tokens).
+        if args.random_model:
+            raise PeerUnavailable(f"llama.cpp runs GGUF files only; --random-model "
+                                  f"{args.random_model} is a safetensors checkpoint")
         return LlamaCppPeer(args.llama_server, gguf_file(args.model),
                             slots=min(num_requests(args), args.max_num_seqs),
                             slot_context=max_model_len,

@@ -154,8 +154,9 @@ def markdown(result: dict, aggregates: dict[str, dict[str, Aggregate]]) -> str:
                    "times.")
     llama = result["peers"].get("llamacpp")
     if llama:
-        out.append(f"- llamacpp: llama.cpp {llama['version']} on `{llama['gguf']}`; "
-                   f"{llama['system_info'] or 'system info not logged'}")
+        flags = next((x for x in llama.get("build", "").splitlines()
+                      if x.startswith("cmake flags")), "build flags not recorded")
+        out.append(f"- llamacpp: llama.cpp {llama['version']} on `{llama['gguf']}`; {flags}")
     for name, why in result["skipped"].items():
         out.append(f"- {name} skipped: {why}")
     return "\n".join(out) + "\n"

@@ -74,6 +74,24 @@ def test_server_command_has_one_slot_per_stream_and_their_contexts():
     assert argv[argv.index("--cache-ram") + 1] == "0"
 
 
+def test_make_peer_sizes_the_slots_and_refuses_random_models(tmp_path):
+    from client.bench.cli import build_parser
+    from client.bench.peers import make_peer
+
+    def peer(*argv: str):
+        args = build_parser().parse_args([*argv, "--peers", "llamacpp"])
+        return make_peer("llamacpp", args, "", tmp_path, 1024, 0, tmp_path)
+
+    throughput = peer("throughput", "--num-prompts", "300", "--threads", "3")
+    assert throughput.gguf == gguf_file(None)
+    assert throughput.slots == 256  # --max-num-seqs
+    assert throughput.slot_context == 1024 and throughput.threads == 3
+    assert peer("latency", "--batch-size", "4").slots == 4
+    assert peer("throughput").slots == 16
+    with pytest.raises(PeerUnavailable, match="GGUF files only"):
+        peer("throughput", "--random-model", "smollm2-135m")
+
+
 def test_completion_request_is_greedy_uncached_streamed_on_the_prompt_ids():
     body = completion_body(Request(prompt_ids=[5, 6, 7], output_len=9, arrival_s=0.0))
     assert body["prompt"] == [5, 6, 7]  # a token array: llama-server adds no BOS to it
@@ -237,7 +255,8 @@ def test_latency_end_to_end_with_folio_and_llamacpp(tmp_path, folio_cache_dir):
     assert set(result["summary"]) == {"folio", "llamacpp"}, result["skipped"]
     info = result["peers"]["llamacpp"]
     assert Path(info["gguf"]).name == "SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert info["version"].startswith("version")
+    assert "commit" in info["version"]
+    assert "GGML_NATIVE=ON" in info["build"]
     # Folio serves the converted checkpoint of that very file, its blocks kept quantized.
     assert result["model"]["config"]["quantization_config"]["quant_method"] == "gguf"
     for peer, metrics in result["summary"].items():
@@ -252,4 +271,4 @@ def test_latency_end_to_end_with_folio_and_llamacpp(tmp_path, folio_cache_dir):
     assert f"({result['machine']['isa']})" in table  # the result names the ISA
     assert "folio / llamacpp" in table.splitlines()[next(
         i for i, x in enumerate(table.splitlines()) if x.startswith("| metric"))]
-    assert "- llamacpp: llama.cpp version" in table
+    assert f"- llamacpp: llama.cpp {info['version']}" in table
