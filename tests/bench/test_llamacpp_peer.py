@@ -258,7 +258,8 @@ def test_latency_end_to_end_with_folio_and_llamacpp(tmp_path, folio_cache_dir):
     assert "commit" in info["version"]
     assert "GGML_NATIVE=ON" in info["build"]
     # Folio serves the converted checkpoint of that very file, its blocks kept quantized.
-    assert result["model"]["config"]["quantization_config"]["quant_method"] == "gguf"
+    folio_config = json.loads((Path(result["model"]["folio_model"]) / "config.json").read_text())
+    assert folio_config["quantization_config"]["quant_method"] == "gguf"
     for peer, metrics in result["summary"].items():
         assert metrics["output tokens"]["median"] == batch * output_len, peer
         assert metrics["TPOT p50 (ms)"]["median"] > 0, peer
