@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llama.cpp's server binary for the llamacpp peer (default "
                    ".llama-cpp/bin/llama-server at the repo root; bench/install_llama_cpp.sh "
                    "builds it); the peer runs the GGUF file of --model or of the default model")
+    r.add_argument("--llama-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for llama-server (repeatable), e.g. "
+                   "--llama-arg=--poll --llama-arg=0")
     r.add_argument("--hf-batch-size", type=int, default=16, help="padded batch of `hf`")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="bench/results", help="directory for the result files")

@@ -7,7 +7,7 @@ root) and started here once per `folio bench` run:
 
     llama-server -m FILE.gguf --host 127.0.0.1 --port P --parallel N --cont-batching
                  --no-kv-unified -c N*max_model_len --threads T --threads-batch T
-                 --batch-size max_num_batched_tokens --cache-ram 0
+                 --batch-size max_num_batched_tokens --cache-ram 0 [--llama-arg ...]
 
 N slots (at most --max-num-seqs; as many as the run's requests), each with the context every
 peer gets; continuous batching on; T = --threads or every usable core, as Folio's executor.
@@ -78,12 +78,12 @@ def gguf_file(model: str | None) -> Path:
 
 
 def server_argv(binary: Path, gguf: Path, port: int, slots: int, slot_context: int,
-                threads: int, max_batch_tokens: int) -> list[str]:
+                threads: int, max_batch_tokens: int, extra: list[str] = ()) -> list[str]:
     return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "--parallel", str(slots), "--cont-batching", "--no-kv-unified",
             "-c", str(slots * slot_context), "--threads", str(threads),
             "--threads-batch", str(threads), "--batch-size", str(max_batch_tokens),
-            "--cache-ram", "0"]
+            "--cache-ram", "0", *extra]
 
 
 def completion_body(req: Request) -> dict:
@@ -142,13 +142,15 @@ class LlamaCppPeer:
     name = "llamacpp"
 
     def __init__(self, binary: str | Path, gguf: Path, slots: int, slot_context: int,
-                 threads: int, max_batch_tokens: int, log_dir: Path | None = None):
+                 threads: int, max_batch_tokens: int, log_dir: Path | None = None,
+                 extra_args: list[str] = ()):
         self.binary = Path(binary)
         self.gguf = gguf
         self.slots = slots
         self.slot_context = slot_context
         self.threads = threads
         self.max_batch_tokens = max_batch_tokens
+        self.extra_args = list(extra_args)
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="folio-bench-"))
         self.log_path = self.log_dir / "llama-server.log"
         self.proc: subprocess.Popen | None = None
@@ -172,7 +174,7 @@ class LlamaCppPeer:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         argv = server_argv(self.binary, self.gguf, port, self.slots, self.slot_context,
-                           self.threads, self.max_batch_tokens)
+                           self.threads, self.max_batch_tokens, self.extra_args)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,

@@ -52,7 +52,8 @@ def make_peer(name: str, args, folio_model: str, model_dir: Path, max_model_len:
                             slots=min(num_requests(args), args.max_num_seqs),
                             slot_context=max_model_len,
                             threads=args.threads or num_usable_cpus(),
-                            max_batch_tokens=args.max_num_batched_tokens, log_dir=log_dir)
+                            max_batch_tokens=args.max_num_batched_tokens, log_dir=log_dir,
+                            extra_args=args.llama_arg)
     if name == "vllm":
         spec = {"model_dir": str(model_dir), "dtype": args.dtype, "seed": args.seed,
                 "max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,

@@ -72,6 +72,8 @@ def test_server_command_has_one_slot_per_stream_and_their_contexts():
     assert opts["--threads"] == opts["--threads-batch"] == "2"
     assert "--cont-batching" in argv and "--no-kv-unified" in argv
     assert argv[argv.index("--cache-ram") + 1] == "0"
+    assert server_argv(Path("/x"), Path("/m"), 1, 1, 256, 1, 256, ["--poll", "0"])[-2:] == [
+        "--poll", "0"]
 
 
 def test_make_peer_sizes_the_slots_and_refuses_random_models(tmp_path):
@@ -88,6 +90,8 @@ def test_make_peer_sizes_the_slots_and_refuses_random_models(tmp_path):
     assert throughput.slot_context == 1024 and throughput.threads == 3
     assert peer("latency", "--batch-size", "4").slots == 4
     assert peer("throughput").slots == 16
+    assert peer("throughput", "--llama-arg=--poll", "--llama-arg=0").extra_args == ["--poll",
+                                                                                   "0"]
     with pytest.raises(PeerUnavailable, match="GGUF files only"):
         peer("throughput", "--random-model", "smollm2-135m")
 
