@@ -1,6 +1,6 @@
 """How each peer is started for a run: `folio serve` for Folio, the vLLM and HF runners in
-their own interpreters, llama.cpp's server on the GGUF file; and which checkpoint they all load. Shared by every `folio bench`
-mode (cli.py, context.py)."""
+their own interpreters, llama.cpp's server on the GGUF file; and which checkpoint they all
+load. Shared by every `folio bench` mode (cli.py, context.py)."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ def num_usable_cpus() -> int:
 
 
 def num_requests(args) -> int:
-    """Requests in flight at once in a throughput, latency, serve or context run."""
-    return args.batch_size if args.mode in ("latency", "context") else (args.num_prompts or 16)
+    """Requests in flight at once in a throughput, latency or serve run."""
+    return args.batch_size if args.mode == "latency" else (args.num_prompts or 16)
 
 
 def make_peer(name: str, args, folio_model: str, model_dir: Path, max_model_len: int,
