@@ -10,7 +10,8 @@ only by default) and reports decode time per token against the context (client/b
 `chat` runs multi-turn conversations whose prefixes outgrow the device's KV pool, Folio with
 and without the prefix cache's host tier (client/bench/chat.py).
 
-Every peer loads the same checkpoint directory in the same dtype and gets the same prompt
+Every peer loads the same checkpoint directory in the same dtype (llamacpp: the GGUF file that
+Folio's converted checkpoint comes from, with the same quantized blocks) and gets the same prompt
 token ids (greedy, EOS ignored, so each request yields exactly its output length). Peers start
 once and stay up; repetitions interleave them (folio, vllm, hf, folio, vllm, hf, ...), each
 after a warm-up, and the report gives the median and range over repetitions. A peer that
@@ -29,13 +30,14 @@ import sys
 from pathlib import Path
 
 from client.bench import chat, context, models, report
+from client.bench.llamacpp_peer import DEFAULT_LLAMA_SERVER
 from client.bench.load import competing_load, settle
 from client.bench.metrics import MODES, aggregate, same_tokens, summarize
 from client.bench.peers import VLLM_VENV, make_peer, resolve_model
 from client.bench.runner_peer import PeerUnavailable
 from client.bench.workload import DATASETS, WorkloadSpec, make_requests, warmup_requests
 
-PEERS = ("folio", "folio-constrained", "vllm", "hf", "hf-batch")
+PEERS = ("folio", "folio-constrained", "vllm", "hf", "hf-batch", "llamacpp")
 DEFAULT_PEERS = ("folio", "vllm", "hf", "hf-batch")
 OFFLINE_PEERS = ("vllm", "hf", "hf-batch")  # no streaming server: not in serve mode
 DEFAULT_MAX_MODEL_LEN = 4096  # caps the context (and so the KV sizing) of long-context configs
@@ -90,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--peers", default=None,
                    help=f"comma-separated, from {','.join(PEERS)} (default "
                         f"{','.join(DEFAULT_PEERS)}; context mode: folio; folio-constrained: "
-                        "Folio with every other request under structured output; chat mode: "
+                        "Folio with every other request under structured output; llamacpp: "
+                        "llama.cpp's server on the GGUF file, see --llama-server; chat mode: "
                         f"from {','.join(chat.CHAT_PEERS)}, default "
                         f"{','.join(chat.DEFAULT_CHAT_PEERS)})")
     r.add_argument("--reps", type=int, default=3, help="interleaved repetitions (default 3)")
@@ -118,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--vllm-speculative-config", default=None, metavar="JSON",
                    help="vLLM's speculative_config for the vllm peer, e.g. "
                    "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (default off)")
+    r.add_argument("--llama-server", default=os.environ.get("FOLIO_BENCH_LLAMA_SERVER")
+                   or str(DEFAULT_LLAMA_SERVER),
+                   help="llama.cpp's server binary for the llamacpp peer (default "
+                   ".llama-cpp/bin/llama-server at the repo root; bench/install_llama_cpp.sh "
+                   "builds it); the peer runs the GGUF file of --model or of the default model")
+    r.add_argument("--llama-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for llama-server (repeatable), e.g. "
+                   "--llama-arg=--poll --llama-arg=0")
     r.add_argument("--hf-batch-size", type=int, default=16, help="padded batch of `hf`")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="bench/results", help="directory for the result files")
@@ -205,8 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in candidates:
             progress.set_postfix_str(f"starting {name}")
-            peer = make_peer(name, args, folio_model, model_dir, max_model_len, kv_tokens,
-                             log_dir)
+            try:
+                peer = make_peer(name, args, folio_model, model_dir, max_model_len, kv_tokens,
+                                 log_dir)
+            except PeerUnavailable as e:  # llamacpp on a model that is no GGUF file
+                skipped[name] = str(e)
+                progress.total -= args.reps
+                progress.update(2)
+                continue
             try:
                 peer_info[name] = peer.start()
                 if args.warmup:
@@ -214,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                     peer.run(args.mode, warmup_requests(spec))
                 peers.append(peer)
             except PeerUnavailable as e:
-                skipped[name] = f"{e}" + (" (run bench/install_vllm_cpu.sh)"
-                                          if name == "vllm" else "")
+                hint = {"vllm": " (run bench/install_vllm_cpu.sh)"}.get(name, "")
+                skipped[name] = f"{e}{hint}"
                 peer.stop()
             except Exception as e:  # a peer that fails to start must not end the benchmark
                 skipped[name] = f"failed to start: {str(e)[:2000]}"

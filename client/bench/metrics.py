@@ -18,6 +18,9 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
+# An output position whose id a streaming peer could not observe (llamacpp_peer.py): it counts
+# as a token and matches any id in same_tokens.
+UNSEEN_ID = -1
 MODES = ("throughput", "latency", "serve", "context", "chat")  # context: latency at several
 # lengths; chat: multi-turn conversations (chat.py)
 
@@ -86,10 +89,16 @@ def summarize(mode: str, run: RunResult) -> dict[str, float]:
     return out | run.extra
 
 
+def same_ids(ids: list[int], reference: list[int]) -> bool:
+    """Equal lengths and equal ids wherever both were observed (UNSEEN_ID matches any id)."""
+    return len(ids) == len(reference) and all(
+        a == b or UNSEEN_ID in (a, b) for a, b in zip(ids, reference, strict=True))
+
+
 def same_tokens(run: RunResult, reference: RunResult) -> float:
     """Fraction of requests whose output ids equal the reference run's (same workload)."""
     pairs = list(zip(run.requests, reference.requests, strict=True))
-    return sum(a.output_ids == b.output_ids for a, b in pairs) / len(pairs)
+    return sum(same_ids(a.output_ids, b.output_ids) for a, b in pairs) / len(pairs)
 
 
 @dataclass

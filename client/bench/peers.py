@@ -1,6 +1,6 @@
 """How each peer is started for a run: `folio serve` for Folio, the vLLM and HF runners in
-their own interpreters; and which checkpoint they all load. Shared by every `folio bench`
-mode (cli.py, context.py)."""
+their own interpreters, llama.cpp's server on the GGUF file; and which checkpoint they all
+load. Shared by every `folio bench` mode (cli.py, context.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 from client.bench import models, report
 from client.bench.folio_peer import ConstrainedFolioPeer, FolioPeer
-from client.bench.runner_peer import RunnerPeer
+from client.bench.llamacpp_peer import LlamaCppPeer, gguf_file
+from client.bench.runner_peer import PeerUnavailable, RunnerPeer
 
 VLLM_VENV = report.REPO_ROOT / ".venv-vllm"
 
@@ -19,6 +20,15 @@ VLLM_VENV = report.REPO_ROOT / ".venv-vllm"
 def usable_cpus() -> str:
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
     return ",".join(map(str, cpus))
+
+
+def num_usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def num_requests(args) -> int:
+    """Requests in flight at once in a throughput, latency or serve run."""
+    return args.batch_size if args.mode == "latency" else (args.num_prompts or 16)
 
 
 def make_peer(name: str, args, folio_model: str, model_dir: Path, max_model_len: int,
@@ -31,6 +41,19 @@ def make_peer(name: str, args, folio_model: str, model_dir: Path, max_model_len:
                       "--kv-cache-memory", f"{args.kv_cache_gib}GiB", *args.serve_arg]
         cls = FolioPeer if name == "folio" else ConstrainedFolioPeer
         return cls(folio_model, serve_args, threads_env, log_dir)
+    if name == "llamacpp":
+        # The GGUF file itself (Folio serves the same file: its converted checkpoint keeps the
+        # quantized blocks); one slot per request in flight, each with the common context cap
+        # (llama.cpp allocates all slots' f16 KV at start: N x max_model_len tokens).
+        if args.random_model:
+            raise PeerUnavailable(f"llama.cpp runs GGUF files only; --random-model "
+                                  f"{args.random_model} is a safetensors checkpoint")
+        return LlamaCppPeer(args.llama_server, gguf_file(args.model),
+                            slots=min(num_requests(args), args.max_num_seqs),
+                            slot_context=max_model_len,
+                            threads=args.threads or num_usable_cpus(),
+                            max_batch_tokens=args.max_num_batched_tokens, log_dir=log_dir,
+                            extra_args=args.llama_arg)
     if name == "vllm":
         spec = {"model_dir": str(model_dir), "dtype": args.dtype, "seed": args.seed,
                 "max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,

@@ -127,8 +127,10 @@ def _machine_lines(result: dict) -> list[str]:
 
 
 def markdown(result: dict, aggregates: dict[str, dict[str, Aggregate]]) -> str:
-    with_ratio = "folio" in aggregates and "vllm" in aggregates
-    lines = _table(aggregates, ("folio", "vllm") if with_ratio else None)
+    # The ratio column: Folio over its main peer in the run (vLLM, else llama.cpp).
+    other = next((p for p in ("vllm", "llamacpp") if p in aggregates), None)
+    with_ratio = "folio" in aggregates and other is not None
+    lines = _table(aggregates, ("folio", other) if with_ratio else None)
     w = result["workload"]
     rate = w["request_rate"] if w["request_rate"] is not None else "inf"
     out = [
@@ -148,7 +150,13 @@ def markdown(result: dict, aggregates: dict[str, dict[str, Aggregate]]) -> str:
         "",
     ]
     if with_ratio:
-        out.append("folio / vllm above 1 is better for rates (tok/s, req/s), below 1 for times.")
+        out.append(f"folio / {other} above 1 is better for rates (tok/s, req/s), below 1 for "
+                   "times.")
+    llama = result["peers"].get("llamacpp")
+    if llama:
+        flags = next((x for x in llama.get("build", "").splitlines()
+                      if x.startswith("cmake flags")), "build flags not recorded")
+        out.append(f"- llamacpp: llama.cpp {llama['version']} on `{llama['gguf']}`; {flags}")
     for name, why in result["skipped"].items():
         out.append(f"- {name} skipped: {why}")
     return "\n".join(out) + "\n"
