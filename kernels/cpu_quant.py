@@ -16,7 +16,9 @@ the caller keeps its own path.
 
 Slabs, per block of 16 output features (zero past N): 4-bit codes [ceil(N/16), K/2, 16] uint8
 (k = 2j in the low nibble of row j, 2j + 1 in the high), 8-bit [ceil(N/16), K, 16] int8, scales
-and offsets [ceil(N/16), K / group_size, 16] fp32; fp8 [ceil(N/16), K, 16] float8_e4m3fn.
+and offsets [ceil(N/16), K / group_size, 16] fp16 when both hold only values fp16 represents
+exactly (GGUF's blocks store them so: fewer bytes to stream, the same fp32 weight), else fp32;
+fp8 [ceil(N/16), K, 16] float8_e4m3fn.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ class GroupedSlabs:
     """A grouped layer's matrix as the fused kernels read it (layout: module docstring)."""
 
     q: torch.Tensor  # [ceil(N/16), K/2, 16] uint8 (bits 4) or [ceil(N/16), K, 16] int8 (bits 8)
-    scales: torch.Tensor  # [ceil(N/16), G, 16] fp32
-    offsets: torch.Tensor | None  # like scales, or None: zero
+    scales: torch.Tensor  # [ceil(N/16), G, 16] fp16 (each value exact) or fp32
+    offsets: torch.Tensor | None  # like scales (the same dtype), or None: zero
     out_features: int  # N
     in_features: int  # K
     bits: int  # 4 or 8
@@ -61,13 +63,14 @@ class GroupedSlabs:
                    for t in (self.q, self.scales, self.offsets) if t is not None)
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(q [N, K], scales [N, G], offsets [N, G] or None), as given to pack_grouped."""
+        """(q [N, K], scales [N, G] fp32, offsets [N, G] fp32 or None), as given to
+        pack_grouped."""
         n = self.out_features
         q = _unslab(self.q, n)
         if self.bits == 4:  # [N, K/2] bytes -> [N, K] codes
             q = torch.stack([q & 0xF, q >> 4], dim=2).reshape(n, self.in_features)
-        offsets = _unslab(self.offsets, n) if self.offsets is not None else None
-        return q, _unslab(self.scales, n), offsets
+        offsets = _unslab(self.offsets, n).float() if self.offsets is not None else None
+        return q, _unslab(self.scales, n).float(), offsets
 
 
 def grouped_supported(in_features: int, bits: int, group_size: int) -> bool:
@@ -99,8 +102,15 @@ def pack_grouped(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | 
         codes = q[:, 0::2] | (q[:, 1::2] << 4)  # [N, K/2]: group_size is even, so K is
     else:
         codes = q
+    if _fp16_exact(scales) and (offsets is None or _fp16_exact(offsets)):
+        scales, offsets = scales.half(), offsets.half() if offsets is not None else None
     return GroupedSlabs(_slabs(codes), _slabs(scales),
                         _slabs(offsets) if offsets is not None else None, n, k, bits, group_size)
+
+
+def _fp16_exact(t: torch.Tensor) -> bool:
+    """Every value of fp32 `t` is an fp16 value (so fp16 storage widens back to the same bits)."""
+    return bool(torch.equal(t.half().float(), t))
 
 
 def grouped_linear(x: torch.Tensor, slabs: GroupedSlabs,

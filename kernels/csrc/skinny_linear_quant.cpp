@@ -5,8 +5,11 @@
 //   Slabs, per block of 16 features (zero past N):
 //     g8: q      [ceil(N / 16), K, 16]      int8, as pack_skinny_weight lays out any weight
 //     g4: q      [ceil(N / 16), K / 2, 16]  uint8, k = 2j in the low nibble of row j, 2j + 1 high
-//         scales [ceil(N / 16), G, 16]      fp32, G = K / group_size; offsets alike, or none
-//   Each weight is dequantized in fp32 exactly as the definition computes it (the product
+//         scales [ceil(N / 16), G, 16]      fp32 or fp16 (S), G = K / group_size; offsets alike
+//                                           (the same dtype), or none
+//   fp16 scales and offsets (what GGUF's blocks store) widen exactly, so they read fewer bytes
+//   and dequantize to the same fp32 weight. Each weight is dequantized in fp32 exactly as the
+//   definition computes it (the product
 //   rounded, then the offset added: the build does not contract to FMA), and the product runs
 //   over those values as skinny_linear's fp32 path does: so the result is bitwise
 //   skinny_linear(x, pack(dequantize())), whatever the rows. Up to one chunk of rows
@@ -67,14 +70,14 @@ inline fVec dequant(const fVec& q, const fVec& s, const fVec& o) {
 
 struct GroupedArgs {
   const void* q;        // slabs [num_blocks, K / kStep, 16]
-  const float* scales;  // [num_blocks, G, 16]
-  const float* offsets; // [num_blocks, G, 16] or null
+  const void* scales;   // [num_blocks, G, 16] of S
+  const void* offsets;  // [num_blocks, G, 16] of S, or null
   int64_t K, group_size;
 };
 
-// acc[r][v] of rows [0, R) over NV vectors of features from the block at q / scales / offsets,
-// dequantizing as it streams (the in-register path).
-template <int Bits, bool Off, int NV>
+// acc[r][v] of rows [0, R) over NV vectors of features from the block at q / scales / offsets
+// (of S), dequantizing as it streams (the in-register path).
+template <int Bits, bool Off, typename S, int NV>
 struct GroupedProduct {
   template <int R>
   struct Rows {
@@ -84,8 +87,8 @@ struct GroupedProduct {
       const int64_t K = a.K, gs = a.group_size, G = K / gs;
       const int64_t qslab = K / C::kStep * kPackN, gslab = G * kPackN;
       const auto* q = static_cast<const typename C::Q*>(a.q) + block * qslab;
-      const float* sc = a.scales + block * gslab;
-      const float* of = Off ? a.offsets + block * gslab : nullptr;
+      const S* sc = static_cast<const S*>(a.scales) + block * gslab;
+      const S* of = Off ? static_cast<const S*>(a.offsets) + block * gslab : nullptr;
       fVec acc[R][NV];
       for (int r = 0; r < R; ++r)
         for (int v = 0; v < NV; ++v) acc[r][v] = fVec(0.f);
@@ -93,8 +96,8 @@ struct GroupedProduct {
         fVec s[NV], o[NV];
         for (int v = 0; v < NV; ++v) {
           const int64_t at = (v / kBlockVecs) * gslab + g * kPackN + (v % kBlockVecs) * kV;
-          s[v] = fVec::loadu(sc + at);
-          o[v] = Off ? fVec::loadu(of + at) : fVec(0.f);
+          s[v] = load_f<S>(sc + at);
+          o[v] = Off ? load_f<S>(of + at) : fVec(0.f);
         }
         for (int64_t k = g * gs; k < (g + 1) * gs; k += C::kStep) {
           fVec w[C::kStep][NV];
@@ -122,7 +125,7 @@ struct GroupedProduct {
 
 // run_skinny's Kernel for grouped slabs. With more rows than one chunk, prepare() dequantizes
 // the tile's blocks into `scratch` [blocks, K, 16] fp32 and product() runs the fp32 tile over it.
-template <int Bits, bool Off>
+template <int Bits, bool Off, typename S>
 struct GroupedKernel {
   const float* x;  // [M, K] fp32
   GroupedArgs a;
@@ -138,13 +141,13 @@ struct GroupedKernel {
     scratch.resize(blocks * K * kPackN);
     for (int64_t b = 0; b < blocks; ++b) {
       const auto* q = static_cast<const typename C::Q*>(a.q) + (block0 + b) * qslab;
-      const float* sc = a.scales + (block0 + b) * gslab;
+      const S* sc = static_cast<const S*>(a.scales) + (block0 + b) * gslab;
+      const S* of = Off ? static_cast<const S*>(a.offsets) + (block0 + b) * gslab : nullptr;
       float* dst = scratch.data() + b * K * kPackN;
       for (int64_t g = 0; g < G; ++g) {
         for (int64_t j = 0; j < kPackN; j += kV) {
-          const fVec s = fVec::loadu(sc + g * kPackN + j);
-          const fVec o = Off ? fVec::loadu(a.offsets + (block0 + b) * gslab + g * kPackN + j)
-                             : fVec(0.f);
+          const fVec s = load_f<S>(sc + g * kPackN + j);
+          const fVec o = Off ? load_f<S>(of + g * kPackN + j) : fVec(0.f);
           for (int64_t k = g * gs; k < (g + 1) * gs; k += C::kStep) {
             fVec codes[C::kStep];
             C::load(q + k / C::kStep * kPackN + j, codes);
@@ -164,8 +167,8 @@ struct GroupedKernel {
       tile_rows<float, NV>(rows, x + r0 * K, K, scratch.data() + (block - staged_block0) * K * kPackN,
                            K * kPackN, K, acc);
     } else {
-      dispatch_rows<GroupedProduct<Bits, Off, NV>::template Rows>(rows, x + r0 * K, K, a, block,
-                                                                  acc);
+      dispatch_rows<GroupedProduct<Bits, Off, S, NV>::template Rows>(rows, x + r0 * K, K, a,
+                                                                     block, acc);
     }
   }
 };
@@ -215,10 +218,12 @@ void check_group_args(const char* name, int bits, const at::Tensor& x, const at:
                         : ": the slabs must be int8");
   const auto check_groups = [&](const at::Tensor& t, const char* what) {
     TORCH_CHECK(t.dim() == 3 && t.size(0) == slabs.size(0) && t.size(1) == K / group_size &&
-                    t.size(2) == kPackN && t.is_contiguous() && t.scalar_type() == at::kFloat &&
+                    t.size(2) == kPackN && t.is_contiguous() &&
+                    t.scalar_type() == scales.scalar_type() &&
+                    (t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf) &&
                     t.device().is_cpu(),
-                name, ": ", what, " must be fp32 [ceil(N / 16), in_features / group_size, 16], "
-                "contiguous, on the CPU");
+                name, ": ", what, " must be fp32 or fp16 (scales and offsets alike) "
+                "[ceil(N / 16), in_features / group_size, 16], contiguous, on the CPU");
   };
   check_groups(scales, "scales");
   if (offsets) check_groups(*offsets, "offsets");
@@ -230,17 +235,19 @@ at::Tensor grouped_op(const char* name, const at::Tensor& x, const at::Tensor& s
                       const std::optional<at::Tensor>& bias, int64_t out_features,
                       int64_t group_size) {
   check_group_args(name, Bits, x, slabs, scales, offsets, bias, out_features, group_size);
-  const GroupedArgs a{slabs.data_ptr(), scales.data_ptr<float>(),
-                      offsets ? offsets->data_ptr<float>() : nullptr, x.size(1), group_size};
+  const GroupedArgs a{slabs.data_ptr(), scales.data_ptr(),
+                      offsets ? offsets->data_ptr() : nullptr, x.size(1), group_size};
   const bool staged = x.size(0) > kRowChunk;
-  if (offsets) {
+  const auto run = [&](auto off, auto scale_type) {
+    using S = decltype(scale_type);
     return skinny_op(x, slabs.size(0), bias, out_features, nullptr, [&](const float* xp) {
-      return GroupedKernel<Bits, true>{xp, a, staged};
+      return GroupedKernel<Bits, decltype(off)::value, S>{xp, a, staged};
     });
+  };
+  if (scales.scalar_type() == at::kHalf) {
+    return offsets ? run(std::true_type{}, c10::Half{}) : run(std::false_type{}, c10::Half{});
   }
-  return skinny_op(x, slabs.size(0), bias, out_features, nullptr, [&](const float* xp) {
-    return GroupedKernel<Bits, false>{xp, a, staged};
-  });
+  return offsets ? run(std::true_type{}, float{}) : run(std::false_type{}, float{});
 }
 
 }  // namespace

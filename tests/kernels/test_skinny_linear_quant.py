@@ -4,6 +4,8 @@ bitwise against the fp32 skinny kernel on that same weight, row by row (a row's 
 depend on the batch), and their refusals; fp8 layers through Fp8WeightOnly on the CPU backend.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -87,6 +89,36 @@ def test_pack_unpack_round_trip(bits, offsets):
     assert (slabs.out_features, slabs.in_features, slabs.bits, slabs.group_size) == (45, 96, bits, 32)
     code_bytes = 48 * 96 // (2 if bits == 4 else 1)  # N padded to 48
     assert slabs.nbytes() == code_bytes + 48 * 3 * 4 * (2 if offsets else 1)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])  # in registers, and staged through the scratch
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fp16_exact_scales_are_stored_as_fp16_and_give_the_same_bits(rows, bits):
+    """GGUF's scales and offsets are fp16 values: packed as fp16 they widen back exactly, so
+    the product is the fp32-scale slabs' to the bit; one value fp16 cannot hold keeps fp32."""
+    gw = _grouped(70, 256, bits, 32, offsets=True, seed=bits)
+    scales, offsets = gw.scales.half().float(), gw.offsets.half().float()
+    half = cpu_quant.pack_grouped(gw.q, scales, offsets, 32)
+    assert half.scales.dtype == half.offsets.dtype == torch.float16
+    wide = dataclasses.replace(half, scales=half.scales.float(), offsets=half.offsets.float())
+    x = torch.randn(rows, 256)
+    assert torch.equal(cpu_quant.grouped_linear(x, half, None),
+                       cpu_quant.grouped_linear(x, wide, None))
+    _check_grouped(GroupedWeight(gw.q, scales, offsets, 32), x, None)
+    q, got_scales, got_offsets = half.unpack()
+    assert got_scales.dtype == torch.float32 and torch.equal(got_scales, scales)
+    assert torch.equal(got_offsets, offsets) and torch.equal(q, gw.q)
+    code_bytes = 80 * 256 // (2 if bits == 4 else 1)
+    assert half.nbytes() == code_bytes + 2 * 80 * 8 * 2
+    offsets[3, 1] = 1e-9  # below fp16's range: not exact
+    assert cpu_quant.pack_grouped(gw.q, scales, offsets, 32).scales.dtype == torch.float32
+
+
+def test_scales_and_offsets_must_share_a_dtype():
+    gw = _grouped(32, 64, 4, 16, offsets=True)
+    s = cpu_quant.pack_grouped(gw.q, gw.scales.half().float(), gw.offsets.half().float(), 16)
+    with pytest.raises(RuntimeError, match="scales and offsets alike"):
+        ops.skinny_linear_g4(torch.randn(2, 64), s.q, s.scales, s.offsets.float(), None, 32, 16)
 
 
 @settings(max_examples=40, deadline=None)
