@@ -346,7 +346,7 @@ def test_expert_gate_and_up_of_different_types_are_not_kept_raw(tmp_path):
 
 def test_q4_0_experts_take_their_block_bytes(moe_file, tmp_path, monkeypatch):
     """The "model loaded" line's expert_bytes count the experts' GGUF form (Q4_0: 4-bit
-    nibbles with an fp32 scale and offset per 32 inputs, 0.75 bytes a weight), against 4
+    nibbles with an fp16 scale and offset per 32 inputs, 0.625 bytes a weight), against 4
     bytes a weight for the same file converted with its experts dequantized."""
     from structlog.testing import capture_logs
 

@@ -62,7 +62,7 @@ def test_folio_serve_a_moe_gguf_file(folio_server, tmp_path):
         log = server.log_tail(1 << 20)
     assert served == hf_greedy(load_transformers_gguf(gguf_file, hf_dir), prompts, MAX_TOKENS)
     assert "expert_tensors=36" in log and "Traceback" not in log, log[-3000:]
-    # The executor holds the experts as Q4_0 blocks (0.75 bytes a weight), not as float32.
+    # The executor holds the experts as Q4_0 blocks (0.625 bytes a weight), not as float32.
     loaded = re.search(r"model loaded [^\n]*", log)
     assert loaded is not None and "quantization=gguf" in loaded.group(0), log[-3000:]
     expert_bytes = re.search(r"expert_bytes=(\d+)", loaded.group(0))
