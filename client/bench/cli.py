@@ -279,10 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         "mode": args.mode, "name": stem, "dtype": args.dtype, "reps": args.reps,
         "competing_load": args.competing_load, "machine": facts,
         "load_before": list(load_before), "load_after": list(load_after),
-        "model": {"dir": str(model_dir), "folio_model": folio_model,
-                  "architecture": (config.get("architectures") or ["?"])[0],
-                  "random_weights": (model_dir / models.MARKER).exists(),
-                  "max_model_len": max_model_len, "config": config},
+        "model": models.model_facts(model_dir, folio_model, config, max_model_len),
         "workload": spec.to_dict() | {"requested_output_tokens": requested},
         "settings": {k: v for k, v in vars(args).items() if k != "mode"}
         | {"request_rate": None if math.isinf(args.request_rate) else args.request_rate},

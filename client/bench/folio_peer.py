@@ -41,6 +41,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM a server started in a session of its own, SIGKILL it after STOP_TIMEOUT_S, then
+    SIGKILL anything of its process group left behind."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def step_extras(before: dict, after: dict) -> dict[str, float]:
     """The per-run numbers derived from two GetServerStats answers."""
     delta = {k: after[k] - before[k] for k in STEP_COUNTERS if k in before and k in after}
@@ -109,17 +123,8 @@ class FolioPeer:
             return {"model_info": client.model_info(), "command": argv[1:]}
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # the server stops its executor itself
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # anything of its group left behind
+        if self.proc is not None:
+            stop_server(self.proc)  # the server stops its executor itself on SIGTERM
         self.proc = None
 
     def run(self, mode: str, requests: list[Request]) -> RunResult:

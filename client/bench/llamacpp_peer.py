@@ -34,8 +34,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import signal
 import subprocess
 import tempfile
 import time
@@ -44,7 +42,7 @@ import urllib.request
 from itertools import pairwise
 from pathlib import Path
 
-from client.bench.folio_peer import free_port
+from client.bench.folio_peer import free_port, stop_server
 from client.bench.metrics import UNSEEN_ID, RequestTiming, RunResult
 from client.bench.runner_peer import PeerUnavailable
 from client.bench.workload import Request
@@ -53,7 +51,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_LLAMA_SERVER = REPO_ROOT / ".llama-cpp" / "bin" / "llama-server"
 INSTALL_HINT = "run bench/install_llama_cpp.sh"
 START_TIMEOUT_S = 300.0
-STOP_TIMEOUT_S = 20.0
 
 
 def gguf_file(model: str | None) -> Path:
@@ -205,17 +202,8 @@ class LlamaCppPeer:
             return False
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc is not None:
+            stop_server(self.proc)
         self.proc = None
 
     def run(self, mode: str, requests: list[Request]) -> RunResult:

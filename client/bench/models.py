@@ -209,3 +209,11 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def model_facts(model_dir: Path, folio_model: str, config: dict, max_model_len: int) -> dict:
+    """The result file's "model" entry: what every peer loaded."""
+    return {"dir": str(model_dir), "folio_model": folio_model,
+            "architecture": (config.get("architectures") or ["?"])[0],
+            "random_weights": (model_dir / MARKER).exists(),
+            "max_model_len": max_model_len, "config": config}
