@@ -73,6 +73,18 @@ def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
     return [(int(s), int(ids[s]), int(n)) for s, n in zip(starts, lengths, strict=True)]
 
 
+def _pinned_side_stream(device: torch.device, *host: torch.Tensor | None
+                        ) -> torch.cuda.Stream | None:
+    """On CUDA: page-lock the host tensors in place and return the side stream their copies
+    run on; elsewhere None (the CPU backend copies on its own thread)."""
+    if device.type != "cuda":
+        return None
+    for t in host:
+        if t is not None:
+            pin_in_place(t)
+    return torch.cuda.Stream(device)
+
+
 @dataclass
 class SwapPool:
     """Invariant: `blocks` is on the host with the device cache's dtype and block shape;
@@ -91,12 +103,7 @@ class SwapPool:
         # carry a NaN into a masked softmax.
         blocks = torch.zeros(shape, dtype=proto.dtype)
         scales = torch.zeros(shape[:-1]) if like.k_scales is not None else None
-        stream = None
-        if proto.device.type == "cuda":
-            for t in (blocks, scales):
-                if t is not None:
-                    pin_in_place(t)
-            stream = torch.cuda.Stream(proto.device)
+        stream = _pinned_side_stream(proto.device, blocks, scales)
         size = sum(t.numel() * t.element_size() for t in (blocks, scales) if t is not None)
         log.info(f"{what} allocated", num_blocks=num_blocks, bytes=size,
                  pinned=stream is not None)
@@ -132,12 +139,7 @@ class SwapPool:
                                  f"{blocks.shape[0]} blocks beside them")
             scale_view = torch.frombuffer(scales, dtype=torch.float32).view(
                 -1, *block_shape[:-1])  # [num_blocks, 2 * num_layers, block_size, H]
-        stream = None
-        if proto.device.type == "cuda":
-            for t in (blocks, scale_view):
-                if t is not None:
-                    pin_in_place(t)
-            stream = torch.cuda.Stream(proto.device)
+        stream = _pinned_side_stream(proto.device, blocks, scale_view)
         log.info(f"{what} mapped", num_blocks=blocks.shape[0], pinned=stream is not None)
         return cls(blocks, stream, scale_view)
 
